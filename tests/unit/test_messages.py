@@ -1,0 +1,49 @@
+"""Pipe message schema: every message type survives encode -> decode unchanged."""
+
+import msgpack
+import pytest
+
+from jaxserve.engine import EngineCoreOutput, EngineCoreRequest, SchedulerStats
+from jaxserve.engine import messages as M
+from jaxserve.sampling_params import SamplingParams
+
+MESSAGES = [
+    M.AddRequest(EngineCoreRequest(
+        "req-1", [1, 2, 3, 49151],
+        SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, top_k=40, seed=123,
+                       stop=["\n\n", "é😀"], stop_token_ids=[2], ignore_eos=True),
+        arrival_time=1234.5)),
+    M.AddRequest(EngineCoreRequest("r", [5], SamplingParams(max_tokens=None, temperature=0))),
+    M.AbortRequests(["a", "b"]),
+    M.AbortRequests([]),
+    M.Shutdown(),
+    M.Ready(model_name="SmolLM2-135M-Instruct", max_model_len=4096, tokenizer_dir="/tmp/x",
+            eos_token_ids=[2], vocab_size=49152, config={"max_num_seqs": 32, "model": None}),
+    M.Outputs([EngineCoreOutput("a", [17]),
+               EngineCoreOutput("b", [2], finish_reason="stop", stop_reason=2,
+                                num_prompt_tokens=30, num_cached_tokens=16)],
+              SchedulerStats(num_running_reqs=2, kv_cache_usage=0.25, num_preemptions_total=1)),
+    M.Outputs([], None),
+    M.Error(["a"], "prompt is too long", kind="invalid_request"),
+    M.Error([], "cannot load model", fatal=True),
+    M.Log("compiling bucket 3/12"),
+]
+
+
+@pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
+def test_round_trip(msg):
+    data = M.encode(msg)
+    assert isinstance(data, bytes)
+    assert M.decode(data) == msg
+
+
+@pytest.mark.parametrize("data", [b"", b"\xc1", msgpack.packb({"type": "nope"}),
+                                  msgpack.packb({"type": "add"}), msgpack.packb([1, 2])])
+def test_malformed_frames_raise_value_error(data):
+    with pytest.raises(ValueError):
+        M.decode(data)
+
+
+def test_encode_rejects_non_messages():
+    with pytest.raises(ValueError):
+        M.encode({"type": "add"})

@@ -45,6 +45,11 @@ class ModelConfig:
         num_heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+        # transformers 5 folds rope_theta and rope_scaling into rope_parameters.
+        rope = dict(cfg.get("rope_parameters") or {})
+        rope_scaling = cfg.get("rope_scaling") or rope or None
+        if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) in (None, "default"):
+            rope_scaling = None
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -55,8 +60,8 @@ class ModelConfig:
             num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=cfg.get("rope_theta", 10000.0),
-            rope_scaling=cfg.get("rope_scaling"),
+            rope_theta=cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0,
+            rope_scaling=rope_scaling,
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             attention_bias=arch == "Qwen2ForCausalLM" or cfg.get("attention_bias", False),
             qk_norm=arch == "Qwen3ForCausalLM",

@@ -1,0 +1,52 @@
+"""Request: the engine's state of one sequence (tokens, progress, KV pages)."""
+
+import enum
+
+from jaxserve.engine import EngineCoreRequest
+from jaxserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED = enum.auto()
+
+
+class Request:
+    """One request inside the engine.
+
+    Attributes:
+      all_token_ids: prompt followed by generated tokens.
+      num_computed_tokens: tokens whose K/V are in the pool (prefix-cache hits included).
+      block_ids: KV pages held, in sequence order.
+      seed: the RNG seed of this request's sampling (drawn by the engine when not given).
+    """
+
+    def __init__(self, req: EngineCoreRequest, seed: int):
+        self.request_id = req.request_id
+        self.prompt_token_ids = list(req.prompt_token_ids)
+        self.sampling_params: SamplingParams = req.sampling_params
+        self.arrival_time = req.arrival_time
+        self.seed = seed
+        self.all_token_ids = list(req.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+        self.block_ids: list[int] = []
+        self.status = RequestStatus.WAITING
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[len(self.prompt_token_ids) :]

@@ -1,0 +1,170 @@
+"""ModelRunner: turns a SchedulerOutput into padded device inputs and runs the jitted step.
+
+One step = one call of a compiled executable: model forward over the ragged batch, KV write into
+the donated pool, and sampling. Token counts T come from a fixed list of buckets; the sequence
+count is S = min(T, max_num_seqs) and the block-table width P is a bucket of its own, so
+attention cost follows the longest context in the batch. Every (T, P) bucket is compiled
+ahead of time by ``compile_buckets``; ``execute`` never compiles (it raises if asked to).
+"""
+
+import time
+from collections.abc import Callable
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.config import ModelConfig
+from jaxserve.core.scheduler import SchedulerOutput
+from jaxserve.models import llama
+from jaxserve.worker.sampler import SamplingMetadata, sample
+
+
+def powers_of_two_up_to(limit: int, start: int = 1) -> list[int]:
+    """[start, 2 start, 4 start, ...] below limit, then limit itself."""
+    out, b = [], start
+    while b < limit:
+        out.append(b)
+        b *= 2
+    return out + [limit]
+
+
+def _bucket(buckets: list[int], n: int) -> int:
+    for b in buckets:
+        if b >= n:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+def _step(config, attention_fn, unroll, params, token_ids, md, k_cache, v_cache, logits_indices, sm):
+    logits, k_cache, v_cache = llama.forward(
+        config, params, token_ids, md, k_cache, v_cache, logits_indices,
+        attention_fn=attention_fn, unroll=unroll,
+    )
+    return sample(logits, sm), k_cache, v_cache
+
+
+class ModelRunner:
+    """Owns the parameters, the KV pool and the compiled step of each bucket.
+
+    Args:
+      config: model shapes.
+      params: pure dict of device arrays (see ``llama.LlamaForCausalLM``).
+      num_pages: pages in the KV pool, page 0 included (the null page).
+      page_size: tokens per page.
+      max_num_seqs, max_num_batched_tokens, max_model_len: scheduler limits (tokens/sequences).
+      kv_dtype: dtype of the KV pool.
+      attention_fn: pallas_kernels attention entry point.
+      unroll: unroll the layer loop (GPU).
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        params: dict,
+        *,
+        num_pages: int,
+        page_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        kv_dtype,
+        attention_fn: Callable,
+        unroll: bool,
+    ):
+        self.config = config
+        self.params = params
+        self.page_size = page_size
+        self.max_num_seqs = max_num_seqs
+        self.token_buckets = powers_of_two_up_to(max_num_batched_tokens)
+        self.page_buckets = powers_of_two_up_to(-(-max_model_len // page_size))
+        shape = (config.num_layers, config.num_kv_heads, num_pages, page_size, config.head_dim)
+        self.k_cache = jnp.zeros(shape, kv_dtype)
+        self.v_cache = jnp.zeros(shape, kv_dtype)
+        self._jitted = jax.jit(
+            partial(_step, config, attention_fn, unroll), donate_argnums=(3, 4)
+        )
+        self._compiled: dict[tuple[int, int], Callable] = {}
+
+    def num_seqs_for(self, num_tokens_bucket: int) -> int:
+        return min(num_tokens_bucket, self.max_num_seqs)
+
+    def _dummy_inputs(self, t: int, p: int):
+        s = self.num_seqs_for(t)
+        zeros_t = np.zeros(t, np.int32)
+        md = llama.AttentionMetadata(
+            positions=zeros_t, slot_mapping=zeros_t,
+            query_start_loc=np.zeros(s + 1, np.int32), seq_lens=np.zeros(s, np.int32),
+            block_tables=np.zeros((s, p), np.int32),
+        )
+        sm = SamplingMetadata(
+            temperature=np.zeros(s, np.float32), top_k=np.zeros(s, np.int32),
+            top_p=np.ones(s, np.float32), seeds=np.zeros(s, np.uint32), steps=np.zeros(s, np.int32),
+        )
+        return zeros_t, md, np.zeros(s, np.int32), sm
+
+    def compile_buckets(self, log: Callable[[str], None] = print) -> None:
+        """Compile the step for every (tokens, pages) bucket, with a progress line each."""
+        keys = [(t, p) for t in self.token_buckets for p in self.page_buckets]
+        start = time.perf_counter()
+        for i, (t, p) in enumerate(keys, 1):
+            token_ids, md, logits_indices, sm = self._dummy_inputs(t, p)
+            lowered = self._jitted.lower(
+                self.params, token_ids, md, self.k_cache, self.v_cache, logits_indices, sm
+            )
+            self._compiled[(t, p)] = lowered.compile()
+            log(
+                f"compiling buckets: {i}/{len(keys)} (tokens={t}, pages={p}) "
+                f"{time.perf_counter() - start:.1f}s"
+            )
+
+    def execute(self, sched: SchedulerOutput) -> list[int]:
+        """Run one step; returns the token sampled for each scheduled request, in order (tokens
+        of requests still inside their prompt are meaningless and ignored by the scheduler)."""
+        n_tok = sched.num_tokens
+        n_seq = len(sched.scheduled)
+        t = _bucket(self.token_buckets, n_tok)
+        s = self.num_seqs_for(t)
+        p = _bucket(self.page_buckets, max(len(r.block_ids) for r, _ in sched.scheduled))
+        token_ids = np.zeros(t, np.int32)
+        positions = np.zeros(t, np.int32)
+        slots = np.zeros(t, np.int32)
+        qsl = np.full(s + 1, n_tok, np.int32)
+        seq_lens = np.zeros(s, np.int32)
+        block_tables = np.zeros((s, p), np.int32)
+        logits_indices = np.zeros(s, np.int32)
+        temperature = np.zeros(s, np.float32)
+        top_k = np.zeros(s, np.int32)
+        top_p = np.ones(s, np.float32)
+        seeds = np.zeros(s, np.uint32)
+        steps = np.zeros(s, np.int32)
+        ps = self.page_size
+        off = 0
+        for i, (req, n) in enumerate(sched.scheduled):
+            c = req.num_computed_tokens
+            pos = np.arange(c, c + n, dtype=np.int32)
+            bt = np.asarray(req.block_ids, np.int32)
+            token_ids[off : off + n] = req.all_token_ids[c : c + n]
+            positions[off : off + n] = pos
+            slots[off : off + n] = bt[pos // ps] * ps + pos % ps
+            qsl[i] = off
+            seq_lens[i] = c + n
+            block_tables[i, : len(bt)] = bt
+            off += n
+            logits_indices[i] = off - 1
+            sp = req.sampling_params
+            temperature[i] = sp.temperature
+            top_k[i] = sp.top_k
+            top_p[i] = sp.top_p
+            seeds[i] = req.seed
+            steps[i] = req.num_output_tokens
+        md = llama.AttentionMetadata(positions, slots, qsl, seq_lens, block_tables)
+        sm = SamplingMetadata(temperature, top_k, top_p, seeds, steps)
+        step = self._compiled.get((t, p))
+        if step is None:
+            raise RuntimeError(f"bucket (tokens={t}, pages={p}) was not compiled at start-up")
+        sampled, self.k_cache, self.v_cache = step(
+            self.params, token_ids, md, self.k_cache, self.v_cache, logits_indices, sm
+        )
+        return np.asarray(sampled)[:n_seq].tolist()

@@ -1,0 +1,46 @@
+"""The one loaded-checkpoint contract every loader returns and the model code consumes."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class Checkpoint:
+    """A model checkpoint loaded into host memory, in Hugging Face terms.
+
+    Attributes:
+      name: the model's own name, e.g. ``"SmolLM2-135M-Instruct"`` (GGUF file stem without the
+        quantization suffix, HF/orbax folder name, or dummy preset name).
+      hf_config: the content of a Hugging Face ``config.json`` (``architectures``, ``hidden_size``,
+        ``num_attention_heads``, ``num_key_value_heads``, ``head_dim``, ``intermediate_size``,
+        ``num_hidden_layers``, ``rms_norm_eps``, ``rope_theta``, ``rope_scaling``, ``vocab_size``,
+        ``tie_word_embeddings``, ``max_position_embeddings``, ``bos_token_id``, ``eos_token_id``,
+        ``torch_dtype``, ``attention_bias``, ...).
+      weights: HF tensor name -> host array in HF/torch layout (``nn.Linear`` weight is
+        ``[out_features, in_features]``, embedding ``[vocab, hidden]``, norms ``[hidden]``).
+        float32, or ``ml_dtypes.bfloat16`` where a safetensors/orbax source stores bf16.
+        ``lm_head.weight`` is absent when ``tie_word_embeddings`` is true. ``None`` for dummy.
+      tokenizer: a ``transformers.PreTrainedTokenizerFast`` with ``chat_template`` set when the
+        source has one.
+    """
+
+    name: str
+    hf_config: dict
+    weights: dict[str, np.ndarray] | None
+    tokenizer: object  # transformers.PreTrainedTokenizerFast
+
+    @property
+    def architecture(self) -> str:
+        return (self.hf_config.get("architectures") or ["LlamaForCausalLM"])[0]
+
+    def num_params(self) -> int:
+        return sum(int(w.size) for w in (self.weights or {}).values())
+
+
+def log(msg: str) -> None:
+    """One progress line on stderr."""
+    print(f"[jaxserve load] {msg}", file=sys.stderr, flush=True)

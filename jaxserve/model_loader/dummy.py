@@ -1,0 +1,108 @@
+"""Dummy checkpoints: a real model's HF config, no weights (the model code makes random ones).
+
+``--model PRESET`` (see :data:`PRESETS`, values copied from the models' published
+``config.json``) or a path to a ``config.json``. The tokenizer is borrowed from the default model
+(SmolLM2-135M-Instruct, vocab 49152; DESIGN.md section 4): ids beyond it are the model code's to
+handle. The borrowed tokenizer is cached as ``$JAXSERVE_CACHE/tokenizers/<name>/`` so that
+machines without the GGUF (e.g. the GPU box) can carry just that folder.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import pathlib
+
+from .checkpoint import Checkpoint, log
+
+_LLAMA_COMMON = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+                 "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False,
+                 "initializer_range": 0.02, "pretraining_tp": 1, "use_cache": True}
+
+PRESETS: dict[str, dict] = {
+    "llama-3.1-8b": {**_LLAMA_COMMON, "hidden_size": 4096, "intermediate_size": 14336,
+                     "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                     "head_dim": 128, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+                     "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                      "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+                     "max_position_embeddings": 131072, "vocab_size": 128256,
+                     "tie_word_embeddings": False, "bos_token_id": 128000,
+                     "eos_token_id": [128001, 128008, 128009], "torch_dtype": "bfloat16"},
+    "llama-3.2-1b": {**_LLAMA_COMMON, "hidden_size": 2048, "intermediate_size": 8192,
+                     "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
+                     "head_dim": 64, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+                     "rope_scaling": {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                      "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+                     "max_position_embeddings": 131072, "vocab_size": 128256,
+                     "tie_word_embeddings": True, "bos_token_id": 128000,
+                     "eos_token_id": [128001, 128008, 128009], "torch_dtype": "bfloat16"},
+    "smollm2-135m": {**_LLAMA_COMMON, "hidden_size": 576, "intermediate_size": 1536,
+                     "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+                     "head_dim": 64, "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "rope_scaling": None,
+                     "max_position_embeddings": 8192, "vocab_size": 49152, "tie_word_embeddings": True,
+                     "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2, "torch_dtype": "bfloat16"},
+    "qwen2.5-0.5b": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu",
+                     "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
+                     "num_attention_heads": 14, "num_key_value_heads": 2, "rms_norm_eps": 1e-6,
+                     "rope_theta": 1000000.0, "rope_scaling": None, "max_position_embeddings": 32768,
+                     "sliding_window": 32768, "use_sliding_window": False, "max_window_layers": 21,
+                     "vocab_size": 151936, "tie_word_embeddings": True, "bos_token_id": 151643,
+                     "eos_token_id": 151645, "attention_dropout": 0.0, "initializer_range": 0.02,
+                     "use_cache": True, "torch_dtype": "bfloat16"},
+    "qwen3-0.6b": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_act": "silu",
+                   "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+                   "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+                   "attention_bias": False, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+                   "rope_scaling": None, "max_position_embeddings": 40960, "sliding_window": None,
+                   "use_sliding_window": False, "max_window_layers": 28, "vocab_size": 151936,
+                   "tie_word_embeddings": True, "bos_token_id": 151643, "eos_token_id": 151645,
+                   "attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True,
+                   "torch_dtype": "bfloat16"},
+    "mistral-7b": {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "hidden_act": "silu",
+                   "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                   "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                   "rms_norm_eps": 1e-5, "rope_theta": 1000000.0, "rope_scaling": None,
+                   "max_position_embeddings": 32768, "sliding_window": None, "vocab_size": 32768,
+                   "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
+                   "attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True,
+                   "torch_dtype": "bfloat16"},
+}
+
+DEFAULT_TOKENIZER_NAME = "SmolLM2-135M-Instruct"
+
+
+def default_tokenizer():
+    """The default model's tokenizer, from the cache folder or built from its GGUF (fetching it)."""
+    from checkpoints_tools.fetch_default import cache_dir, default_model_path
+
+    from .gguf_loader import load_gguf
+    from .hf_folder import load_tokenizer, save_tokenizer
+
+    folder = cache_dir() / "tokenizers" / DEFAULT_TOKENIZER_NAME
+    if (folder / "tokenizer.json").is_file():
+        return load_tokenizer(folder)
+    tok = load_gguf(default_model_path(), with_weights=False).tokenizer
+    tmp = folder.with_name(folder.name + ".part")
+    save_tokenizer(tok, tmp)
+    if not folder.exists():
+        tmp.replace(folder)
+    return tok
+
+
+def load_dummy(model: str) -> Checkpoint:
+    """A preset name (case-insensitive) or a path to an HF ``config.json`` (or its folder)."""
+    key = model.lower()
+    if key in PRESETS:
+        name, cfg = model, copy.deepcopy(PRESETS[key])
+    else:
+        path = pathlib.Path(model)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise ValueError(f"dummy model {model!r}: not a preset ({', '.join(PRESETS)}) "
+                             f"and not a config.json path")
+        cfg = json.loads(path.read_text())
+        name = path.parent.name if path.name == "config.json" else path.stem
+    log(f"dummy model {name}: {cfg.get('architectures', ['?'])[0]}, "
+        f"{cfg.get('num_hidden_layers')} layers, hidden {cfg.get('hidden_size')}, no weights")
+    return Checkpoint(name=name, hf_config=cfg, weights=None, tokenizer=default_tokenizer())

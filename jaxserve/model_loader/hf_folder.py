@@ -1,0 +1,93 @@
+"""Hugging Face model folder <-> :class:`Checkpoint`.
+
+Source format: a ``save_pretrained`` folder: ``config.json``, weights in one ``model.safetensors``
+or shards listed by ``model.safetensors.index.json`` (``weight_map``) or any ``*.safetensors``,
+tokenizer files (``tokenizer.json`` + ``tokenizer_config.json``, read by
+``AutoTokenizer.from_pretrained(folder)``, local files only). Arrays keep the file's dtype
+(float32/float16, bf16 as ``ml_dtypes.bfloat16``) and torch layouts.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import numpy as np
+
+from .checkpoint import Checkpoint, log
+
+
+def is_hf_folder(path: pathlib.Path) -> bool:
+    return path.is_dir() and (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+def safetensors_files(folder: pathlib.Path) -> list[pathlib.Path]:
+    """The weight files, in index order when an index exists."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [folder / n for n in names]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise ValueError(f"{folder}: shards listed in {index.name} are missing: {', '.join(missing)}")
+        return files
+    return sorted(folder.glob("*.safetensors"))
+
+
+def load_tokenizer(folder: pathlib.Path):
+    """``AutoTokenizer.from_pretrained(folder)`` with no Hub access."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+
+
+def save_tokenizer(tokenizer, folder: str | pathlib.Path) -> None:
+    """``tokenizer.save_pretrained(folder)``, made loadable by transformers 4.x and 5.x alike:
+    ``tokenizer_class`` is written as ``PreTrainedTokenizerFast`` (5.x writes its own
+    ``TokenizersBackend``) and the chat template also goes inline into tokenizer_config.json
+    (5.x writes only ``chat_template.jinja``)."""
+    folder = pathlib.Path(folder)
+    tokenizer.save_pretrained(str(folder))
+    cfg_path = folder / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    if cfg.get("tokenizer_class") in ("TokenizersBackend", None):
+        cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    if getattr(tokenizer, "chat_template", None) and "chat_template" not in cfg:
+        cfg["chat_template"] = tokenizer.chat_template
+    cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
+
+
+def load_hf_folder(folder: str | pathlib.Path) -> Checkpoint:
+    """Load config.json, all safetensors weights and the tokenizer of an HF folder."""
+    from safetensors import safe_open
+
+    folder = pathlib.Path(folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    files = safetensors_files(folder)
+    if not files:
+        raise ValueError(f"{folder}: no *.safetensors files (expected an HF folder with config.json + *.safetensors)")
+    log(f"reading {len(files)} safetensors file(s) from {folder}")
+    weights: dict[str, np.ndarray] = {}
+    for f in files:
+        with safe_open(str(f), framework="np") as sf:
+            for k in sf.keys():
+                weights[k] = sf.get_tensor(k)
+    return Checkpoint(name=folder.resolve().name, hf_config=cfg, weights=weights,
+                      tokenizer=load_tokenizer(folder))
+
+
+def save_hf_folder(folder: str | pathlib.Path, ckpt: Checkpoint) -> pathlib.Path:
+    """Write ``config.json``, ``model.safetensors`` (torch metadata, so transformers loads it)
+    and the tokenizer files (``save_pretrained``) of ``ckpt`` into ``folder``."""
+    from safetensors.numpy import save_file
+
+    if ckpt.weights is None:
+        raise ValueError("cannot save a checkpoint without weights (dummy) as an HF folder")
+    folder = pathlib.Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(ckpt.hf_config, indent=2) + "\n")
+    log(f"writing {folder / 'model.safetensors'}")
+    save_file({k: np.ascontiguousarray(v) for k, v in ckpt.weights.items()},
+              str(folder / "model.safetensors"), metadata={"format": "pt"})
+    save_tokenizer(ckpt.tokenizer, folder)
+    return folder

@@ -1,0 +1,225 @@
+"""The engine process: EngineCore behind the pipe (DESIGN.md section 1).
+
+``run_engine_core(config, conn)`` is the target of the ``spawn``-context process that
+``EngineCoreClient`` starts. It builds the EngineCore (the only place JAX is imported), sends
+``Ready``, then loops:
+
+* no unfinished requests -> block on the pipe for the next message;
+* otherwise drain every pending message (adds, aborts), then run one ``EngineCore.step()`` and
+  send its outputs with fresh scheduler stats.
+
+A request that the core rejects gets an ``Error`` for that request only; a step that raises gets
+an ``Error`` for the requests that were live (they are aborted) and the loop goes on: the engine
+never dies of a bad request. ``Shutdown``, the API process going away (EOF on the pipe, or the
+parent process dying) and SIGTERM end the process cleanly; SIGINT is ignored here because the API
+process, which gets the same Ctrl-C, coordinates the shutdown.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from multiprocessing.connection import Connection
+
+from jaxserve.config import EngineConfig
+from jaxserve.engine import messages as M
+
+# Testing hook: "module:Class" of an EngineCore stand-in with the same interface.
+ENGINE_CORE_ENV = "JAXSERVE_ENGINE_CORE"
+
+
+def _log(msg: str) -> None:
+    print(f"[jaxserve engine] {msg}", file=sys.stderr, flush=True)
+
+
+def _engine_core_class():
+    spec = os.environ.get(ENGINE_CORE_ENV)
+    if spec:
+        module, _, name = spec.partition(":")
+        return getattr(importlib.import_module(module), name)
+    from jaxserve.engine.core import EngineCore  # imports JAX: engine process only
+
+    return EngineCore
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Exit if the API process dies without closing the pipe (e.g. during a long start-up)."""
+    while True:
+        time.sleep(1.0)
+        if os.getppid() != parent_pid:
+            os._exit(1)
+
+
+def _describe(e: BaseException) -> str:
+    text = str(e).strip()
+    if isinstance(e, (ValueError, FileNotFoundError, NotADirectoryError)) and text:
+        return text.splitlines()[0] if len(text) > 2000 else text
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+class _Exit(Exception):
+    pass
+
+
+class EngineCoreProc:
+    """Runs an EngineCore against one end of the pipe. ``run()`` returns on shutdown/EOF."""
+
+    def __init__(self, core, conn: Connection):
+        self.core = core
+        self.conn = conn
+        self.live: set[str] = set()
+        self._last_stats = None
+
+    # -- pipe --------------------------------------------------------------------------------
+
+    def send(self, msg) -> None:
+        try:
+            self.conn.send_bytes(M.encode(msg))
+        except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
+            raise _Exit() from None
+
+    def _recv(self):
+        try:
+            data = self.conn.recv_bytes()
+        except (EOFError, OSError):
+            raise _Exit() from None
+        try:
+            return M.decode(data)
+        except ValueError as e:
+            _log(f"dropping a malformed message: {e}")
+            return None
+
+    # -- handling ----------------------------------------------------------------------------
+
+    def _handle(self, msg) -> None:
+        if isinstance(msg, M.AddRequest):
+            req = msg.request
+            if req.request_id in self.live:
+                self.send(M.Error([req.request_id], f"duplicate request id {req.request_id!r}",
+                                  kind="invalid_request"))
+                return
+            try:
+                self.core.add_request(req)
+            except ValueError as e:
+                self.send(M.Error([req.request_id], _describe(e), kind="invalid_request"))
+            except Exception as e:  # noqa: BLE001 - a bad request must never kill the engine
+                traceback.print_exc()
+                self.send(M.Error([req.request_id], _describe(e), kind="internal"))
+            else:
+                self.live.add(req.request_id)
+        elif isinstance(msg, M.AbortRequests):
+            ids = [r for r in msg.request_ids if r in self.live]
+            if ids:
+                self.live.difference_update(ids)
+                try:
+                    self.core.abort_requests(ids)
+                except Exception:  # noqa: BLE001
+                    traceback.print_exc()
+        elif isinstance(msg, M.Shutdown):
+            raise _Exit()
+
+    def _step(self) -> None:
+        try:
+            outputs = self.core.step()
+        except Exception as e:  # noqa: BLE001 - fail the live requests, keep serving
+            traceback.print_exc()
+            ids = sorted(self.live)
+            self.live.clear()
+            try:
+                self.core.abort_requests(ids)
+            except Exception:  # noqa: BLE001
+                traceback.print_exc()
+            self.send(M.Error(ids, f"engine step failed: {_describe(e)}", kind="internal"))
+            return
+        for o in outputs:
+            if o.finished:
+                self.live.discard(o.request_id)
+        self.send(M.Outputs(list(outputs), self._stats()))
+
+    def _stats(self):
+        try:
+            stats = self.core.get_stats()
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
+            return None
+        self._last_stats = stats
+        return stats
+
+    def _send_stats_if_changed(self) -> None:
+        prev = self._last_stats
+        stats = self._stats()
+        if stats is not None and stats != prev:
+            self.send(M.Outputs([], stats))
+
+    def run(self) -> None:
+        try:
+            while True:
+                if not self.core.has_unfinished_requests():
+                    self._send_stats_if_changed()
+                    msg = self._recv()  # idle: block until the API side has something
+                    if msg is not None:
+                        self._handle(msg)
+                while self.conn.poll():
+                    msg = self._recv()
+                    if msg is not None:
+                        self._handle(msg)
+                if self.core.has_unfinished_requests():
+                    self._step()
+        except _Exit:
+            return
+
+
+def _sigterm(signum, frame):
+    raise SystemExit(0)
+
+
+def run_engine_core(config: EngineConfig, conn: Connection, parent_pid: int | None = None) -> None:
+    """Engine process entry point (multiprocessing ``spawn`` target).
+
+    Args:
+      config: the engine configuration (CLI flags).
+      conn: this process's end of the duplex Pipe.
+      parent_pid: the API process; the engine exits if it disappears.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _sigterm)
+    threading.Thread(target=_watch_parent, args=(parent_pid or os.getppid(),), daemon=True,
+                     name="jaxserve-parent-watch").start()
+    # Before JAX is imported (DESIGN.md section 3): let the engine size its own memory.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", str(config.gpu_memory_utilization))
+    try:
+        try:
+            core = _engine_core_class()(config, log=_log)
+            tokenizer_dir = tempfile.mkdtemp(prefix="jaxserve-tokenizer-")
+            core.tokenizer.save_pretrained(tokenizer_dir)
+        except Exception as e:  # noqa: BLE001 - reported as one line by the API process
+            if os.environ.get("JAXSERVE_DEBUG"):
+                traceback.print_exc()
+            conn.send_bytes(M.encode(M.Error([], _describe(e), kind="internal", fatal=True)))
+            return
+        tok = core.tokenizer
+        eos = getattr(core, "eos_token_ids", None)
+        if eos is None:
+            eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
+        effective = getattr(core, "config", config)
+        conn.send_bytes(M.encode(M.Ready(
+            model_name=str(core.model_name), max_model_len=int(core.max_model_len),
+            tokenizer_dir=tokenizer_dir, eos_token_ids=[int(i) for i in eos],
+            vocab_size=int(getattr(core, "vocab_size", None) or len(tok)),
+            config=dataclasses.asdict(effective) if dataclasses.is_dataclass(effective) else {},
+        )))
+        EngineCoreProc(core, conn).run()
+    except (SystemExit, KeyboardInterrupt, BrokenPipeError, EOFError, OSError):
+        pass
+    finally:
+        try:
+            conn.close()
+        except OSError:
+            pass

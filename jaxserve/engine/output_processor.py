@@ -1,0 +1,167 @@
+"""OutputProcessor: engine outputs (token ids) -> per-request text deltas on asyncio queues.
+
+Runs in the API process, on the event loop. For each live request it keeps an
+IncrementalDetokenizer (stop strings are matched here, not in the engine), counts tokens, and
+records request metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from jaxserve.engine import EngineCoreOutput
+from jaxserve.engine.detokenizer import IncrementalDetokenizer
+from jaxserve.sampling_params import SamplingParams
+
+
+class RequestError(RuntimeError):
+    """A request failed in the engine.
+
+    Attributes:
+      kind: "invalid_request" (the engine rejected it: answer 400) or "internal" (500).
+    """
+
+    def __init__(self, message: str, kind: str = "internal"):
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence's progress (vLLM's name). ``text`` and ``token_ids`` are deltas.
+
+    Attributes:
+      index: choice index (always 0: n > 1 is not supported).
+      text: new text since the previous RequestOutput of this request.
+      token_ids: new token ids since the previous RequestOutput.
+      finish_reason: None while running, else "stop" or "length" ("abort" if aborted).
+      stop_reason: the stop string or stop token id that ended it, if any.
+    """
+
+    index: int = 0
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+@dataclass
+class RequestOutput:
+    """What ``AsyncLLM.generate`` yields (a delta, like vLLM's RequestOutputKind.DELTA).
+
+    Attributes:
+      request_id: the request.
+      prompt_token_ids: the prompt, token ids.
+      outputs: one CompletionOutput (n = 1).
+      finished: True on the last output of the request.
+      num_cached_tokens: prompt tokens served from the prefix cache.
+      num_output_tokens: generated tokens so far (cumulative, including EOS / stop token).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+
+    def merge(self, later: "RequestOutput") -> None:
+        """Fold a later delta of the same request into this one (a lagging consumer)."""
+        a, b = self.outputs[0], later.outputs[0]
+        a.text += b.text
+        a.token_ids += b.token_ids
+        a.finish_reason, a.stop_reason = b.finish_reason, b.stop_reason
+        self.finished = later.finished
+        self.num_cached_tokens = later.num_cached_tokens
+        self.num_output_tokens = later.num_output_tokens
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    queue: asyncio.Queue
+    arrival_time: float
+    first_token_time: float | None = None
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+class OutputProcessor:
+    """Turns EngineCoreOutputs into RequestOutputs on per-request queues.
+
+    Args:
+      tokenizer: the transformers tokenizer (for detokenization).
+      eos_token_ids: ids that end generation by default; kept out of the text.
+      metrics: optional ``jaxserve.metrics.Metrics`` to record finished requests in.
+    """
+
+    def __init__(self, tokenizer, eos_token_ids=(), metrics=None):
+        self.tokenizer = tokenizer
+        self.eos_token_ids = set(eos_token_ids)
+        self.metrics = metrics
+        self.requests: dict[str, RequestState] = {}
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    sampling_params: SamplingParams, queue: asyncio.Queue) -> None:
+        detok = IncrementalDetokenizer(self.tokenizer, stop=sampling_params.stop,
+                                       prompt_token_ids=prompt_token_ids)
+        self.requests[request_id] = RequestState(request_id, prompt_token_ids, sampling_params,
+                                                 detok, queue, time.monotonic())
+
+    def abort_request(self, request_id: str) -> bool:
+        """Forget a request (the caller aborts it in the engine). True if it was live."""
+        return self.requests.pop(request_id, None) is not None
+
+    def process_outputs(self, outputs: list[EngineCoreOutput]) -> list[str]:
+        """Detokenize and queue. Returns ids the engine must abort (a stop string matched)."""
+        to_abort = []
+        now = time.monotonic()
+        for o in outputs:
+            st = self.requests.get(o.request_id)
+            if st is None:
+                continue  # aborted meanwhile
+            if st.first_token_time is None and o.new_token_ids:
+                st.first_token_time = now
+            st.num_output_tokens += len(o.new_token_ids)
+            st.num_cached_tokens = o.num_cached_tokens
+            ids = list(o.new_token_ids)
+            text_ids = ids
+            if o.finish_reason == "stop" and ids:
+                stoppers = self.eos_token_ids | set(st.sampling_params.stop_token_ids)
+                if ids[-1] in stoppers:
+                    text_ids = ids[:-1]  # the EOS / stop token is not part of the text
+            text = st.detokenizer.update(text_ids)
+            finish_reason, stop_reason = o.finish_reason, o.stop_reason
+            if st.detokenizer.stop_matched is not None:
+                finish_reason, stop_reason = "stop", st.detokenizer.stop_matched
+                if not o.finished:
+                    to_abort.append(o.request_id)
+            elif finish_reason is not None:
+                text += st.detokenizer.flush()
+            finished = finish_reason is not None
+            out = RequestOutput(
+                st.request_id, st.prompt_token_ids,
+                [CompletionOutput(0, text, ids, finish_reason, stop_reason)],
+                finished=finished, num_cached_tokens=st.num_cached_tokens,
+                num_output_tokens=st.num_output_tokens)
+            st.queue.put_nowait(out)
+            if finished:
+                del self.requests[o.request_id]
+                if self.metrics is not None:
+                    self.metrics.record_finished(
+                        finish_reason, len(st.prompt_token_ids), st.num_output_tokens,
+                        (st.first_token_time or now) - st.arrival_time, now - st.arrival_time)
+        return to_abort
+
+    def propagate_error(self, request_ids, exc: BaseException) -> None:
+        """Fail the given requests (all live ones if ``request_ids`` is None) with ``exc``."""
+        ids = list(self.requests) if request_ids is None else request_ids
+        for rid in ids:
+            st = self.requests.pop(rid, None)
+            if st is not None:
+                st.queue.put_nowait(exc)

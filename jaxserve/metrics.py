@@ -1,0 +1,91 @@
+"""Prometheus metrics for ``GET /metrics`` (DESIGN.md section 3, "Engine stats").
+
+Engine gauges come from the latest SchedulerStats the engine sent over the pipe (it sends them
+with every step and whenever they change while idle); request counters and histograms are
+recorded by the API process's OutputProcessor. Each Metrics object has its own registry.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from jaxserve.engine import SchedulerStats
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class _EngineStatsCollector:
+    def __init__(self, metrics: "Metrics"):
+        self.metrics = metrics
+
+    def collect(self):
+        s = self.metrics.stats
+        labels = ["model_name"]
+        name = [self.metrics.model_name]
+
+        def gauge(metric, doc, value):
+            g = GaugeMetricFamily(metric, doc, labels=labels)
+            g.add_metric(name, value)
+            return g
+
+        def counter(metric, doc, value):
+            c = CounterMetricFamily(metric, doc, labels=labels)
+            c.add_metric(name, value)
+            return c
+
+        yield gauge("jaxserve:num_requests_running", "Requests in the engine's running batch.",
+                    s.num_running_reqs)
+        yield gauge("jaxserve:num_requests_waiting", "Requests waiting to be scheduled.",
+                    s.num_waiting_reqs)
+        yield gauge("jaxserve:kv_cache_usage_perc",
+                    "Fraction of usable KV pages referenced by live requests (0..1).",
+                    s.kv_cache_usage)
+        yield counter("jaxserve:num_preemptions", "Requests preempted (recompute).",
+                      s.num_preemptions_total)
+        yield counter("jaxserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                      s.prefix_cache_queries)
+        yield counter("jaxserve:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                      s.prefix_cache_hits)
+
+
+class Metrics:
+    """The server's metrics. ``render()`` gives the Prometheus text exposition."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.stats = SchedulerStats()
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineStatsCollector(self))
+        labels = ["model_name"]
+        self.request_success = Counter(
+            "jaxserve:request_success", "Finished requests, by finish reason.",
+            labels + ["finished_reason"], registry=self.registry)
+        self.prompt_tokens = Counter("jaxserve:prompt_tokens", "Prompt tokens of finished requests.",
+                                     labels, registry=self.registry)
+        self.generation_tokens = Counter("jaxserve:generation_tokens",
+                                         "Generated tokens of finished requests.",
+                                         labels, registry=self.registry)
+        self.ttft = Histogram("jaxserve:time_to_first_token_seconds",
+                              "Time from arrival to the first token, seconds.", labels,
+                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("jaxserve:e2e_request_latency_seconds",
+                             "Time from arrival to the last token, seconds.", labels,
+                             buckets=_LATENCY_BUCKETS, registry=self.registry)
+
+    def update_stats(self, stats: SchedulerStats) -> None:
+        self.stats = stats
+
+    def record_finished(self, finish_reason: str, prompt_tokens: int, output_tokens: int,
+                        ttft_s: float, e2e_s: float) -> None:
+        m = self.model_name
+        self.request_success.labels(m, finish_reason).inc()
+        self.prompt_tokens.labels(m).inc(prompt_tokens)
+        self.generation_tokens.labels(m).inc(output_tokens)
+        self.ttft.labels(m).observe(ttft_s)
+        self.e2e.labels(m).observe(e2e_s)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

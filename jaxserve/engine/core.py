@@ -1,0 +1,150 @@
+"""EngineCore: scheduler + KV pool + model runner behind add_request / abort / step.
+
+The HTTP server runs it in its own process (core_proc); ``jaxserve.LLM`` runs it in process.
+Token ids in, token ids out: no text here.
+"""
+
+import os
+import random
+import time
+from collections.abc import Callable
+
+import jax
+import numpy as np
+
+from jaxserve.config import EngineConfig
+from jaxserve.core.kv_cache_manager import KVCacheManager
+from jaxserve.core.request import Request
+from jaxserve.core.scheduler import Scheduler
+from jaxserve.engine import EngineCoreOutput, EngineCoreRequest, SchedulerStats
+from jaxserve.model_loader import load_checkpoint
+from jaxserve.models.registry import build_params, resolve_dtype
+from jaxserve.worker.model_runner import ModelRunner
+from pallas_kernels import get_attention_fn
+
+CPU_MAX_MODEL_LEN = 4096
+
+
+def enable_compilation_cache() -> None:
+    """Persist compiled executables so a second start skips compilation (JAXSERVE_CACHE/xla)."""
+    cache = os.path.join(
+        os.environ.get("JAXSERVE_CACHE", os.path.expanduser("~/.cache/jaxserve")), "xla"
+    )
+    jax.config.update("jax_compilation_cache_dir", cache)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
+def kv_bytes_per_page(model_config, page_size: int, dtype) -> int:
+    c = model_config
+    return 2 * c.num_layers * c.num_kv_heads * page_size * c.head_dim * np.dtype(dtype).itemsize
+
+
+class EngineCore:
+    """Loads the model, sizes and allocates the KV pool, compiles every bucket, then serves steps.
+
+    Args:
+      config: engine settings.
+      log: receives one line per start-up phase.
+
+    Raises:
+      ValueError: unusable model path, unsupported architecture or dtype, or settings that do not
+        fit (the message names the flag to change).
+    """
+
+    def __init__(self, config: EngineConfig, log: Callable[[str], None] = print):
+        enable_compilation_cache()
+        self.config = config
+        on_gpu = jax.default_backend() == "gpu"
+        t0 = time.perf_counter()
+        ckpt = load_checkpoint(config.model, config.load_format)
+        self.tokenizer = ckpt.tokenizer
+        self.model_name = ckpt.name
+        dtype = resolve_dtype(config.dtype)
+        self.model_config, params = build_params(ckpt.hf_config, ckpt.weights, dtype, config.seed)
+        del ckpt
+        mc = self.model_config
+        log(f"loaded {self.model_name} ({mc.architecture}, {np.dtype(dtype).name}) "
+            f"in {time.perf_counter() - t0:.1f}s")
+
+        limit = mc.max_position_embeddings if on_gpu else min(mc.max_position_embeddings, CPU_MAX_MODEL_LEN)
+        self.max_model_len = config.max_model_len or limit
+        if self.max_model_len > mc.max_position_embeddings:
+            raise ValueError(
+                f"--max-model-len {self.max_model_len} exceeds the model's "
+                f"max_position_embeddings {mc.max_position_embeddings}"
+            )
+        if config.max_num_batched_tokens < config.max_num_seqs:
+            raise ValueError("--max-num-batched-tokens must be at least --max-num-seqs")
+        per_page = kv_bytes_per_page(mc, config.page_size, dtype)
+        num_pages = int(config.kv_cache_gib * 2**30) // per_page
+        pages_per_seq = -(-self.max_model_len // config.page_size)
+        if num_pages - 1 < pages_per_seq:
+            raise ValueError(
+                f"the KV cache ({config.kv_cache_gib} GiB, {num_pages - 1} pages of "
+                f"{config.page_size} tokens) cannot hold one {self.max_model_len}-token sequence: "
+                f"raise --kv-cache-gib or lower --max-model-len"
+            )
+        log(f"KV cache: {num_pages - 1} pages of {config.page_size} tokens "
+            f"({(num_pages - 1) // pages_per_seq} sequences of {self.max_model_len} tokens)")
+
+        backend = config.attention_backend
+        self.runner = ModelRunner(
+            mc, params,
+            num_pages=num_pages, page_size=config.page_size,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len, kv_dtype=dtype,
+            attention_fn=get_attention_fn(backend),
+            unroll=on_gpu,
+        )
+        self.scheduler = Scheduler(
+            KVCacheManager(num_pages, config.page_size),
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            eos_token_ids=mc.eos_token_ids or tuple(
+                t for t in [self.tokenizer.eos_token_id] if t is not None
+            ),
+        )
+        self.runner.compile_buckets(log)
+        self._rng = random.Random(config.seed)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a tokenized request.
+
+        Raises:
+          ValueError: empty prompt, a prompt that leaves no room to generate within
+            max_model_len, or a duplicate request id.
+        """
+        n = len(request.prompt_token_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {n} tokens, but max_model_len is {self.max_model_len}: "
+                "it must leave room for at least one generated token"
+            )
+        if request.request_id in self.scheduler.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        seed = request.sampling_params.seed
+        if seed is None:
+            seed = self._rng.getrandbits(32)
+        self.scheduler.add_request(Request(request, seed & 0xFFFFFFFF))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.abort_requests(request_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[EngineCoreOutput]:
+        """Schedule, run one jitted step, and return the new tokens and finished requests."""
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return []
+        sampled = self.runner.execute(sched)
+        return self.scheduler.update(sched, sampled)
+
+    def get_stats(self) -> SchedulerStats:
+        return self.scheduler.get_stats()

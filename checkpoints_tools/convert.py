@@ -1,0 +1,54 @@
+"""Convert checkpoints: GGUF or HF folder -> jaxserve orbax folder; GGUF -> HF folder.
+
+    python -m checkpoints_tools.convert --input MODEL.gguf --output OUT_DIR [--to orbax|hf]
+    python -m checkpoints_tools.convert --input HF_FOLDER --output OUT_DIR          # orbax
+
+The HF folder written from a GGUF (config.json, model.safetensors in float32 with Q/K rows
+un-permuted, tokenizer.json/tokenizer_config.json with the chat template) loads in HF transformers
+(``AutoModelForCausalLM.from_pretrained``) as well as in jaxserve.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+import time
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m checkpoints_tools.convert", description=__doc__.split("\n\n")[0])
+    p.add_argument("--input", required=True, help="a .gguf file or an HF folder (config.json + *.safetensors)")
+    p.add_argument("--output", required=True, help="output folder (must not exist or be empty)")
+    p.add_argument("--to", choices=("orbax", "hf"), default="orbax", help="output format (default: orbax)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from jaxserve.model_loader import detect_format, load_checkpoint, save_hf_folder, save_orbax
+
+    src, out = pathlib.Path(args.input).expanduser(), pathlib.Path(args.output).expanduser()
+    try:
+        fmt = detect_format(src)
+    except ValueError as e:
+        parser.error(f"--input: {e}")
+    if fmt == "orbax":
+        parser.error(f"--input: {src} is already a jaxserve orbax checkpoint")
+    if args.to == "hf" and fmt != "gguf":
+        parser.error(f"--to hf: only a GGUF --input can be converted to an HF folder ({src} is {fmt})")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        parser.error(f"--output: {out} exists and is not an empty folder")
+    t0 = time.perf_counter()
+    print(f"[convert] loading {src} ({fmt})", file=sys.stderr, flush=True)
+    ckpt = load_checkpoint(str(src), fmt)
+    print(f"[convert] writing {args.to} to {out}", file=sys.stderr, flush=True)
+    (save_orbax if args.to == "orbax" else save_hf_folder)(out, ckpt)
+    print(f"[convert] done in {time.perf_counter() - t0:.1f}s: {out}", file=sys.stderr, flush=True)
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,22 @@
+"""jaxserve: an LLM inference server on JAX/XLA in the shape of vLLM V1."""
+
+import os
+
+# JAX preallocates 75% of GPU memory by default; the engine sizes its own KV pool instead
+# (DESIGN.md section 3). Must be set before jax is imported.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+from jaxserve.outputs import CompletionOutput, RequestOutput  # noqa: E402
+from jaxserve.sampling_params import SamplingParams  # noqa: E402
+
+
+def __getattr__(name):
+    # LLM imports JAX; keep `import jaxserve` light for the API process.
+    if name == "LLM":
+        from jaxserve.llm import LLM
+
+        return LLM
+    raise AttributeError(name)
+
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]

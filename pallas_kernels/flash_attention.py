@@ -1,0 +1,307 @@
+"""Ragged prefill attention over the paged KV pool in Pallas (Triton backend), and ``attention``.
+
+``attention(...)`` is the one entry point the model calls for any mixed batch (DESIGN.md
+section 3). It dispatches the two parts of the batch to two kernels:
+
+* sequences with exactly one query token (decodes) go to the flash-decoding kernel of
+    ``paged_attention.py`` (KV split across programs, GQA group packed into one tile);
+* every other sequence (prefill chunks, and the padding rows past ``query_start_loc[S]``) goes
+    to the ragged flash-attention kernel below.
+
+Both kernels are always launched; the part that has no work in a batch costs one launch of
+idle programs (see docs/performance.md for the measurement behind this choice).
+
+Ragged prefill kernel: the flattened query tokens of each sequence are cut into blocks of
+``block_q`` tokens (a sequence's last block may be short). A small XLA computation maps each
+program to (sequence, first query row, row end, position of the first query, context length).
+One program computes one (query block, query head): it streams the sequence's pages
+``block_k`` tokens at a time with an online softmax, first the key blocks that every query of
+the block sees (no mask), then the blocks on the causal diagonal (bottom-right aligned mask:
+query i of a chunk of ``q_len`` sits at position ``seq_len - q_len + i``). The padding rows
+past ``query_start_loc[S]`` form one extra pseudo-sequence of context 0 and are written as 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels import paged_attention as _paged
+from pallas_kernels.paged_attention import LOG2E, MASK_VALUE, DecodeTuning
+
+_INFO_FIELDS = 8  # per query block: seq, row start, row end, first position, context length
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillTuning:
+    """Static tile and launch parameters of the ragged prefill kernel (None = default).
+
+    Attributes:
+        block_q: query tokens per program (power of two, >= 16).
+        block_k: KV tokens per inner-loop step; a power of two, rounded up to page_size.
+        num_warps: Triton warps per program.
+        num_stages: Triton software-pipelining depth of the KV loop.
+    """
+
+    block_q: int | None = None
+    block_k: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+
+
+def resolve_prefill_tuning(
+        head_dim: int, page_size: int, tuning: PrefillTuning | None = None
+) -> PrefillTuning:
+    """Fills the unset fields of ``tuning``; returns a complete PrefillTuning."""
+    tuning = tuning or PrefillTuning()
+    block_q = _paged._next_pow2(max(16, tuning.block_q or 64))
+    block_k = _paged._next_pow2(tuning.block_k or 64)
+    block_k = max(block_k, page_size)
+    return PrefillTuning(
+            block_q=block_q,
+            block_k=block_k,
+            num_warps=tuning.num_warps or 4,
+            num_stages=tuning.num_stages or 2,
+    )
+
+
+def _prefill_kernel(
+        info_ref,  # [NB * _INFO_FIELDS] int32 (whole array)
+        block_tables_ref,  # [S, P_pad] int32 (whole array)
+        q_ref,  # [T, D], this query head
+        k_pages_ref,  # [num_pages, page_size, D], this head's KV head
+        v_pages_ref,  # [num_pages, page_size, D]
+        o_ref,  # [T, D], this query head
+        *,
+        sm_scale: float,
+        block_q: int,
+        block_k: int,
+        num_blocks: int,
+):
+    # Heaviest (latest) query blocks of a sequence first; unused blocks sit at the end.
+    blk = num_blocks - 1 - pl.program_id(0)
+    page_size = k_pages_ref.shape[1]
+    head_dim = k_pages_ref.shape[2]
+    pages_per_block = block_k // page_size
+
+    base = blk * _INFO_FIELDS
+    seq = info_ref[base]
+    row_start = info_ref[base + 1]
+    row_end = info_ref[base + 2]
+    pos_start = info_ref[base + 3]
+    ctx_len = info_ref[base + 4]
+
+    offs_q = jnp.arange(block_q, dtype=jnp.int32)
+    row_mask = (row_start + offs_q) < row_end
+    q = plgpu.load(q_ref.at[pl.ds(row_start, block_q), :], mask=row_mask[:, None], other=0.0)
+    q_pos = pos_start + offs_q
+    scale = sm_scale * LOG2E
+
+    # Keys up to the last real query's position; blocks wholly at or before the first query's
+    # position need no mask.
+    num_rows = jnp.clip(row_end - row_start, 0, block_q)
+    kv_end = jnp.clip(pos_start + num_rows, 0, ctx_len)
+    num_kv_blocks = pl.cdiv(kv_end, block_k)
+    num_full = jnp.minimum(lax.div(jnp.maximum(pos_start + 1, 0), block_k), num_kv_blocks)
+
+    def step(j, carry, masked):
+        acc, m_prev, l_prev = carry
+        pages = block_tables_ref[seq, pl.ds(j * pages_per_block, pages_per_block)]
+        k = k_pages_ref[pages].reshape(block_k, head_dim)
+        v = v_pages_ref[pages].reshape(block_k, head_dim)
+        s = plgpu.dot(q, k, trans_b=True) * scale  # [block_q, block_k] f32, base-2 units
+        if masked:
+            k_pos = j * block_k + jnp.arange(block_k, dtype=jnp.int32)
+            visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < ctx_len)
+            s = jnp.where(visible, s, MASK_VALUE)
+        m_next = jnp.maximum(m_prev, s.max(axis=1))
+        alpha = jnp.exp2(m_prev - m_next)
+        p = jnp.exp2(s - m_next[:, None])
+        l_next = alpha * l_prev + p.sum(axis=1)
+        acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v)
+        return acc, m_next, l_next
+
+    acc = jnp.zeros((block_q, head_dim), jnp.float32)
+    m = jnp.full((block_q,), MASK_VALUE, jnp.float32)
+    l = jnp.zeros((block_q,), jnp.float32)
+    carry = lax.fori_loop(0, num_full, functools.partial(step, masked=False), (acc, m, l))
+    acc, m, l = lax.fori_loop(
+            num_full, num_kv_blocks, functools.partial(step, masked=True), carry)
+
+    safe_l = jnp.where(l > 0.0, l, 1.0)
+    out = (acc / safe_l[:, None]).astype(o_ref.dtype)
+    plgpu.store(o_ref.at[pl.ds(row_start, block_q), :], out, mask=row_mask[:, None])
+
+
+def _block_info(query_start_loc, seq_lens, include, num_tokens, block_q, num_blocks):
+    """Per-program query-block descriptors, flat [num_blocks * _INFO_FIELDS] int32.
+
+    Sequences with ``include`` False get no blocks (their rows are left for the decode kernel).
+    One pseudo-sequence of context 0 covers the padding rows [query_start_loc[S], T).
+    """
+    num_seqs = seq_lens.shape[0]
+    qsl = query_start_loc.astype(jnp.int32)
+    q_lens = jnp.where(include, qsl[1:] - qsl[:-1], 0)
+    starts = qsl  # [S + 1]: the pseudo-sequence starts at qsl[S]
+    lens = jnp.concatenate([q_lens, jnp.maximum(num_tokens - qsl[-1:], 0)])
+    ctx = jnp.concatenate([seq_lens.astype(jnp.int32), jnp.zeros((1,), jnp.int32)])
+    nblk = (lens + block_q - 1) // block_q
+    ends = jnp.cumsum(nblk)  # inclusive
+    b = jnp.arange(num_blocks, dtype=jnp.int32)
+    seq = jnp.searchsorted(ends, b, side="right").astype(jnp.int32)
+    valid = seq <= num_seqs
+    seq = jnp.minimum(seq, num_seqs)
+    in_seq = b - (ends[seq] - nblk[seq])
+    row_start = starts[seq] + in_seq * block_q
+    row_end = starts[seq] + lens[seq]
+    pos_start = ctx[seq] - lens[seq] + in_seq * block_q
+    zero = jnp.zeros_like(b)
+    info = jnp.stack([
+            jnp.minimum(seq, num_seqs - 1),  # block-table row (the pseudo-sequence reads none)
+            jnp.where(valid, row_start, 0),
+            jnp.where(valid, row_end, 0),
+            jnp.where(valid, pos_start, 0),
+            jnp.where(valid, ctx[seq], 0),
+            zero, zero, zero,
+    ], axis=1)
+    return info.reshape(-1)
+
+
+def ragged_prefill(
+        q: jax.Array,
+        k_pages: jax.Array,
+        v_pages: jax.Array,
+        query_start_loc: jax.Array,
+        seq_lens: jax.Array,
+        block_tables: jax.Array,
+        include: jax.Array,
+        *,
+        sm_scale: float,
+        tuning: PrefillTuning | None = None,
+        interpret: bool = False,
+        min_q_len: int = 1,
+) -> jax.Array:
+    """Ragged causal attention for the sequences where ``include`` [S] is True.
+
+    ``min_q_len`` is a static lower bound on the query length of included sequences; it only
+    tightens the launch grid.
+
+    Returns [T, H, D] in q's dtype: rows of included sequences and padding rows (0) are written;
+    rows of the other sequences are left undefined for the caller to fill.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads, num_pages, page_size, _ = k_pages.shape
+    num_seqs, pages_per_seq = block_tables.shape
+    group = num_heads // num_kv_heads
+    t = resolve_prefill_tuning(head_dim, page_size, tuning)
+    pages_per_block = t.block_k // page_size
+    padded_pages = _paged._cdiv(pages_per_seq, pages_per_block) * pages_per_block
+    if padded_pages != pages_per_seq:
+        block_tables = jnp.pad(block_tables, ((0, 0), (0, padded_pages - pages_per_seq)))
+    # Blocks: sum over sequences of cdiv(q_len, block_q) <= T / block_q + (sequences with
+    # q_len >= 1); decode-only sequences (q_len 1) are excluded when ``include`` says so.
+    num_blocks = _paged._cdiv(num_tokens, t.block_q) + min(num_seqs, num_tokens // min_q_len) + 1
+    info = _block_info(query_start_loc, seq_lens, include, num_tokens, t.block_q, num_blocks)
+
+    kernel = functools.partial(
+            _prefill_kernel, sm_scale=sm_scale, block_q=t.block_q, block_k=t.block_k,
+            num_blocks=num_blocks)
+    return pl.pallas_call(
+            kernel,
+            grid=(num_blocks, num_heads),
+            in_specs=[
+                    pl.BlockSpec((num_blocks * _INFO_FIELDS,), lambda b, h: (0,)),
+                    pl.BlockSpec((num_seqs, padded_pages), lambda b, h: (0, 0)),
+                    pl.BlockSpec((num_tokens, None, head_dim), lambda b, h: (0, h, 0)),
+                    pl.BlockSpec((None, num_pages, page_size, head_dim),
+                                              lambda b, h: (h // group, 0, 0, 0)),
+                    pl.BlockSpec((None, num_pages, page_size, head_dim),
+                                              lambda b, h: (h // group, 0, 0, 0)),
+            ],
+            out_specs=pl.BlockSpec((num_tokens, None, head_dim), lambda b, h: (0, h, 0)),
+            out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+            compiler_params=plgpu.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages),
+            interpret=interpret,
+            name=f"jaxserve_ragged_prefill_bq{t.block_q}_bk{t.block_k}",
+    )(info, block_tables.astype(jnp.int32), q, k_pages, v_pages)
+
+
+@functools.partial(
+        jax.jit,
+        static_argnames=("sm_scale", "interpret", "decode_tuning", "prefill_tuning", "split_decode"))
+def attention(
+        q: jax.Array,
+        k_pages: jax.Array,
+        v_pages: jax.Array,
+        query_start_loc: jax.Array,
+        seq_lens: jax.Array,
+        block_tables: jax.Array,
+        *,
+        sm_scale: float | None = None,
+        interpret: bool = False,
+        decode_tuning: DecodeTuning | None = None,
+        prefill_tuning: PrefillTuning | None = None,
+        split_decode: bool = True,
+) -> jax.Array:
+    """Causal attention for one flattened ragged batch of prefill chunks and decodes (Pallas).
+
+    Args:
+        q: [T, H, D] queries (float32 or bfloat16); tokens of sequence s are rows
+            query_start_loc[s]:query_start_loc[s+1]. Rows from query_start_loc[S] on are padding.
+        k_pages, v_pages: [KV, num_pages, page_size, D] the page pool, already holding this
+            step's keys and values; D and page_size powers of two; H a multiple of KV.
+        query_start_loc: [S + 1] int32, non-decreasing, query_start_loc[S] <= T; padding
+            sequences have zero query tokens (and seq_len 0).
+        seq_lens: [S] int32 context length of each sequence after this step (tokens), >= q_len.
+        block_tables: [S, P] int32 page ids; entries past a sequence's length are never read.
+        sm_scale: softmax scale, default D ** -0.5.
+        interpret: run the Pallas kernels in interpret mode (CPU).
+        decode_tuning, prefill_tuning: static tile/launch overrides; None picks from the shapes.
+        split_decode: send one-token sequences to the flash-decoding kernel (True) or let the
+            ragged kernel handle every sequence (False).
+
+    Returns:
+        [T, H, D] in q's dtype. Query i of sequence s sits at position seq_lens[s] - q_len(s) + i
+        and sees keys at positions <= that (bottom-right aligned). Padding rows are 0.
+
+    Raises:
+        ValueError: on inconsistent shapes.
+    """
+    _paged._check_shapes(q, k_pages, v_pages, block_tables, seq_lens)
+    if query_start_loc.shape != (seq_lens.shape[0] + 1,):
+        raise ValueError(
+                f"query_start_loc {query_start_loc.shape} must be [S + 1] for seq_lens {seq_lens.shape}")
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_pages.shape[0]
+    if sm_scale is None:
+        sm_scale = head_dim**-0.5
+    sm_scale = float(sm_scale)
+    dtype = q.dtype
+    if q.dtype != k_pages.dtype:
+        q = q.astype(k_pages.dtype)
+    qsl = query_start_loc.astype(jnp.int32)
+    q_lens = qsl[1:] - qsl[:-1]
+    is_decode = q_lens == 1 if split_decode else jnp.zeros_like(q_lens, dtype=bool)
+
+    out = ragged_prefill(
+            q, k_pages, v_pages, qsl, seq_lens, block_tables, ~is_decode,
+            sm_scale=sm_scale, tuning=prefill_tuning, interpret=interpret,
+            min_q_len=2 if split_decode else 1)
+    if split_decode:
+        # Decode rows: gather each sequence's first query row, attend, scatter back in place.
+        rows = jnp.clip(qsl[:-1], 0, num_tokens - 1)
+        qg, group = _paged.group_queries(q[rows], num_kv_heads)
+        dec = _paged.decode_grouped(
+                qg, k_pages, v_pages, block_tables, jnp.where(is_decode, seq_lens, 0),
+                sm_scale=sm_scale, tuning=decode_tuning, interpret=interpret)
+        dec = dec[:, :, :group].reshape(-1, num_heads, head_dim)
+        dst = jnp.where(is_decode, qsl[:-1], num_tokens)  # out of bounds: dropped
+        out = out.at[dst].set(dec, mode="drop", unique_indices=False)
+    return out.astype(dtype)

@@ -1,0 +1,289 @@
+"""Decode paged attention in Pallas (Triton backend), with flash-decoding KV splits.
+
+One query token per sequence attends over that sequence's pages of the KV page pool
+(DESIGN.md section 3). One Pallas program handles one (sequence, KV head, KV split): it loads
+the query rows of all query heads that share the KV head (the GQA group, padded to 16 rows for
+the tensor cores), then streams the split's pages ``block_k`` tokens at a time, keeping an
+online softmax in float32. Splits of one sequence are combined exactly afterwards from their
+running max ``m`` and denominator ``l`` (log-sum-exp merge), in plain XLA.
+
+The split count, tile size and Triton launch parameters are static and chosen from the shapes
+(see ``DecodeTuning``); tokens of a split past a sequence's length are never loaded, so a wide
+(padded) block table costs nothing but idle programs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+# A large finite negative for masked scores: keeps exp2(mask - max) at 0 without inf - inf.
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+LOG2E = math.log2(math.e)
+# Rows of the query tile: Triton's tensor-core dot needs at least 16 on each side.
+MIN_TILE_ROWS = 16
+# Streaming multiprocessors of an H100/H200; the split heuristic aims to fill them several times.
+NUM_SMS = 132
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeTuning:
+    """Static tile and launch parameters of the decode kernel (None = chosen from shapes).
+
+    Attributes:
+        block_k: KV tokens per inner-loop step; a multiple of page_size (rounded up to one).
+        num_splits: KV splits per sequence (flash-decoding); 1 normalises inside the kernel.
+        num_warps: Triton warps per program.
+        num_stages: Triton software-pipelining depth of the KV loop.
+    """
+
+    block_k: int | None = None
+    num_splits: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def resolve_decode_tuning(
+        num_seqs: int, num_kv_heads: int, pages_per_seq: int, page_size: int, head_dim: int,
+        tuning: DecodeTuning | None = None,
+) -> DecodeTuning:
+    """Fills the unset fields of ``tuning`` for these shapes; returns a complete DecodeTuning."""
+    tuning = tuning or DecodeTuning()
+    block_k = tuning.block_k or (128 if head_dim <= 128 else 64)
+    block_k = max(_next_pow2(block_k), page_size)
+    max_tokens = pages_per_seq * page_size
+    num_splits = tuning.num_splits
+    if num_splits is None:
+        # Aim for ~4 programs per SM; never make a split shorter than 2 tiles.
+        want = _cdiv(4 * NUM_SMS, max(1, num_seqs * num_kv_heads))
+        num_splits = max(1, min(want, max_tokens // (2 * block_k)))
+    num_splits = max(1, min(num_splits, _cdiv(max_tokens, block_k)))
+    return DecodeTuning(
+            block_k=block_k,
+            num_splits=num_splits,
+            num_warps=tuning.num_warps or 4,
+            num_stages=tuning.num_stages or 2,
+    )
+
+
+def _decode_kernel(
+        seq_lens_ref,  # [S] int32 (whole array)
+        block_tables_ref,  # [P_pad] int32, this sequence's row
+        q_ref,  # [Gp, D]
+        k_pages_ref,  # [num_pages, page_size, D], this KV head
+        v_pages_ref,  # [num_pages, page_size, D]
+        o_ref,  # [Gp, D]
+        *stat_refs,  # (m_ref [Gp], l_ref [Gp]) when the KV length is split
+        sm_scale: float,
+        block_k: int,
+        tokens_per_split: int,
+):
+    seq = pl.program_id(0)
+    split = pl.program_id(2)
+    page_size = k_pages_ref.shape[1]
+    head_dim = k_pages_ref.shape[2]
+    pages_per_block = block_k // page_size
+    rows = q_ref.shape[0]
+
+    seq_len = seq_lens_ref[seq]
+    split_start = split * tokens_per_split
+    split_end = jnp.minimum(seq_len, split_start + tokens_per_split)
+    num_blocks = pl.cdiv(jnp.maximum(split_end - split_start, 0), block_k)
+    first_page = split * (tokens_per_split // page_size)
+
+    q = q_ref[...]
+    scale = sm_scale * LOG2E  # scores in base-2 units: exp(x) = exp2(x * log2 e)
+
+    def body(i, carry):
+        acc, m_prev, l_prev = carry
+        pages = block_tables_ref[pl.ds(first_page + i * pages_per_block, pages_per_block)]
+        k = k_pages_ref[pages].reshape(block_k, head_dim)
+        v = v_pages_ref[pages].reshape(block_k, head_dim)
+        s = plgpu.dot(q, k, trans_b=True) * scale  # [Gp, block_k] f32
+        pos = split_start + i * block_k + jnp.arange(block_k, dtype=jnp.int32)
+        s = jnp.where((pos < split_end)[None, :], s, MASK_VALUE)
+        m_next = jnp.maximum(m_prev, s.max(axis=1))
+        alpha = jnp.exp2(m_prev - m_next)
+        p = jnp.exp2(s - m_next[:, None])
+        l_next = alpha * l_prev + p.sum(axis=1)
+        acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v)
+        return acc, m_next, l_next
+
+    acc = jnp.zeros((rows, head_dim), jnp.float32)
+    m = jnp.full((rows,), MASK_VALUE, jnp.float32)
+    l = jnp.zeros((rows,), jnp.float32)
+    acc, m, l = lax.fori_loop(0, num_blocks, body, (acc, m, l))
+
+    if stat_refs:
+        m_ref, l_ref = stat_refs
+        o_ref[...] = acc
+        m_ref[...] = m
+        l_ref[...] = l
+    else:
+        safe_l = jnp.where(l > 0.0, l, 1.0)
+        o_ref[...] = (acc / safe_l[:, None]).astype(o_ref.dtype)
+
+
+def decode_grouped(
+        q: jax.Array,
+        k_pages: jax.Array,
+        v_pages: jax.Array,
+        block_tables: jax.Array,
+        seq_lens: jax.Array,
+        *,
+        sm_scale: float,
+        tuning: DecodeTuning | None = None,
+        interpret: bool = False,
+) -> jax.Array:
+    """Decode attention on queries already grouped by KV head.
+
+    Args:
+        q: [S, KV, Gp, D], Gp a power of two >= 16 (rows past the real group are ignored).
+        k_pages, v_pages: [KV, num_pages, page_size, D].
+        block_tables: [S, P] int32.
+        seq_lens: [S] int32; 0 gives zeros.
+
+    Returns:
+        [S, KV, Gp, D] in q's dtype.
+    """
+    num_seqs, num_kv_heads, rows, head_dim = q.shape
+    _, num_pages, page_size, _ = k_pages.shape
+    pages_per_seq = block_tables.shape[1]
+    t = resolve_decode_tuning(num_seqs, num_kv_heads, pages_per_seq, page_size, head_dim, tuning)
+    pages_per_block = t.block_k // page_size
+    pages_per_split = _cdiv(_cdiv(pages_per_seq, t.num_splits), pages_per_block) * pages_per_block
+    num_splits = _cdiv(pages_per_seq, pages_per_split)
+    padded_pages = num_splits * pages_per_split
+    if padded_pages != pages_per_seq:
+        block_tables = jnp.pad(block_tables, ((0, 0), (0, padded_pages - pages_per_seq)))
+    split = num_splits > 1
+
+    kernel = functools.partial(
+            _decode_kernel, sm_scale=sm_scale, block_k=t.block_k,
+            tokens_per_split=pages_per_split * page_size)
+    in_specs = [
+            pl.BlockSpec((num_seqs,), lambda s, h, k: (0,)),
+            pl.BlockSpec((None, padded_pages), lambda s, h, k: (s, 0)),
+            pl.BlockSpec((None, None, rows, head_dim), lambda s, h, k: (s, h, 0, 0)),
+            pl.BlockSpec((None, num_pages, page_size, head_dim), lambda s, h, k: (h, 0, 0, 0)),
+            pl.BlockSpec((None, num_pages, page_size, head_dim), lambda s, h, k: (h, 0, 0, 0)),
+    ]
+    if split:
+        out_shape = [
+                jax.ShapeDtypeStruct((num_seqs, num_kv_heads, num_splits, rows, head_dim), jnp.float32),
+                jax.ShapeDtypeStruct((num_seqs, num_kv_heads, num_splits, rows), jnp.float32),
+                jax.ShapeDtypeStruct((num_seqs, num_kv_heads, num_splits, rows), jnp.float32),
+        ]
+        out_specs = [
+                pl.BlockSpec((None, None, None, rows, head_dim), lambda s, h, k: (s, h, k, 0, 0)),
+                pl.BlockSpec((None, None, None, rows), lambda s, h, k: (s, h, k, 0)),
+                pl.BlockSpec((None, None, None, rows), lambda s, h, k: (s, h, k, 0)),
+        ]
+    else:
+        out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
+        out_specs = pl.BlockSpec((None, None, rows, head_dim), lambda s, h, k: (s, h, 0, 0))
+
+    out = pl.pallas_call(
+            kernel,
+            grid=(num_seqs, num_kv_heads, num_splits),
+            in_specs=in_specs,
+            out_specs=out_specs,
+            out_shape=out_shape,
+            compiler_params=plgpu.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages),
+            interpret=interpret,
+            name=f"jaxserve_paged_decode_bk{t.block_k}_ns{num_splits}",
+    )(seq_lens.astype(jnp.int32), block_tables.astype(jnp.int32), q, k_pages, v_pages)
+
+    if not split:
+        return out
+    acc, m, l = out
+    m_max = m.max(axis=2, keepdims=True)
+    w = jnp.exp2(m - m_max)  # [S, KV, NS, Gp]
+    num = (acc * w[..., None]).sum(axis=2)
+    den = (l * w).sum(axis=2)
+    den = jnp.where(den > 0.0, den, 1.0)
+    return (num / den[..., None]).astype(q.dtype)
+
+
+def group_queries(q: jax.Array, num_kv_heads: int) -> tuple[jax.Array, int]:
+    """[N, H, D] -> ([N, KV, Gp, D] zero-padded, G) with Gp = max(16, next_pow2(G))."""
+    n, num_heads, head_dim = q.shape
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+    group = num_heads // num_kv_heads
+    rows = max(MIN_TILE_ROWS, _next_pow2(group))
+    qg = q.reshape(n, num_kv_heads, group, head_dim)
+    if rows != group:
+        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
+    return qg, group
+
+
+def _check_shapes(q, k_pages, v_pages, block_tables, seq_lens):
+    if k_pages.shape != v_pages.shape:
+        raise ValueError(f"k_pages {k_pages.shape} and v_pages {v_pages.shape} differ")
+    if k_pages.ndim != 4 or q.ndim != 3:
+        raise ValueError("expected q [N, H, D] and pages [KV, num_pages, page_size, D]")
+    if q.shape[2] != k_pages.shape[3]:
+        raise ValueError(f"head_dim of q ({q.shape[2]}) and pages ({k_pages.shape[3]}) differ")
+    head_dim, page_size = q.shape[2], k_pages.shape[2]
+    if head_dim & (head_dim - 1) or page_size & (page_size - 1):
+        raise ValueError(f"head_dim ({head_dim}) and page_size ({page_size}) must be powers of two")
+    if block_tables.ndim != 2 or block_tables.shape[0] != seq_lens.shape[0]:
+        raise ValueError(f"block_tables {block_tables.shape} vs seq_lens {seq_lens.shape}")
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "interpret", "tuning"))
+def paged_attention(
+        q: jax.Array,
+        k_pages: jax.Array,
+        v_pages: jax.Array,
+        block_tables: jax.Array,
+        seq_lens: jax.Array,
+        *,
+        sm_scale: float | None = None,
+        interpret: bool = False,
+        tuning: DecodeTuning | None = None,
+) -> jax.Array:
+    """Decode attention: one query token per sequence over the paged KV pool (Pallas).
+
+    Args:
+        q: [S, H, D] the query of each sequence's newest token (at position seq_lens[s] - 1);
+            float32 or bfloat16. H must be a multiple of KV (any group size, padded inside).
+        k_pages, v_pages: [KV, num_pages, page_size, D]; D and page_size powers of two.
+        block_tables: [S, P] int32 page ids; entries past a sequence's length are never read.
+        seq_lens: [S] int32 context lengths (tokens) including the newest token; 0 gives zeros.
+        sm_scale: softmax scale, default D ** -0.5.
+        interpret: run the Pallas kernel in interpret mode (CPU).
+        tuning: static tile/launch overrides (DecodeTuning); None picks them from the shapes.
+
+    Returns:
+        [S, H, D] in q's dtype.
+
+    Raises:
+        ValueError: on inconsistent shapes.
+    """
+    _check_shapes(q, k_pages, v_pages, block_tables, seq_lens)
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = k_pages.shape[0]
+    if sm_scale is None:
+        sm_scale = head_dim**-0.5
+    qg, group = group_queries(q, num_kv_heads)
+    out = decode_grouped(
+            qg.astype(k_pages.dtype) if qg.dtype != k_pages.dtype else qg, k_pages, v_pages,
+            block_tables, seq_lens, sm_scale=float(sm_scale), tuning=tuning, interpret=interpret)
+    return out[:, :, :group].reshape(num_seqs, num_heads, head_dim).astype(q.dtype)

@@ -1,0 +1,152 @@
+"""Pallas attention kernels in interpret mode (CPU) against the pure-JAX oracles.
+
+Fresh random ragged inputs each run (the seed is in the failure message). Interpret mode
+starts every Pallas output as NaN, so "all finite" proves that every element was written;
+unreferenced KV slots hold a finite poison value, so a missing mask shows as a wrong answer.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels
+from pallas_kernels import reference
+from pallas_kernels.flash_attention import PrefillTuning, attention
+from pallas_kernels.paged_attention import DecodeTuning, paged_attention
+from pallas_kernels.testing import make_batch, rel_err
+
+
+def _rng():
+    seed = int(np.random.SeedSequence().entropy % (2**32))
+    return np.random.default_rng(seed), seed
+
+
+def _tol(dtype):
+    # Interpret mode computes the dots in the operand dtype: float32 is exact up to rounding.
+    return 1e-5 if jnp.dtype(dtype) == jnp.float32 else 2e-2
+
+
+DECODE_CASES = [
+    # group, num_kv_heads, head_dim, page_size, dtype, tuning
+    (1, 2, 64, 16, jnp.float32, None),
+    (3, 2, 64, 16, jnp.float32, DecodeTuning(block_k=16, num_splits=3)),
+    (4, 2, 128, 32, jnp.bfloat16, None),
+    (8, 1, 128, 64, jnp.float32, DecodeTuning(num_splits=2)),
+    (3, 3, 128, 16, jnp.bfloat16, DecodeTuning(block_k=32, num_splits=4)),
+]
+
+
+@pytest.mark.parametrize("group,kv,head_dim,page_size,dtype,tuning", DECODE_CASES)
+def test_paged_attention_matches_reference(group, kv, head_dim, page_size, dtype, tuning):
+    rng, seed = _rng()
+    long = 4 * page_size + int(rng.integers(1, page_size))
+    lens = [1, page_size, page_size + 1, long]
+    b = make_batch(rng, [1] * 4, lens, num_heads=group * kv, num_kv_heads=kv,
+                   head_dim=head_dim, page_size=page_size, dtype=dtype,
+                   num_seqs=5, pages_per_seq=6)
+    # Padding sequence 4 has seq_len 0: the oracle gives zeros there, so must we.
+    q = b.q[:5] if b.q.shape[0] >= 5 else jnp.pad(b.q, ((0, 5 - b.q.shape[0]), (0, 0), (0, 0)))
+    out = paged_attention(q, b.k_pages, b.v_pages, b.block_tables, b.seq_lens,
+                          interpret=True, tuning=tuning)
+    ref = reference.paged_attention(q, b.k_pages, b.v_pages, b.block_tables, b.seq_lens)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert bool(jnp.isfinite(out).all()), f"unwritten output (seed {seed})"
+    assert rel_err(out, ref) <= _tol(dtype), f"seed {seed}: rel err {rel_err(out, ref)}"
+    assert bool((out[4] == 0).all()), f"seed {seed}"
+
+
+ATTENTION_CASES = [
+    # group, num_kv_heads, head_dim, page_size, dtype, split_decode, prefill tuning
+    (1, 2, 64, 16, jnp.float32, True, PrefillTuning(block_q=16, block_k=16)),
+    (3, 2, 64, 16, jnp.float32, True, PrefillTuning(block_q=16, block_k=32)),
+    (4, 2, 128, 32, jnp.bfloat16, True, None),
+    (8, 1, 128, 16, jnp.float32, False, PrefillTuning(block_q=32, block_k=16)),
+    (3, 1, 128, 64, jnp.bfloat16, True, PrefillTuning(block_q=16)),
+]
+
+
+@pytest.mark.parametrize("group,kv,head_dim,page_size,dtype,split,ptune", ATTENTION_CASES)
+def test_attention_mixed_batch_matches_reference(group, kv, head_dim, page_size, dtype, split,
+                                                 ptune):
+    rng, seed = _rng()
+    ps = page_size
+    long = 3 * ps + int(rng.integers(1, ps))
+    # (q_len, seq_len): decodes at 1, a page, a page + 1 and long contexts; a whole prompt; a
+    # chunk exactly a page over a cached prefix; a page + 1 chunk; a long chunk over a prefix
+    # that ends mid-page.
+    pairs = [(1, 1), (1, ps), (1, ps + 1), (1, long), (ps + 3, ps + 3), (ps, 2 * ps),
+             (ps + 1, ps + 1 + 5), (long - 7, long)]
+    rng.shuffle(pairs)
+    q_lens, seq_lens = map(list, zip(*pairs))
+    real = sum(q_lens)
+    b = make_batch(rng, q_lens, seq_lens, num_heads=group * kv, num_kv_heads=kv,
+                   head_dim=head_dim, page_size=ps, dtype=dtype, num_tokens=real + 5,
+                   num_seqs=len(pairs) + 2, pages_per_seq=5)
+    out = attention(*b.args, interpret=True, split_decode=split, prefill_tuning=ptune)
+    ref = reference.attention(*b.args)
+    n = b.num_real_tokens
+    assert out.shape == b.q.shape and out.dtype == b.q.dtype
+    assert bool(jnp.isfinite(out).all()), f"unwritten output (seed {seed})"
+    err = rel_err(out[:n], ref[:n])
+    assert err <= _tol(dtype), f"seed {seed}: rel err {err}"
+    # Per sequence too, so one short sequence cannot hide behind the long ones.
+    qsl = np.asarray(b.query_start_loc)
+    for s in range(len(pairs)):
+        lo, hi = qsl[s], qsl[s + 1]
+        e = rel_err(out[lo:hi], ref[lo:hi])
+        assert e <= _tol(dtype), f"seed {seed}: sequence {s} {pairs[s]} rel err {e}"
+    assert bool((out[n:] == 0).all()), f"padding rows not zero (seed {seed})"
+
+
+def test_attention_pure_decode_and_empty_batch():
+    rng, seed = _rng()
+    b = make_batch(rng, [1, 1, 1], [1, 17, 40], num_heads=6, num_kv_heads=2, head_dim=64,
+                   page_size=16, num_tokens=4, num_seqs=4, pages_per_seq=4)
+    out = attention(*b.args, interpret=True)
+    ref = reference.attention(*b.args)
+    assert rel_err(out[:3], ref[:3]) <= 1e-5, f"seed {seed}"
+    assert bool((out[3] == 0).all())
+    # Nothing scheduled at all (every sequence padding): all rows are padding, all zero.
+    zero = attention(b.q, b.k_pages, b.v_pages, jnp.zeros(5, jnp.int32), jnp.zeros(4, jnp.int32),
+                     b.block_tables, interpret=True)
+    assert bool((zero == 0).all())
+
+
+def test_sm_scale_and_mixed_dtypes():
+    rng, seed = _rng()
+    b = make_batch(rng, [5, 1], [9, 30], num_heads=4, num_kv_heads=2, head_dim=64, page_size=16)
+    out = attention(*b.args, sm_scale=0.3, interpret=True)
+    ref = reference.attention(*b.args, sm_scale=0.3)
+    assert rel_err(out, ref) <= 1e-5, f"seed {seed}"
+    # float32 queries over a bfloat16 pool: computed in the pool's dtype, returned in q's.
+    kb, vb = b.k_pages.astype(jnp.bfloat16), b.v_pages.astype(jnp.bfloat16)
+    out = attention(b.q, kb, vb, *b.args[3:], interpret=True)
+    ref = reference.attention(b.q, kb, vb, *b.args[3:])
+    assert out.dtype == jnp.float32 and rel_err(out, ref) <= 2e-2, f"seed {seed}"
+
+
+def test_shape_errors():
+    rng, _ = _rng()
+    b = make_batch(rng, [2], [2], num_heads=4, num_kv_heads=2, head_dim=64, page_size=16)
+    with pytest.raises(ValueError):
+        attention(b.q, b.k_pages, b.v_pages[:, :, :, :32], *b.args[3:], interpret=True)
+    with pytest.raises(ValueError):
+        attention(b.q[:, :3], b.k_pages, b.v_pages, *b.args[3:], interpret=True)
+    with pytest.raises(ValueError):
+        attention(*b.args[:3], b.query_start_loc[:1], b.seq_lens, b.block_tables, interpret=True)
+
+
+def test_get_attention_fn():
+    assert pallas_kernels.get_attention_fn("reference") is reference.attention
+    fn = pallas_kernels.get_attention_fn("pallas")
+    if jax.default_backend() == "gpu":
+        assert pallas_kernels.get_attention_fn("auto") is attention
+        assert fn is attention
+    else:
+        assert pallas_kernels.get_attention_fn("auto") is reference.attention
+        assert isinstance(fn, functools.partial) and fn.keywords == {"interpret": True}
+    with pytest.raises(ValueError):
+        pallas_kernels.get_attention_fn("cudnn")

@@ -1,0 +1,60 @@
+"""Lower the Pallas kernels for the cuda platform on CPU (DESIGN.md section 5).
+
+This catches Pallas-to-Triton errors (block shapes, power-of-two sizes, unsupported ops) in CI;
+Triton-to-PTX errors (shared memory, registers) show only on a GPU (test_attention_gpu.py).
+The shapes include the tiles the GPU defaults pick for the benchmark workloads.
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from pallas_kernels.flash_attention import PrefillTuning, attention
+from pallas_kernels.paged_attention import DecodeTuning, paged_attention
+
+
+def _export_cuda(fn, *avals):
+    exported = jax.export.export(
+        jax.jit(fn),
+        platforms=["cuda"],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+    )(*avals)
+    text = exported.mlir_module()
+    assert "__gpu$xla.gpu.triton" in text
+    return text
+
+
+def _avals(num_tokens, num_seqs, num_heads, num_kv_heads, head_dim, page_size, pages_per_seq,
+           dtype, num_pages=64):
+    s = jax.ShapeDtypeStruct
+    pool = s((num_kv_heads, num_pages, page_size, head_dim), dtype)
+    return dict(
+        q=s((num_tokens, num_heads, head_dim), dtype), k=pool, v=pool,
+        qsl=s((num_seqs + 1,), jnp.int32), seq_lens=s((num_seqs,), jnp.int32),
+        bt=s((num_seqs, pages_per_seq), jnp.int32))
+
+
+@pytest.mark.parametrize("group,head_dim,page_size,dtype,tuning", [
+    (3, 64, 16, jnp.bfloat16, None),
+    (4, 128, 16, jnp.bfloat16, DecodeTuning(num_splits=4)),
+    (8, 128, 64, jnp.float32, None),
+    (1, 64, 32, jnp.float32, DecodeTuning(block_k=32, num_splits=2, num_warps=8, num_stages=3)),
+])
+def test_paged_attention_lowers_for_cuda(group, head_dim, page_size, dtype, tuning):
+    a = _avals(8, 8, 2 * group, 2, head_dim, page_size, 16, dtype)
+    _export_cuda(lambda q, k, v, bt, sl: paged_attention(q, k, v, bt, sl, tuning=tuning),
+                 jax.ShapeDtypeStruct((8, 2 * group, head_dim), dtype), a["k"], a["v"],
+                 a["bt"], a["seq_lens"])
+
+
+@pytest.mark.parametrize("group,head_dim,page_size,dtype,split,tuning", [
+    (3, 64, 16, jnp.bfloat16, True, None),
+    (4, 128, 16, jnp.bfloat16, True, PrefillTuning(block_q=128, block_k=64, num_warps=8)),
+    (4, 128, 16, jnp.float32, False, None),
+    (8, 64, 64, jnp.bfloat16, True, PrefillTuning(block_q=32, block_k=128, num_stages=3)),
+])
+def test_attention_lowers_for_cuda(group, head_dim, page_size, dtype, split, tuning):
+    a = _avals(64, 8, 2 * group, 2, head_dim, page_size, 16, dtype)
+    _export_cuda(
+        lambda *args: attention(*args, split_decode=split, prefill_tuning=tuning),
+        a["q"], a["k"], a["v"], a["qsl"], a["seq_lens"], a["bt"])

@@ -1,0 +1,56 @@
+import json
+
+import pytest
+
+from jaxserve.model_loader import DUMMY_PRESETS, load_checkpoint
+
+
+@pytest.mark.parametrize("preset", ["llama-3.1-8b", "llama-3.2-1b", "qwen2.5-0.5b", "smollm2-135m",
+                                    "qwen3-0.6b", "mistral-7b"])
+def test_dummy_presets(preset, default_gguf):
+    ck = load_checkpoint(preset, "dummy")
+    assert ck.weights is None and ck.name == preset
+    cfg = ck.hf_config
+    assert cfg["architectures"][0] in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                                       "MistralForCausalLM")
+    assert cfg["hidden_size"] % cfg["num_attention_heads"] == 0
+    assert cfg["num_attention_heads"] % cfg["num_key_value_heads"] == 0
+    assert len(ck.tokenizer) == 49152 and ck.tokenizer.encode("Hello world") == [19556, 905]
+    ck.hf_config["hidden_size"] = -1
+    assert DUMMY_PRESETS[preset]["hidden_size"] != -1  # callers get a copy
+
+
+def test_llama_8b_preset_values():
+    c = DUMMY_PRESETS["llama-3.1-8b"]
+    assert (c["hidden_size"], c["num_hidden_layers"], c["num_attention_heads"], c["num_key_value_heads"],
+            c["intermediate_size"], c["vocab_size"]) == (4096, 32, 32, 8, 14336, 128256)
+    assert c["rope_scaling"]["rope_type"] == "llama3"
+
+
+def test_dummy_from_config_json(tmp_path):
+    (tmp_path / "mymodel").mkdir()
+    cfg = dict(DUMMY_PRESETS["qwen2.5-0.5b"], num_hidden_layers=2)
+    (tmp_path / "mymodel" / "config.json").write_text(json.dumps(cfg))
+    ck = load_checkpoint(str(tmp_path / "mymodel" / "config.json"), "dummy")
+    assert ck.name == "mymodel" and ck.hf_config == cfg and ck.weights is None
+    assert load_checkpoint(None, "dummy").name == "smollm2-135m"
+
+
+@pytest.mark.parametrize("make,fmt,match", [
+    (lambda p: p / "missing", "auto", "does not exist"),
+    (lambda p: p, "auto", "is not a GGUF file, an HF folder"),  # empty folder
+    (lambda p: (p / "x.bin").write_bytes(b"nope") and p / "x.bin", "auto", "is not a GGUF file"),
+    (lambda p: p, "gguf", "is not a GGUF file"),
+    (lambda p: p, "orbax", "is not a jaxserve orbax folder"),
+    (lambda p: (p / "config.json").write_text("{}") and p, "safetensors", "config.json and \\*.safetensors"),
+    (lambda p: "no-such-preset", "dummy", "not a preset"),
+    (lambda p: "llama-3.1-8b", "auto", "load_format='dummy'"),
+    (lambda p: p, "pytorch", "load_format 'pytorch' is not one of"),
+])
+def test_bad_paths_are_one_line_value_errors(tmp_path, make, fmt, match):
+    target = make(tmp_path)
+    with pytest.raises(ValueError, match=match) as e:
+        load_checkpoint(str(target), fmt)
+    assert "\n" not in str(e.value)
+    if fmt != "pytorch":
+        assert str(target) in str(e.value)

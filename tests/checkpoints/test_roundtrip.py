@@ -1,0 +1,100 @@
+"""GGUF -> HF folder -> load, HF shards, orbax save/restore, and the convert CLI."""
+
+import json
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from checkpoints_tools.convert import main as convert
+from jaxserve.model_loader import Checkpoint, load_checkpoint, save_hf_folder, save_orbax
+
+
+def _assert_same(a: Checkpoint, b: Checkpoint):
+    assert a.weights.keys() == b.weights.keys()
+    for k in a.weights:
+        assert a.weights[k].dtype == b.weights[k].dtype, k
+        np.testing.assert_array_equal(a.weights[k], b.weights[k], err_msg=k)
+    assert a.hf_config == b.hf_config
+    text = "Hi 世界 🤗 2024 <|im_end|>"
+    assert a.tokenizer.encode(text) == b.tokenizer.encode(text)
+    msgs = [{"role": "user", "content": "Hello"}]
+    assert (a.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+            == b.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True))
+
+
+def test_gguf_to_hf_folder_round_trip(smollm, smollm_hf_folder):
+    files = {p.name for p in smollm_hf_folder.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= files
+    tcfg = json.loads((smollm_hf_folder / "tokenizer_config.json").read_text())
+    assert tcfg["tokenizer_class"] == "PreTrainedTokenizerFast" and "<|im_start|>" in tcfg["chat_template"]
+    hf = load_checkpoint(str(smollm_hf_folder))
+    assert hf.name == "SmolLM2-135M-Instruct"
+    _assert_same(smollm, hf)
+
+
+def _small(smollm) -> Checkpoint:
+    keys = ["model.embed_tokens.weight", "model.norm.weight", "model.layers.0.self_attn.q_proj.weight",
+            "model.layers.1.mlp.down_proj.weight"]
+    w = {k: smollm.weights[k] for k in keys}
+    w["model.layers.0.self_attn.k_proj.weight"] = smollm.weights[
+        "model.layers.0.self_attn.k_proj.weight"].astype(ml_dtypes.bfloat16)
+    return Checkpoint("small", dict(smollm.hf_config), w, smollm.tokenizer)
+
+
+def test_hf_folder_sharded_with_index_and_bf16(smollm, tmp_path):
+    from safetensors.numpy import save_file
+
+    small = _small(smollm)
+    save_hf_folder(tmp_path / "small", small)
+    (tmp_path / "small" / "model.safetensors").unlink()
+    names = sorted(small.weights)
+    shards = {"model-00001-of-00002.safetensors": names[:2], "model-00002-of-00002.safetensors": names[2:]}
+    for fname, keys in shards.items():
+        save_file({k: small.weights[k] for k in keys}, str(tmp_path / "small" / fname), metadata={"format": "pt"})
+    (tmp_path / "small" / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {k: f for f, ks in shards.items() for k in ks}}))
+    loaded = load_checkpoint(str(tmp_path / "small"), "safetensors")
+    assert loaded.weights["model.layers.0.self_attn.k_proj.weight"].dtype == ml_dtypes.bfloat16
+    _assert_same(small, loaded)
+    # Without the index, a glob of *.safetensors is used.
+    (tmp_path / "small" / "model.safetensors.index.json").unlink()
+    _assert_same(small, load_checkpoint(str(tmp_path / "small")))
+
+
+def test_orbax_round_trip(smollm, tmp_path):
+    small = _small(smollm)
+    save_orbax(tmp_path / "ob", small)
+    loaded = load_checkpoint(str(tmp_path / "ob"))
+    assert loaded.name == "small"
+    _assert_same(small, loaded)
+    with pytest.raises(ValueError, match="not empty"):
+        save_orbax(tmp_path / "ob", small)
+
+
+def test_convert_cli_hf_to_orbax(smollm, smollm_hf_folder, tmp_path, capsys):
+    out = tmp_path / "orbax"
+    assert convert(["--input", str(smollm_hf_folder), "--output", str(out)]) == 0
+    assert capsys.readouterr().out.strip() == str(out)
+    ob = load_checkpoint(str(out), "orbax")
+    assert ob.name == "SmolLM2-135M-Instruct"
+    _assert_same(smollm, ob)
+
+
+@pytest.mark.parametrize("args,flag", [
+    (["--input", "/no/such/model.gguf", "--output", "X"], "--input"),
+    (["--input", "HF", "--output", "X", "--to", "hf"], "--to hf"),
+    (["--input", "GGUF", "--output", "NONEMPTY"], "--output"),
+    (["--input", "GGUF", "--output", "X", "--to", "pt"], "--to"),
+    (["--output", "X"], "--input"),
+])
+def test_convert_cli_errors_name_the_flag(args, flag, smollm_hf_folder, default_gguf, tmp_path, capsys):
+    (tmp_path / "nonempty").mkdir()
+    (tmp_path / "nonempty" / "f").write_text("x")
+    subst = {"HF": str(smollm_hf_folder), "GGUF": str(default_gguf), "X": str(tmp_path / "x"),
+             "NONEMPTY": str(tmp_path / "nonempty")}
+    with pytest.raises(SystemExit) as e:
+        convert([subst.get(a, a) for a in args])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert flag in err and "error:" in err

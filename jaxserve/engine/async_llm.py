@@ -25,7 +25,8 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine import EngineCoreRequest
 from jaxserve.engine import messages as M
 from jaxserve.engine.core_client import EngineCoreClient, EngineDeadError, EngineStartError
-from jaxserve.engine.output_processor import OutputProcessor, RequestError, RequestOutput
+from jaxserve.engine.output_processor import OutputProcessor, RequestError, merge_outputs
+from jaxserve.outputs import RequestOutput
 from jaxserve.metrics import Metrics
 from jaxserve.sampling_params import SamplingParams
 
@@ -125,6 +126,9 @@ class AsyncLLM:
                        request_id: str) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its RequestOutput deltas until one has ``finished``.
 
+        Each yielded ``outputs[0].text`` / ``.token_ids`` is new since the previous one (deltas
+        that piled up while the consumer was busy are merged into one).
+
         Closing the iterator early (client disconnect, cancellation) aborts the request in the
         engine, which frees its KV pages.
 
@@ -147,7 +151,7 @@ class AsyncLLM:
                     if isinstance(nxt, BaseException):
                         out = nxt
                         break
-                    out.merge(nxt)
+                    out = merge_outputs(out, nxt)
                 if isinstance(out, BaseException):
                     finished = True
                     raise out

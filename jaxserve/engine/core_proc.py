@@ -205,14 +205,15 @@ def run_engine_core(config: EngineConfig, conn: Connection, parent_pid: int | No
             conn.send_bytes(M.encode(M.Error([], _describe(e), kind="internal", fatal=True)))
             return
         tok = core.tokenizer
-        eos = getattr(core, "eos_token_ids", None)
-        if eos is None:
-            eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
+        mc = getattr(core, "model_config", None)
+        eos = set(getattr(core, "eos_token_ids", None) or getattr(mc, "eos_token_ids", None) or ())
+        if tok.eos_token_id is not None:
+            eos.add(tok.eos_token_id)
         effective = getattr(core, "config", config)
         conn.send_bytes(M.encode(M.Ready(
             model_name=str(core.model_name), max_model_len=int(core.max_model_len),
-            tokenizer_dir=tokenizer_dir, eos_token_ids=[int(i) for i in eos],
-            vocab_size=int(getattr(core, "vocab_size", None) or len(tok)),
+            tokenizer_dir=tokenizer_dir, eos_token_ids=sorted(int(i) for i in eos),
+            vocab_size=int(getattr(mc, "vocab_size", None) or len(tok)),
             config=dataclasses.asdict(effective) if dataclasses.is_dataclass(effective) else {},
         )))
         EngineCoreProc(core, conn).run()

@@ -2,7 +2,10 @@
 
 Runs in the API process, on the event loop. For each live request it keeps an
 IncrementalDetokenizer (stop strings are matched here, not in the engine), counts tokens, and
-records request metrics.
+records request metrics. What it queues are ``jaxserve.outputs.RequestOutput`` objects used as
+deltas (vLLM's RequestOutputKind.DELTA): ``outputs[0].text`` / ``token_ids`` hold what is new since
+the previous one, ``finished`` is True on the last; the sum of the deltas' ``token_ids`` lengths
+is the number of generated tokens (EOS / stop token included).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from dataclasses import dataclass, field
 
 from jaxserve.engine import EngineCoreOutput
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
+from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
 
@@ -28,54 +32,15 @@ class RequestError(RuntimeError):
         self.kind = kind
 
 
-@dataclass
-class CompletionOutput:
-    """One generated sequence's progress (vLLM's name). ``text`` and ``token_ids`` are deltas.
-
-    Attributes:
-      index: choice index (always 0: n > 1 is not supported).
-      text: new text since the previous RequestOutput of this request.
-      token_ids: new token ids since the previous RequestOutput.
-      finish_reason: None while running, else "stop" or "length" ("abort" if aborted).
-      stop_reason: the stop string or stop token id that ended it, if any.
-    """
-
-    index: int = 0
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-
-
-@dataclass
-class RequestOutput:
-    """What ``AsyncLLM.generate`` yields (a delta, like vLLM's RequestOutputKind.DELTA).
-
-    Attributes:
-      request_id: the request.
-      prompt_token_ids: the prompt, token ids.
-      outputs: one CompletionOutput (n = 1).
-      finished: True on the last output of the request.
-      num_cached_tokens: prompt tokens served from the prefix cache.
-      num_output_tokens: generated tokens so far (cumulative, including EOS / stop token).
-    """
-
-    request_id: str
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    finished: bool = False
-    num_cached_tokens: int = 0
-    num_output_tokens: int = 0
-
-    def merge(self, later: "RequestOutput") -> None:
-        """Fold a later delta of the same request into this one (a lagging consumer)."""
-        a, b = self.outputs[0], later.outputs[0]
-        a.text += b.text
-        a.token_ids += b.token_ids
-        a.finish_reason, a.stop_reason = b.finish_reason, b.stop_reason
-        self.finished = later.finished
-        self.num_cached_tokens = later.num_cached_tokens
-        self.num_output_tokens = later.num_output_tokens
+def merge_outputs(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """Fold a later delta of the same request into an earlier one (a lagging consumer)."""
+    a, b = earlier.outputs[0], later.outputs[0]
+    a.text += b.text
+    a.token_ids = a.token_ids + b.token_ids
+    a.finish_reason, a.stop_reason = b.finish_reason, b.stop_reason
+    earlier.finished = later.finished
+    earlier.num_cached_tokens = later.num_cached_tokens
+    return earlier
 
 
 @dataclass
@@ -145,10 +110,9 @@ class OutputProcessor:
                 text += st.detokenizer.flush()
             finished = finish_reason is not None
             out = RequestOutput(
-                st.request_id, st.prompt_token_ids,
+                st.request_id, None, st.prompt_token_ids,
                 [CompletionOutput(0, text, ids, finish_reason, stop_reason)],
-                finished=finished, num_cached_tokens=st.num_cached_tokens,
-                num_output_tokens=st.num_output_tokens)
+                num_cached_tokens=st.num_cached_tokens, finished=finished)
             st.queue.put_nowait(out)
             if finished:
                 del self.requests[o.request_id]

@@ -1,0 +1,114 @@
+"""The aiohttp application: routes, API-key check, OpenAI error bodies.
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
+GET /version, GET /metrics. Every error, including unknown routes and unexpected exceptions,
+is an OpenAI error body ``{"error": {"message", "type", "param", "code"}}``; tracebacks go to
+the server log only.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+
+from aiohttp import web
+
+from jaxserve.engine.async_llm import AsyncLLM
+from jaxserve.entrypoints import serving
+from jaxserve.entrypoints.errors import APIError, error_response
+from jaxserve.metrics import CONTENT_TYPE
+
+logger = logging.getLogger("jaxserve.api")
+
+LLM_KEY = web.AppKey("llm", AsyncLLM)
+STATE_KEY = web.AppKey("state", dict)
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("jaxserve")
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+@web.middleware
+async def _errors_middleware(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except APIError as e:
+        return e.response()
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return error_response(e.status, e.reason or "error", "invalid_request_error")
+    except Exception:  # noqa: BLE001 - never a traceback in a response
+        logger.exception("unhandled error in %s %s", request.method, request.path)
+        return error_response(500, "internal server error", "server_error")
+
+
+def _auth_middleware(api_key: str | None):
+    @web.middleware
+    async def check(request: web.Request, handler):
+        if api_key and request.path.startswith("/v1"):
+            got = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(got.encode(), f"Bearer {api_key}".encode()):
+                raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer KEY')",
+                               code="invalid_api_key")
+        return await handler(request)
+
+    return check
+
+
+async def _health(request: web.Request) -> web.Response:
+    llm = request.app[LLM_KEY]
+    if llm.ready:
+        return web.json_response({"status": "ok"})
+    status = "starting" if not (llm.errored or llm.shutting_down) else "unavailable"
+    return error_response(503, f"the engine is {status}", "server_error", code="engine_unavailable")
+
+
+async def _version_route(request: web.Request) -> web.Response:
+    return web.json_response({"version": _version()})
+
+
+async def _models(request: web.Request) -> web.Response:
+    llm = request.app[LLM_KEY]
+    serving.require_ready(llm)
+    state = request.app[STATE_KEY]
+    return web.json_response({"object": "list", "data": [{
+        "id": serving.served_name(request), "object": "model", "created": state["created"],
+        "owned_by": "jaxserve", "root": llm.model_name, "parent": None,
+        "max_model_len": llm.max_model_len,
+    }]})
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    llm = request.app[LLM_KEY]
+    if llm.metrics is None:
+        return web.Response(body=b"", headers={"Content-Type": CONTENT_TYPE})
+    return web.Response(body=llm.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+
+def build_app(llm: AsyncLLM, *, served_model_name: str | None = None,
+              api_key: str | None = None) -> web.Application:
+    """The aiohttp app serving ``llm``.
+
+    Args:
+      llm: an AsyncLLM (it may still be starting: endpoints answer 503 until it is ready).
+      served_model_name: the name clients use in ``model``; None = the model's own name.
+      api_key: if set, /v1/* requires ``Authorization: Bearer <api_key>`` (else 401).
+    """
+    app = web.Application(middlewares=[_errors_middleware, _auth_middleware(api_key)],
+                          client_max_size=64 * 1024 * 1024)
+    app[LLM_KEY] = llm
+    app[STATE_KEY] = {"served_model_name": served_model_name, "created": int(time.time())}
+    app.router.add_post("/v1/completions", serving.create_completion)
+    app.router.add_post("/v1/chat/completions", serving.create_chat_completion)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/version", _version_route)
+    app.router.add_get("/metrics", _metrics)
+    return app

@@ -1,0 +1,45 @@
+"""OpenAI error bodies: ``{"error": {"message", "type", "param", "code"}}``."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+          413: "invalid_request_error", 500: "server_error", 503: "server_error"}
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, type_: str | None = None,
+                   param: str | None = None, code: str | None = None) -> web.Response:
+    """A JSON error response with the OpenAI body."""
+    type_ = type_ or _TYPES.get(status, "invalid_request_error")
+    return web.json_response(error_body(message, type_, param, code), status=status)
+
+
+class APIError(Exception):
+    """Raised by handlers; the error middleware turns it into an OpenAI error response.
+
+    Attributes:
+      status: HTTP status (400 bad request, 401 bad key, 404 unknown model, 503 engine gone).
+      message: human-readable, names the offending field where there is one.
+      param: the offending request field, if any.
+      code: a short machine-readable code, if any.
+    """
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None, type_: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type_ = type_ or _TYPES.get(status, "invalid_request_error")
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type_, self.param, self.code)
+
+    def response(self) -> web.Response:
+        return web.json_response(self.body(), status=self.status)

@@ -1,0 +1,1 @@
+"""HTTP entry points: the OpenAI-compatible aiohttp app (api_server), its handlers and protocol."""

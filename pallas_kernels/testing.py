@@ -98,5 +98,5 @@ def rel_err(out: jax.Array, ref: jax.Array) -> float:
 
 
 def tolerance(dtype) -> float:
-    """Relative-error bound: float32 (tf32 dots on GPU) and bfloat16 operands."""
-    return 2e-3 if jnp.dtype(dtype) == jnp.float32 else 2e-2
+    """Relative-error bound on GPU: float32 (tf32 dots, here and in XLA) and bfloat16 operands."""
+    return 5e-3 if jnp.dtype(dtype) == jnp.float32 else 2e-2

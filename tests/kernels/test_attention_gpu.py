@@ -1,0 +1,76 @@
+"""The Pallas kernels compiled for the GPU (Triton) against the pure-JAX oracles.
+
+Marked ``gpu`` and skipped where JAX sees no GPU. Shapes are larger than the interpret-mode
+tests (CPU) and include the Llama-3-8B head layout of the benchmarks.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import get_attention_fn, reference
+from pallas_kernels.flash_attention import attention
+from pallas_kernels.paged_attention import DecodeTuning, paged_attention
+from pallas_kernels.testing import make_batch, rel_err, tolerance
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU"),
+]
+
+
+def _rng():
+    seed = int(np.random.SeedSequence().entropy % (2**32))
+    return np.random.default_rng(seed), seed
+
+
+@pytest.mark.parametrize("group,kv,head_dim,page_size", [
+    (1, 4, 64, 16), (3, 3, 64, 16), (4, 8, 128, 16), (8, 2, 128, 32), (5, 2, 128, 64),
+])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_paged_attention_gpu(group, kv, head_dim, page_size, dtype):
+    rng, seed = _rng()
+    lens = [1, page_size, page_size + 1, 1000, 3000, 77, 0]
+    b = make_batch(rng, [1] * 6 + [0], lens, num_heads=group * kv, num_kv_heads=kv,
+                   head_dim=head_dim, page_size=page_size, dtype=dtype, num_tokens=7,
+                   pages_per_seq=-(-4096 // page_size))
+    ref = reference.paged_attention(b.q, b.k_pages, b.v_pages, b.block_tables, b.seq_lens)
+    for tuning in (None, DecodeTuning(num_splits=1), DecodeTuning(num_splits=5, block_k=64)):
+        out = paged_attention(b.q, b.k_pages, b.v_pages, b.block_tables, b.seq_lens,
+                              tuning=tuning)
+        assert bool(jnp.isfinite(out).all()), f"seed {seed} {tuning}"
+        err = rel_err(out, ref)
+        assert err <= tolerance(dtype), f"seed {seed} {tuning}: rel err {err}"
+        assert bool((out[6] == 0).all())
+
+
+@pytest.mark.parametrize("group,kv,head_dim,page_size", [
+    (1, 4, 64, 16), (3, 3, 64, 16), (4, 8, 128, 16), (8, 1, 128, 32), (3, 2, 128, 64),
+])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("split_decode", [True, False])
+def test_attention_gpu(group, kv, head_dim, page_size, dtype, split_decode):
+    rng, seed = _rng()
+    ps = page_size
+    pairs = [(1, 1), (1, ps), (1, ps + 1), (1, 1500), (ps + 3, ps + 3), (ps, 2 * ps),
+             (ps + 1, ps + 6), (300, 1100), (700, 700), (1, 5)]
+    rng.shuffle(pairs)
+    q_lens, seq_lens = map(list, zip(*pairs))
+    real = sum(q_lens)
+    b = make_batch(rng, q_lens, seq_lens, num_heads=group * kv, num_kv_heads=kv,
+                   head_dim=head_dim, page_size=ps, dtype=dtype, num_tokens=real + 37,
+                   num_seqs=16, pages_per_seq=-(-2048 // ps))
+    out = attention(*b.args, split_decode=split_decode)
+    ref = reference.attention(*b.args)
+    n = b.num_real_tokens
+    assert bool(jnp.isfinite(out).all()), f"seed {seed}"
+    qsl = np.asarray(b.query_start_loc)
+    for s in range(len(pairs)):
+        e = rel_err(out[qsl[s]:qsl[s + 1]], ref[qsl[s]:qsl[s + 1]])
+        assert e <= tolerance(dtype), f"seed {seed}: sequence {s} {pairs[s]} rel err {e}"
+    assert bool((out[n:] == 0).all()), f"seed {seed}"
+
+
+def test_get_attention_fn_gpu():
+    assert get_attention_fn("auto") is attention

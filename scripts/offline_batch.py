@@ -1,0 +1,315 @@
+#!/usr/bin/env python
+"""Run a JSONL file of prompts through jaxserve offline, one output line per input line.
+
+    python scripts/offline_batch.py --input in.jsonl --output out.jsonl [--model M]
+        [--load-format F] [--max-model-len N] [--max-num-seqs N]
+        [--max-num-batched-tokens N] [--kv-cache-gib G]
+
+Input: one JSON object per line, either
+
+    {"id": "q1", "prompt": "The capital of France is", "max_tokens": 8}
+    {"id": "q2", "messages": [{"role": "user", "content": "Hi!"}], "temperature": 0}
+
+Fields: exactly one of ``prompt`` (a string, or a list of token ids) or ``messages`` (a list of
+``{"role", "content"}`` objects, sent through the model's chat template with the assistant turn
+opened); optional ``id`` (string or integer, copied to the output); optional sampling fields with
+vLLM's defaults: ``max_tokens`` (16), ``temperature`` (1.0), ``top_p`` (1.0), ``top_k`` (0 = off),
+``seed`` (none), ``stop`` (a string or a list of strings).
+
+Validation is strict, as the OpenAI API is for a request body: a field this script does not know
+(a typo such as ``max_token``) makes that line fail instead of being silently ignored (which
+would quietly change the results), and so does a value of the wrong JSON type (``"8"`` for
+``max_tokens``, ``true`` for ``top_k``) or out of range (``temperature`` < 0, ``top_p`` outside
+(0, 1], ...). A prompt that is empty or has no room left to generate within ``--max-model-len``
+fails too. Blank lines are skipped.
+
+Output: one JSON object per non-blank input line, in input order:
+
+    {"id": "q1", "line": 1, "text": "...", "prompt_tokens": 6, "completion_tokens": 8,
+     "finish_reason": "length"}
+
+``line`` is the 1-based line number in the input file; ``finish_reason`` is "stop" (EOS or a stop
+string) or "length" (max_tokens or max_model_len). A line that failed gives instead
+
+    {"id": "q7", "line": 7, "error": "line 7: messages: Field required ..."}
+
+(``id`` is null when the line has none or could not be parsed), and the other lines are still run.
+All valid lines go to the engine together, in one batch (continuous batching; a tqdm progress bar
+on stderr).
+
+Exit status: 0 when every line succeeded; 1 when at least one line failed; 2 for a command-line
+problem (missing input file, unwritable output, unusable model or engine flags), reported as one
+line on stderr naming the flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+# jaxserve (and with it JAX) is imported in main(), after the arguments are checked, so that a
+# command-line error is reported at once.
+
+
+class Message(BaseModel):
+    """One chat message."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str
+
+
+class BatchLine(BaseModel):
+    """One input line. Strict: unknown fields and wrong JSON types are errors."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    id: str | int | None = None
+    prompt: str | list[int] | None = None
+    messages: Annotated[list[Message], Field(min_length=1)] | None = None
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+
+    @field_validator("prompt", mode="plain")
+    @classmethod
+    def _prompt(cls, v):
+        if v is None:
+            return v
+        if isinstance(v, str):
+            if not v:
+                raise ValueError("must not be empty")
+            return v
+        if isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+            if not v:
+                raise ValueError("must not be empty")
+            return v
+        raise ValueError("must be a string or a list of integer token ids")
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "BatchLine":
+        if (self.prompt is None) == (self.messages is None):
+            which = "both" if self.prompt is not None else "neither"
+            raise ValueError(f"give exactly one of 'prompt' and 'messages' (got {which})")
+        return self
+
+
+class LineError(Exception):
+    """A problem with one input line; the message is what the output line reports."""
+
+
+def format_validation_error(err: ValidationError) -> str:
+    parts = []
+    for e in err.errors(include_url=False):
+        loc = ".".join(str(x) for x in e["loc"])
+        msg = e["msg"].removeprefix("Value error, ")
+        parts.append(f"{loc}: {msg}" if loc else msg)
+    return "; ".join(parts)
+
+
+def parse_line(raw: bytes) -> tuple[Any, BatchLine]:
+    """Returns (id, validated line). Raises LineError with (id or None) in ``args[1]``."""
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise LineError(f"not valid UTF-8: {e}", None) from None
+    except json.JSONDecodeError as e:
+        raise LineError(f"invalid JSON: {e}", None) from None
+    if not isinstance(obj, dict):
+        raise LineError(f"expected a JSON object, got {type(obj).__name__}", None)
+    line_id = obj.get("id")
+    if not isinstance(line_id, (str, int)) or isinstance(line_id, bool):
+        line_id = None
+    try:
+        return line_id, BatchLine.model_validate(obj)
+    except ValidationError as e:
+        raise LineError(format_validation_error(e), line_id) from None
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, no usage dump
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _positive_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}")
+    return v
+
+
+def _positive_float(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {s!r}") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {s!r}")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="offline_batch.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--input", required=True, help="input JSONL file")
+    p.add_argument("--output", required=True, help="output JSONL file (overwritten)")
+    p.add_argument("--model", default=None,
+                   help="GGUF file, HF folder, orbax folder or dummy preset (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--load-format", default="auto",
+                   choices=("auto", "gguf", "safetensors", "orbax", "dummy"))
+    p.add_argument("--max-model-len", type=_positive_int, default=None)
+    p.add_argument("--max-num-seqs", type=_positive_int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=None)
+    p.add_argument("--kv-cache-gib", type=_positive_float, default=None)
+    return p
+
+
+def cli_fail(parser: argparse.ArgumentParser, message: str):
+    parser.error(message)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    in_path, out_path = pathlib.Path(args.input), pathlib.Path(args.output)
+    if not in_path.is_file():
+        cli_fail(parser, f"--input: {in_path} does not exist or is not a file")
+    try:
+        raw_lines = in_path.read_bytes().splitlines()
+    except OSError as e:
+        cli_fail(parser, f"--input: cannot read {in_path}: {e.strerror}")
+    out_dir = out_path.parent if str(out_path.parent) else pathlib.Path(".")
+    if not out_dir.is_dir():
+        cli_fail(parser, f"--output: folder {out_dir} does not exist")
+    if out_path.is_dir():
+        cli_fail(parser, f"--output: {out_path} is a folder")
+    if not os.access(out_dir, os.W_OK) or (out_path.exists() and not os.access(out_path, os.W_OK)):
+        cli_fail(parser, f"--output: {out_path} is not writable")
+
+    # Parse every line before loading the model: pure-syntax errors need no engine.
+    records: list[dict] = []  # in input order: {"line", "id", "req" | "error"}
+    for n, raw in enumerate(raw_lines, 1):
+        if not raw.strip():
+            continue
+        try:
+            line_id, req = parse_line(raw)
+            records.append({"line": n, "id": line_id, "req": req})
+        except LineError as e:
+            records.append({"line": n, "id": e.args[1], "error": f"line {n}: {e.args[0]}"})
+
+    engine_kwargs = {
+        k: v for k, v in {
+            "load_format": args.load_format,
+            "max_model_len": args.max_model_len,
+            "max_num_seqs": args.max_num_seqs,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+            "kv_cache_gib": args.kv_cache_gib,
+        }.items() if v is not None
+    }
+    log = lambda msg: print(f"[offline_batch] {msg}", file=sys.stderr, flush=True)  # noqa: E731
+    t0 = time.perf_counter()
+    from jaxserve import LLM, SamplingParams
+
+    try:
+        llm = LLM(args.model, log=log, **engine_kwargs)
+    except ValueError as e:
+        msg = str(e)
+        if "--" not in msg:  # the loader's messages name the model, not the flag
+            msg = f"--model: {msg}"
+        cli_fail(parser, msg)
+    log(f"engine ready in {time.perf_counter() - t0:.1f}s")
+
+    # Tokenize exactly as LLM.generate / LLM.chat do, so that every valid line (prompt or chat)
+    # can go to the engine in one generate() call and the length check can fail one line only.
+    tok = llm.tokenizer
+    limit = llm.engine.max_model_len
+    vocab = llm.engine.model_config.vocab_size
+    batch_ids, batch_params, batch_recs = [], [], []
+    for rec in records:
+        req: BatchLine | None = rec.get("req")
+        if req is None:
+            continue
+        n = rec["line"]
+        try:
+            try:
+                sp = SamplingParams(
+                    max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
+                    top_k=req.top_k, seed=req.seed, stop=req.stop,
+                )
+            except ValueError as e:
+                raise LineError(str(e)) from None
+            if req.messages is not None:
+                try:
+                    text = tok.apply_chat_template(
+                        [m.model_dump() for m in req.messages], add_generation_prompt=True, tokenize=False
+                    )
+                except Exception as e:  # jinja template errors (e.g. roles out of order)
+                    raise LineError(f"messages: the chat template rejected them: {e}") from None
+                ids = tok.encode(text, add_special_tokens=False)
+            elif isinstance(req.prompt, str):
+                ids = tok.encode(req.prompt, add_special_tokens=False)
+            else:
+                ids = list(req.prompt)
+                bad = [t for t in ids if not 0 <= t < vocab]
+                if bad:
+                    raise LineError(f"prompt: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+            if not ids:
+                raise LineError("prompt: it tokenizes to no tokens")
+            if len(ids) >= limit:
+                raise LineError(
+                    f"prompt: {len(ids)} tokens leave no room to generate within "
+                    f"max_model_len {limit} (--max-model-len)"
+                )
+        except LineError as e:
+            rec["error"] = f"line {n}: {e.args[0]}"
+            continue
+        rec["num_prompt_tokens"] = len(ids)
+        batch_ids.append(ids)
+        batch_params.append(sp)
+        batch_recs.append(rec)
+
+    if batch_ids:
+        t1 = time.perf_counter()
+        outputs = llm.generate(batch_ids, batch_params, use_tqdm=True)
+        gen_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+        dt = time.perf_counter() - t1
+        log(f"{len(outputs)} requests, {gen_tokens} output tokens in {dt:.1f}s "
+            f"({gen_tokens / dt:.1f} tok/s)")
+        for rec, out in zip(batch_recs, outputs):
+            c = out.outputs[0]
+            rec["result"] = {
+                "text": c.text,
+                "prompt_tokens": len(out.prompt_token_ids),
+                "completion_tokens": len(c.token_ids),
+                "finish_reason": c.finish_reason,
+            }
+
+    failed = 0
+    with out_path.open("w", encoding="utf-8") as f:
+        for rec in records:
+            row = {"id": rec["id"], "line": rec["line"]}
+            if "error" in rec:
+                failed += 1
+                row["error"] = rec["error"]
+            else:
+                row.update(rec["result"])
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    log(f"wrote {len(records)} lines to {out_path}: {len(records) - failed} ok, {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

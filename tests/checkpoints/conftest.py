@@ -1,5 +1,5 @@
 """Shared fixtures: the real default model (fetched once into the default cache, shared by all
-test runs) loaded once per session, and its conversion to an HF folder through the convert CLI."""
+test runs) loaded once per session, and its conversion to an HF folder."""
 
 import pathlib
 
@@ -21,9 +21,7 @@ def smollm(default_gguf):
 
 
 @pytest.fixture(scope="session")
-def smollm_hf_folder(default_gguf, tmp_path_factory) -> pathlib.Path:
-    from checkpoints_tools.convert import main
+def smollm_hf_folder(smollm, tmp_path_factory) -> pathlib.Path:
+    from jaxserve.model_loader import save_hf_folder
 
-    out = tmp_path_factory.mktemp("conv") / "SmolLM2-135M-Instruct"
-    assert main(["--input", str(default_gguf), "--output", str(out), "--to", "hf"]) == 0
-    return out
+    return save_hf_folder(tmp_path_factory.mktemp("conv") / "SmolLM2-135M-Instruct", smollm)

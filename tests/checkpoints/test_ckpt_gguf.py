@@ -5,6 +5,8 @@ from jaxserve.model_loader import load_checkpoint, load_gguf
 from jaxserve.model_loader.gguf_loader import hf_tensor_name
 from jaxserve.model_loader.llama_cpp_layout import permute_qk, unpermute_qk
 
+from tiny_gguf import HEAD_DIM, N_HEAD, N_KV, VOCAB, make_tiny_gguf
+
 
 def test_smollm_config(smollm):
     c = smollm.hf_config
@@ -81,83 +83,11 @@ def test_qk_permutation_inverse_and_rope_semantics(n_head, head_dim, d_in):
         np.testing.assert_allclose((q_hf * k_hf).sum(-1), (q_cpp * k_cpp).sum(-1), rtol=1e-10, atol=1e-10)
 
 
-def _write_tiny_gguf(path, arch, tensors, n_head, n_kv, head_dim, extra_meta=()):
-    import gguf
-
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_name(f"tiny-{arch}")
-    hidden = n_head * head_dim
-    w.add_context_length(128)
-    w.add_embedding_length(hidden)
-    w.add_block_count(1)
-    w.add_feed_forward_length(16)
-    w.add_head_count(n_head)
-    w.add_head_count_kv(n_kv)
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_rope_freq_base(10000.0)
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    alphabet = [chr(c) for c in range(ord("a"), ord("z") + 1)] + ["ab", "Ġ", "<s>", "</s>"]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2" if arch.startswith("qwen") else "llama-bpe")
-    w.add_token_list(alphabet)
-    w.add_token_types([1] * (len(alphabet) - 2) + [3, 3])
-    w.add_token_merges(["a b"])
-    w.add_bos_token_id(len(alphabet) - 2)
-    w.add_eos_token_id(len(alphabet) - 1)
-    w.add_chat_template("{% for m in messages %}{{ m['content'] }}{% endfor %}")
-    for k, v in extra_meta:
-        getattr(w, k)(v)
-    for name, arr in tensors.items():
-        w.add_tensor(name, arr)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return len(alphabet)
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2"])
 def test_tiny_gguf_arch(tmp_path, arch):
-    rng = np.random.default_rng(1)
-    n_head, n_kv, hd, vocab = 4, 2, 8, 30
-    hidden = n_head * hd
-    f = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
-    hf = {"model.embed_tokens.weight": f(vocab, hidden), "model.norm.weight": f(hidden),
-          "lm_head.weight": f(vocab, hidden),
-          "model.layers.0.self_attn.q_proj.weight": f(n_head * hd, hidden),
-          "model.layers.0.self_attn.k_proj.weight": f(n_kv * hd, hidden),
-          "model.layers.0.self_attn.v_proj.weight": f(n_kv * hd, hidden),
-          "model.layers.0.self_attn.o_proj.weight": f(hidden, n_head * hd),
-          "model.layers.0.mlp.gate_proj.weight": f(16, hidden),
-          "model.layers.0.mlp.up_proj.weight": f(16, hidden),
-          "model.layers.0.mlp.down_proj.weight": f(hidden, 16),
-          "model.layers.0.input_layernorm.weight": f(hidden),
-          "model.layers.0.post_attention_layernorm.weight": f(hidden)}
-    if arch == "qwen3":
-        hf["model.layers.0.self_attn.q_norm.weight"] = f(hd)
-        hf["model.layers.0.self_attn.k_norm.weight"] = f(hd)
-    if arch == "qwen2":
-        for p, n in (("q", n_head), ("k", n_kv), ("v", n_kv)):
-            hf[f"model.layers.0.self_attn.{p}_proj.bias"] = f(n * hd)
-    gguf_names = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
-                  "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-                  "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-                  "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
-                  "post_attention_layernorm": "ffn_norm", "self_attn.q_norm": "attn_q_norm",
-                  "self_attn.k_norm": "attn_k_norm"}
-    tensors = {}
-    for name, arr in hf.items():
-        base, kind = name.rsplit(".", 1)
-        if base.startswith("model.layers.0."):
-            g = f"blk.0.{gguf_names[base[len('model.layers.0.'):]]}.{kind}"
-        else:
-            g = f"{gguf_names[base]}.{kind}"
-        if arch == "llama" and base.endswith(("q_proj", "k_proj")):
-            arr = permute_qk(arr, n_head if "q_proj" in base else n_kv)  # what convert_hf_to_gguf does
-        tensors[g] = arr
+    n_head, n_kv, hd, vocab = N_HEAD, N_KV, HEAD_DIM, VOCAB
     path = tmp_path / f"tiny-{arch}-F32.gguf"
-    _write_tiny_gguf(path, arch, tensors, n_head, n_kv, hd)
+    hf = make_tiny_gguf(path, arch)
     ck = load_checkpoint(str(path))
     assert ck.name == f"tiny-{arch}"
     assert ck.weights.keys() == hf.keys()
@@ -171,7 +101,3 @@ def test_tiny_gguf_arch(tmp_path, arch):
     assert ck.tokenizer.encode("ab") == [ck.tokenizer.convert_tokens_to_ids("ab")]
     assert ck.tokenizer.bos_token == "<s>" and ck.tokenizer.chat_template
 
-
-def test_metadata_only_load_is_fast_path(default_gguf):
-    ck = load_gguf(default_gguf, with_weights=False)
-    assert ck.weights is None and ck.hf_config["num_hidden_layers"] == 30

@@ -8,6 +8,7 @@ import pytest
 
 from checkpoints_tools.convert import main as convert
 from jaxserve.model_loader import Checkpoint, load_checkpoint, save_hf_folder, save_orbax
+from tiny_gguf import make_tiny_gguf
 
 
 def _assert_same(a: Checkpoint, b: Checkpoint):
@@ -72,13 +73,26 @@ def test_orbax_round_trip(smollm, tmp_path):
         save_orbax(tmp_path / "ob", small)
 
 
-def test_convert_cli_hf_to_orbax(smollm, smollm_hf_folder, tmp_path, capsys):
+def test_convert_cli_gguf_to_hf(tmp_path, capsys):
+    hf = make_tiny_gguf(tmp_path / "tiny-llama.Q8_0.gguf", "llama")
+    out = tmp_path / "hf"
+    assert convert(["--input", str(tmp_path / "tiny-llama.Q8_0.gguf"), "--output", str(out), "--to", "hf"]) == 0
+    assert capsys.readouterr().out.strip() == str(out)
+    ck = load_checkpoint(str(out))
+    assert ck.hf_config["architectures"] == ["LlamaForCausalLM"] and ck.weights.keys() == hf.keys()
+    for k in hf:
+        np.testing.assert_array_equal(ck.weights[k], hf[k], err_msg=k)
+
+
+def test_convert_cli_hf_to_orbax(smollm, tmp_path, capsys):
+    small = _small(smollm)
+    save_hf_folder(tmp_path / "small-hf", small)
     out = tmp_path / "orbax"
-    assert convert(["--input", str(smollm_hf_folder), "--output", str(out)]) == 0
+    assert convert(["--input", str(tmp_path / "small-hf"), "--output", str(out)]) == 0
     assert capsys.readouterr().out.strip() == str(out)
     ob = load_checkpoint(str(out), "orbax")
-    assert ob.name == "SmolLM2-135M-Instruct"
-    _assert_same(smollm, ob)
+    assert ob.name == "small-hf"
+    _assert_same(small, ob)
 
 
 @pytest.mark.parametrize("args,flag", [

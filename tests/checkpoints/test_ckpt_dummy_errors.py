@@ -36,6 +36,19 @@ def test_dummy_from_config_json(tmp_path):
     assert load_checkpoint(None, "dummy").name == "smollm2-135m"
 
 
+def test_default_tokenizer_cache_is_built_from_gguf_metadata(default_gguf, tmp_path, monkeypatch):
+    from jaxserve.model_loader import default_tokenizer
+
+    monkeypatch.setenv("JAXSERVE_CACHE", str(tmp_path))
+    (tmp_path / default_gguf.name).symlink_to(default_gguf)  # no fetch; metadata-only GGUF read
+    tok = default_tokenizer()
+    cached = tmp_path / "tokenizers" / "SmolLM2-135M-Instruct"
+    assert (cached / "tokenizer.json").is_file()
+    again = default_tokenizer()  # now from the cache folder
+    text = "Hello 世界 2024 <|im_end|>"
+    assert tok.encode(text) == again.encode(text) and again.chat_template == tok.chat_template
+
+
 @pytest.mark.parametrize("make,fmt,match", [
     (lambda p: p / "missing", "auto", "does not exist"),
     (lambda p: p, "auto", "is not a GGUF file, an HF folder"),  # empty folder

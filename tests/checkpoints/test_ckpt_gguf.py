@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from jaxserve.model_loader import load_checkpoint, load_gguf
+from jaxserve.model_loader import load_checkpoint
 from jaxserve.model_loader.gguf_loader import hf_tensor_name
 from jaxserve.model_loader.llama_cpp_layout import permute_qk, unpermute_qk
 

@@ -1,5 +1,7 @@
 """From a loaded checkpoint to a model config and its parameters on the device."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -24,9 +26,11 @@ def build_params(hf_config: dict, weights: dict | None, dtype, seed: int = 0) ->
         nnx.state(nnx.eval_shape(lambda: LlamaForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(0))))
     )
     params = params_from_hf(config, weights, dtype)
-    for name, spec in abstract.items():
-        if params[name].shape != spec.shape:
-            raise ValueError(f"tensor {name} has shape {params[name].shape}, expected {spec.shape}")
+    for path, spec in jax.tree_util.tree_leaves_with_path(abstract):
+        got = functools.reduce(lambda d, k: d[k.key], path, params)
+        if got.shape != spec.shape:
+            name = "/".join(k.key for k in path)
+            raise ValueError(f"tensor {name} has shape {got.shape}, expected {spec.shape}")
     return config, params
 
 

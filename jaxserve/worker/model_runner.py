@@ -37,10 +37,9 @@ def _bucket(buckets: list[int], n: int) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
-def _step(config, attention_fn, unroll, params, token_ids, md, k_cache, v_cache, logits_indices, sm):
+def _step(config, attention_fn, params, token_ids, md, k_cache, v_cache, logits_indices, sm):
     logits, k_cache, v_cache = llama.forward(
-        config, params, token_ids, md, k_cache, v_cache, logits_indices,
-        attention_fn=attention_fn, unroll=unroll,
+        config, params, token_ids, md, k_cache, v_cache, logits_indices, attention_fn=attention_fn
     )
     return sample(logits, sm), k_cache, v_cache
 
@@ -56,7 +55,8 @@ class ModelRunner:
       max_num_seqs, max_num_batched_tokens, max_model_len: scheduler limits (tokens/sequences).
       kv_dtype: dtype of the KV pool.
       attention_fn: pallas_kernels attention entry point.
-      unroll: unroll the layer loop (GPU).
+      unroll: unroll the layer loop over per-layer weight and KV arrays (GPU) instead of a
+        rolled scan over stacked ones (CPU); see ``llama.forward``.
     """
 
     def __init__(
@@ -74,17 +74,19 @@ class ModelRunner:
         unroll: bool,
     ):
         self.config = config
-        self.params = params
+        self.params = llama.unstack_layers(params) if unroll else params
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
         self.token_buckets = powers_of_two_up_to(max_num_batched_tokens)
         self.page_buckets = powers_of_two_up_to(-(-max_model_len // page_size))
-        shape = (config.num_layers, config.num_kv_heads, num_pages, page_size, config.head_dim)
-        self.k_cache = jnp.zeros(shape, kv_dtype)
-        self.v_cache = jnp.zeros(shape, kv_dtype)
-        self._jitted = jax.jit(
-            partial(_step, config, attention_fn, unroll), donate_argnums=(3, 4)
-        )
+        shape = (config.num_kv_heads, num_pages, page_size, config.head_dim)
+        if unroll:
+            self.k_cache = [jnp.zeros(shape, kv_dtype) for _ in range(config.num_layers)]
+            self.v_cache = [jnp.zeros(shape, kv_dtype) for _ in range(config.num_layers)]
+        else:
+            self.k_cache = jnp.zeros((config.num_layers, *shape), kv_dtype)
+            self.v_cache = jnp.zeros((config.num_layers, *shape), kv_dtype)
+        self._jitted = jax.jit(partial(_step, config, attention_fn), donate_argnums=(3, 4))
         self._compiled: dict[tuple[int, int], Callable] = {}
 
     def num_seqs_for(self, num_tokens_bucket: int) -> int:

@@ -31,6 +31,7 @@ LOG2E = math.log2(math.e)
 MIN_TILE_ROWS = 16
 # Streaming multiprocessors of an H100/H200; the split heuristic aims to fill them several times.
 NUM_SMS = 132
+PROGRAMS_TARGET = 2 * NUM_SMS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,39 +60,43 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def resolve_decode_tuning(
-        num_seqs: int, num_kv_heads: int, pages_per_seq: int, page_size: int, head_dim: int,
-        tuning: DecodeTuning | None = None,
+    num_seqs: int,
+    num_kv_heads: int,
+    pages_per_seq: int,
+    page_size: int,
+    head_dim: int,
+    tuning: DecodeTuning | None = None,
 ) -> DecodeTuning:
     """Fills the unset fields of ``tuning`` for these shapes; returns a complete DecodeTuning."""
     tuning = tuning or DecodeTuning()
-    block_k = tuning.block_k or (128 if head_dim <= 128 else 64)
-    block_k = max(_next_pow2(block_k), page_size)
+    block_k = max(_next_pow2(tuning.block_k or 64), page_size)
     max_tokens = pages_per_seq * page_size
     num_splits = tuning.num_splits
     if num_splits is None:
-        # Aim for ~4 programs per SM; never make a split shorter than 2 tiles.
-        want = _cdiv(4 * NUM_SMS, max(1, num_seqs * num_kv_heads))
-        num_splits = max(1, min(want, max_tokens // (2 * block_k)))
+        # Enough programs to fill the SMs (two resident per SM at the default tile) without
+        # cutting splits shorter than 4 tiles; measured in docs/performance.md.
+        want = _cdiv(PROGRAMS_TARGET, max(1, num_seqs * num_kv_heads))
+        num_splits = max(1, min(want, max_tokens // (4 * block_k)))
     num_splits = max(1, min(num_splits, _cdiv(max_tokens, block_k)))
     return DecodeTuning(
-            block_k=block_k,
-            num_splits=num_splits,
-            num_warps=tuning.num_warps or 4,
-            num_stages=tuning.num_stages or 2,
+        block_k=block_k,
+        num_splits=num_splits,
+        num_warps=tuning.num_warps or 4,
+        num_stages=tuning.num_stages or 3,
     )
 
 
 def _decode_kernel(
-        seq_lens_ref,  # [S] int32 (whole array)
-        block_tables_ref,  # [P_pad] int32, this sequence's row
-        q_ref,  # [Gp, D]
-        k_pages_ref,  # [num_pages, page_size, D], this KV head
-        v_pages_ref,  # [num_pages, page_size, D]
-        o_ref,  # [Gp, D]
-        *stat_refs,  # (m_ref [Gp], l_ref [Gp]) when the KV length is split
-        sm_scale: float,
-        block_k: int,
-        tokens_per_split: int,
+    seq_lens_ref,  # [S] int32 (whole array)
+    block_tables_ref,  # [P_pad] int32, this sequence's row
+    q_ref,  # [Gp, D]
+    k_pages_ref,  # [num_pages, page_size, D], this KV head
+    v_pages_ref,  # [num_pages, page_size, D]
+    o_ref,  # [Gp, D]
+    *stat_refs,  # (m_ref [Gp], l_ref [Gp]) when the KV length is split
+    sm_scale: float,
+    block_k: int,
+    tokens_per_split: int,
 ):
     seq = pl.program_id(0)
     split = pl.program_id(2)
@@ -140,15 +145,15 @@ def _decode_kernel(
 
 
 def decode_grouped(
-        q: jax.Array,
-        k_pages: jax.Array,
-        v_pages: jax.Array,
-        block_tables: jax.Array,
-        seq_lens: jax.Array,
-        *,
-        sm_scale: float,
-        tuning: DecodeTuning | None = None,
-        interpret: bool = False,
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    block_tables: jax.Array,
+    seq_lens: jax.Array,
+    *,
+    sm_scale: float,
+    tuning: DecodeTuning | None = None,
+    interpret: bool = False,
 ) -> jax.Array:
     """Decode attention on queries already grouped by KV head.
 
@@ -174,39 +179,42 @@ def decode_grouped(
     split = num_splits > 1
 
     kernel = functools.partial(
-            _decode_kernel, sm_scale=sm_scale, block_k=t.block_k,
-            tokens_per_split=pages_per_split * page_size)
+        _decode_kernel,
+        sm_scale=sm_scale,
+        block_k=t.block_k,
+        tokens_per_split=pages_per_split * page_size,
+    )
     in_specs = [
-            pl.BlockSpec((num_seqs,), lambda s, h, k: (0,)),
-            pl.BlockSpec((None, padded_pages), lambda s, h, k: (s, 0)),
-            pl.BlockSpec((None, None, rows, head_dim), lambda s, h, k: (s, h, 0, 0)),
-            pl.BlockSpec((None, num_pages, page_size, head_dim), lambda s, h, k: (h, 0, 0, 0)),
-            pl.BlockSpec((None, num_pages, page_size, head_dim), lambda s, h, k: (h, 0, 0, 0)),
+        pl.BlockSpec((num_seqs,), lambda s, h, k: (0,)),
+        pl.BlockSpec((None, padded_pages), lambda s, h, k: (s, 0)),
+        pl.BlockSpec((None, None, rows, head_dim), lambda s, h, k: (s, h, 0, 0)),
+        pl.BlockSpec((None, num_pages, page_size, head_dim), lambda s, h, k: (h, 0, 0, 0)),
+        pl.BlockSpec((None, num_pages, page_size, head_dim), lambda s, h, k: (h, 0, 0, 0)),
     ]
     if split:
         out_shape = [
-                jax.ShapeDtypeStruct((num_seqs, num_kv_heads, num_splits, rows, head_dim), jnp.float32),
-                jax.ShapeDtypeStruct((num_seqs, num_kv_heads, num_splits, rows), jnp.float32),
-                jax.ShapeDtypeStruct((num_seqs, num_kv_heads, num_splits, rows), jnp.float32),
+            jax.ShapeDtypeStruct((num_seqs, num_kv_heads, num_splits, rows, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((num_seqs, num_kv_heads, num_splits, rows), jnp.float32),
+            jax.ShapeDtypeStruct((num_seqs, num_kv_heads, num_splits, rows), jnp.float32),
         ]
         out_specs = [
-                pl.BlockSpec((None, None, None, rows, head_dim), lambda s, h, k: (s, h, k, 0, 0)),
-                pl.BlockSpec((None, None, None, rows), lambda s, h, k: (s, h, k, 0)),
-                pl.BlockSpec((None, None, None, rows), lambda s, h, k: (s, h, k, 0)),
+            pl.BlockSpec((None, None, None, rows, head_dim), lambda s, h, k: (s, h, k, 0, 0)),
+            pl.BlockSpec((None, None, None, rows), lambda s, h, k: (s, h, k, 0)),
+            pl.BlockSpec((None, None, None, rows), lambda s, h, k: (s, h, k, 0)),
         ]
     else:
         out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
         out_specs = pl.BlockSpec((None, None, rows, head_dim), lambda s, h, k: (s, h, 0, 0))
 
     out = pl.pallas_call(
-            kernel,
-            grid=(num_seqs, num_kv_heads, num_splits),
-            in_specs=in_specs,
-            out_specs=out_specs,
-            out_shape=out_shape,
-            compiler_params=plgpu.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages),
-            interpret=interpret,
-            name=f"jaxserve_paged_decode_bk{t.block_k}_ns{num_splits}",
+        kernel,
+        grid=(num_seqs, num_kv_heads, num_splits),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages),
+        interpret=interpret,
+        name=f"jaxserve_paged_decode_bk{t.block_k}_ns{num_splits}",
     )(seq_lens.astype(jnp.int32), block_tables.astype(jnp.int32), q, k_pages, v_pages)
 
     if not split:
@@ -249,15 +257,15 @@ def _check_shapes(q, k_pages, v_pages, block_tables, seq_lens):
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "interpret", "tuning"))
 def paged_attention(
-        q: jax.Array,
-        k_pages: jax.Array,
-        v_pages: jax.Array,
-        block_tables: jax.Array,
-        seq_lens: jax.Array,
-        *,
-        sm_scale: float | None = None,
-        interpret: bool = False,
-        tuning: DecodeTuning | None = None,
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    block_tables: jax.Array,
+    seq_lens: jax.Array,
+    *,
+    sm_scale: float | None = None,
+    interpret: bool = False,
+    tuning: DecodeTuning | None = None,
 ) -> jax.Array:
     """Decode attention: one query token per sequence over the paged KV pool (Pallas).
 
@@ -284,6 +292,13 @@ def paged_attention(
         sm_scale = head_dim**-0.5
     qg, group = group_queries(q, num_kv_heads)
     out = decode_grouped(
-            qg.astype(k_pages.dtype) if qg.dtype != k_pages.dtype else qg, k_pages, v_pages,
-            block_tables, seq_lens, sm_scale=float(sm_scale), tuning=tuning, interpret=interpret)
+        qg.astype(k_pages.dtype) if qg.dtype != k_pages.dtype else qg,
+        k_pages,
+        v_pages,
+        block_tables,
+        seq_lens,
+        sm_scale=float(sm_scale),
+        tuning=tuning,
+        interpret=interpret,
+    )
     return out[:, :, :group].reshape(num_seqs, num_heads, head_dim).astype(q.dtype)

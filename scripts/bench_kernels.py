@@ -14,8 +14,10 @@ all measured in the same run:
 Also: a tile sweep (--sweep), the KV write (XLA scatter into the donated pool) and, with
 --model-step, a Llama-3.1-8B-shaped model step (a few layers) with Pallas vs reference attention.
 
-Timing: each measurement runs ``--iters`` back-to-back calls (asynchronous dispatch) and blocks
-once; the median over ``--reps`` such runs, divided by iters, is reported.
+Timing: the main rows run ``--chain`` calls inside one executable (each call's input depends on
+the previous output through an optimization barrier), ``--iters`` such executables back to
+back, blocking once; the median over ``--reps`` runs, per call, is reported. Sweep rows time
+single calls dispatched back to back (host dispatch can show for tiny workloads).
 
 Usage: python scripts/bench_kernels.py [--sweep] [--model-step] [--json PATH]
        python scripts/bench_kernels.py --smoke   # tiny shapes, interpret mode, on CPU
@@ -56,6 +58,21 @@ def timeit(fn, *args, iters=20, reps=5):
     return statistics.median(times)
 
 
+def chained(fn, n):
+    """fn called n times in one executable, each call's first input made to depend on the last
+    output (an optimization barrier, no copy), so the calls run back to back on the device
+    without host dispatch between them and cannot be merged or hoisted."""
+
+    def run(first, *rest):
+        out = fn(first, *rest)
+        for _ in range(n - 1):
+            first, _ = jax.lax.optimization_barrier((first, out))
+            out = fn(first, *rest)
+        return out
+
+    return jax.jit(run)
+
+
 class Bench:
     def __init__(self, args):
         self.args = args
@@ -67,9 +84,16 @@ class Bench:
             return timeit(fn, *a, iters=1, reps=1)
         return timeit(fn, *a, iters=self.args.iters, reps=self.args.reps)
 
-    def safe(self, label, fn, *a):
-        """Time fn; returns seconds or None (printing why) if it fails to compile or run."""
+    def safe(self, label, fn, *a, chain=True):
+        """Time fn; returns seconds or None (printing why) if it fails to compile or run.
+
+        With chain (the main rows), ``--chain`` calls run inside one executable and the time
+        per call is reported; the tile sweeps time single calls dispatched back to back.
+        """
         try:
+            n = 1 if (self.smoke or not chain) else self.args.chain
+            if n > 1:
+                return self.t(chained(fn, n), *a) / n
             return self.t(fn, *a)
         except Exception as e:  # noqa: BLE001 - a baseline that cannot run is reported as n/a
             msg = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
@@ -136,7 +160,7 @@ def run_decode(bench: Bench, name, batch, ctx, cfg, tunings=None):
         del kd, vd
     for t in tunings or ():
         fn = jax.jit(lambda *x, t=t: paged_attention(*x, tuning=t, interpret=interp))
-        s = bench.safe(str(t), fn, q, kp, vp, bt, sl)
+        s = bench.safe(str(t), fn, q, kp, vp, bt, sl, chain=False)
         row.setdefault("sweep", []).append((str(t), s))
         if s is not None:
             print(f"  sweep {t}: {s * 1e3:.4f} ms {nbytes / s / 1e12:.2f} TB/s", flush=True)
@@ -190,7 +214,7 @@ def run_prefill(bench: Bench, name, batch, seq, cfg, tunings=None):
     del kd, vd
     for t in tunings or ():
         fn = jax.jit(lambda *x, t=t: attention(*x, prefill_tuning=t, interpret=interp))
-        s = bench.safe(str(t), fn, q, kp, vp, qsl, sl, bt)
+        s = bench.safe(str(t), fn, q, kp, vp, qsl, sl, bt, chain=False)
         row.setdefault("sweep", []).append((str(t), s))
         if s is not None:
             print(f"  sweep {t}: {s * 1e3:.4f} ms {flops / s / 1e12:.1f} TFLOP/s", flush=True)
@@ -361,15 +385,21 @@ def table(bench: Bench):
 
 DECODE_SWEEP = [
     DecodeTuning(block_k=bk, num_splits=ns, num_warps=w, num_stages=st)
-    for bk in (64, 128, 256) for ns in (1, 2, 4, 8) for (w, st) in ((4, 2), (4, 3))
-] + [DecodeTuning(block_k=128, num_splits=ns, num_warps=8, num_stages=2) for ns in (1, 2, 4)]
+    for bk in (32, 64)
+    for ns in (1, 2)
+    for (w, st) in ((4, 3), (4, 4), (2, 3), (2, 4), (8, 3))
+] + [DecodeTuning(block_k=128, num_splits=ns, num_warps=4, num_stages=3) for ns in (1, 2)]
+
+# Split count and tile for the other decode shapes.
+DECODE_SPLIT_SWEEP = [
+    DecodeTuning(block_k=bk, num_splits=ns) for bk in (64, 128) for ns in (1, 2, 4, 8, 16)
+]
 
 PREFILL_SWEEP = [
     PrefillTuning(block_q=bq, block_k=bk, num_warps=w, num_stages=st)
     for (bq, bk, w, st) in (
-        (64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 3), (64, 128, 4, 2), (64, 64, 8, 3),
-        (128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3),
-        (128, 32, 4, 3), (128, 64, 8, 4))
+        (128, 128, 8, 2), (128, 128, 8, 3), (128, 128, 4, 2), (128, 64, 8, 3), (128, 64, 4, 3),
+        (64, 64, 4, 4), (64, 128, 4, 3), (64, 32, 4, 3), (256, 64, 8, 2))
 ]
 
 
@@ -381,6 +411,7 @@ def main(argv=None):
     p.add_argument("--kv-write", action="store_true", help="time the XLA KV scatter")
     p.add_argument("--only", default="", help="comma-separated workload names to run")
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--chain", type=int, default=10, help="calls per executable (main rows)")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--json", default=None, help="write all results here")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode (CPU)")
@@ -404,8 +435,8 @@ def main(argv=None):
         if only and name not in only:
             continue
         sweep = DECODE_SWEEP if args.sweep and name == "decode-b64-c2k" else None
-        if args.sweep and name in ("decode-b1-c2k", "decode-b256-c2k"):
-            sweep = [DecodeTuning(num_splits=ns) for ns in (1, 2, 4, 8, 16, 32)]
+        if args.sweep and name != "decode-b64-c2k":
+            sweep = DECODE_SPLIT_SWEEP
         if args.smoke and args.sweep:
             sweep = DECODE_SWEEP[:2]
         run_decode(bench, name, b, ctx, cfg, sweep)

@@ -1,0 +1,132 @@
+"""Helpers for integration tests that run ``python -m jaxserve.serve`` in a subprocess."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def descendants(pid: int) -> set[int]:
+    """All live descendant pids of ``pid`` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = set(), [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            if c not in out:
+                out.add(c)
+                todo.append(c)
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def get(url: str, timeout: float = 10.0) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text -> {metric name (labels dropped): value}."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        m = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)", line)
+        if m:
+            out[m.group(1)] = float(m.group(3))
+    return out
+
+
+class Server:
+    """A ``python -m jaxserve.serve`` subprocess on 127.0.0.1:<free port>."""
+
+    def __init__(self, *args: str, env: dict | None = None, startup_timeout: float = 1200.0):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile(prefix="jaxserve-server-", suffix=".log",
+                                               delete=False, mode="w+")
+        full_env = dict(os.environ)
+        full_env.update(env or {})
+        full_env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (REPO, full_env.get("PYTHONPATH")) if p)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "jaxserve.serve", "--port", str(self.port), *args],
+            stdout=self.log, stderr=subprocess.STDOUT, env=full_env, cwd=REPO)
+        self._wait_ready(startup_timeout)
+        self.engine_pids = descendants(self.proc.pid)
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited ({self.proc.returncode}):\n{self.output()}")
+            try:
+                if get(f"{self.url}/health", timeout=2)[0] == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"server not ready after {timeout}s:\n{self.output()}")
+
+    def output(self) -> str:
+        with open(self.log.name) as f:
+            return f.read()
+
+    def metrics(self) -> dict[str, float]:
+        status, text = get(f"{self.url}/metrics")
+        assert status == 200, text
+        return parse_metrics(text)
+
+    def stop(self, sig=signal.SIGINT, timeout: float = 60.0) -> int | None:
+        """Signal the server and wait for it; kills it (and its children) if it hangs."""
+        pids = descendants(self.proc.pid) | self.engine_pids
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                for p in pids:
+                    try:
+                        os.kill(p, signal.SIGKILL)
+                    except OSError:
+                        pass
+                return None
+        return self.proc.returncode

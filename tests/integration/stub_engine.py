@@ -1,0 +1,68 @@
+"""A JAX-free stand-in for EngineCore, for server failure tests (engine crashes, slow start-up).
+
+Selected with ``JAXSERVE_ENGINE_CORE=stub_engine:StubEngineCore`` (core_proc's testing hook).
+It uses the default model's tokenizer and "generates" a fixed text; a few magic prompts make it
+misbehave:
+  * prompts starting with ADD_CRASH_ID: add_request raises (not a ValueError);
+  * prompts starting with STEP_CRASH_ID: step() raises once that request has a token.
+Environment: STUB_START_DELAY_S (sleep in __init__), STUB_START_ERROR (raise ValueError with it).
+"""
+
+import os
+import time
+
+from jaxserve.engine import EngineCoreOutput, SchedulerStats
+
+ADD_CRASH_ID = 4242
+STEP_CRASH_ID = 4343
+TEXT = " The quick brown fox jumps over the lazy dog. Café 😀 中文 naïve."
+
+
+class StubEngineCore:
+    def __init__(self, config, log=print):
+        from jaxserve.model_loader import default_tokenizer
+
+        log("stub engine: starting")
+        time.sleep(float(os.environ.get("STUB_START_DELAY_S", "0")))
+        if os.environ.get("STUB_START_ERROR"):
+            raise ValueError(os.environ["STUB_START_ERROR"])
+        self.config = config
+        self.tokenizer = default_tokenizer()
+        self.model_name = "stub-model"
+        self.max_model_len = config.max_model_len or 1024
+        self.text_ids = self.tokenizer.encode(TEXT, add_special_tokens=False)
+        self.reqs = {}
+
+    def add_request(self, req):
+        if not req.prompt_token_ids:
+            raise ValueError("prompt is empty")
+        if req.prompt_token_ids[0] == ADD_CRASH_ID:
+            raise RuntimeError("stub add_request failure")
+        self.reqs[req.request_id] = [req, []]
+
+    def abort_requests(self, ids):
+        for i in ids:
+            self.reqs.pop(i, None)
+
+    def has_unfinished_requests(self):
+        return bool(self.reqs)
+
+    def step(self):
+        time.sleep(0.02)
+        outs = []
+        for rid, (req, out) in list(self.reqs.items()):
+            if req.prompt_token_ids[0] == STEP_CRASH_ID and out:
+                raise RuntimeError("stub step failure")
+            tok = self.text_ids[len(out) % len(self.text_ids)]
+            out.append(tok)
+            sp = req.sampling_params
+            done = sp.max_tokens is not None and len(out) >= sp.max_tokens
+            outs.append(EngineCoreOutput(rid, [tok], "length" if done else None, None,
+                                         len(req.prompt_token_ids), 0))
+            if done:
+                del self.reqs[rid]
+        return outs
+
+    def get_stats(self):
+        return SchedulerStats(num_running_reqs=len(self.reqs),
+                              kv_cache_usage=min(1.0, len(self.reqs) / 100))

@@ -1,0 +1,177 @@
+"""Server failure paths: bad flags, an engine that cannot start, a request that crashes the engine
+step, an engine process that dies, and Ctrl-C during start-up. None of them may give a traceback,
+a hang, a dead server or a leftover process.
+
+Most use ``stub_engine.StubEngineCore`` (no JAX, starts in seconds) through core_proc's
+``JAXSERVE_ENGINE_CORE`` hook; the start-up failure also runs the real engine once.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import openai
+import pytest
+
+from server_utils import REPO, Server, alive, descendants, free_port, get
+from stub_engine import ADD_CRASH_ID, STEP_CRASH_ID
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+STUB_ENV = {"JAXSERVE_ENGINE_CORE": "stub_engine:StubEngineCore", "PYTHONPATH": HERE}
+
+
+def _run_cli(*args, env=None, timeout=120):
+    full_env = {**os.environ, "PYTHONPATH": REPO, **(env or {})}
+    if env and "PYTHONPATH" in env:
+        full_env["PYTHONPATH"] = os.pathsep.join([REPO, env["PYTHONPATH"]])
+    return subprocess.run([sys.executable, "-m", "jaxserve.serve", *args], capture_output=True,
+                          text=True, timeout=timeout, env=full_env, cwd=REPO)
+
+
+def _one_error_line(proc, *needles):
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr + proc.stdout
+    lines = [l for l in proc.stderr.splitlines() if "error" in l]
+    assert len(lines) == 1, proc.stderr
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("args,needles", [
+    (["--bogus-flag"], ["--bogus-flag"]),
+    (["--port", "eighty"], ["--port"]),
+    (["--port", "70000"], ["--port"]),
+    (["--max-model-len", "-5"], ["--max-model-len"]),
+    (["--dtype", "float8"], ["--dtype"]),
+    (["--gpu-memory-utilization", "1.5"], ["--gpu-memory-utilization"]),
+    (["--load-format", "pickle"], ["--load-format"]),
+    (["--model", "/no/such/model.gguf"], ["--model", "/no/such/model.gguf"]),
+])
+def test_bad_flags_one_line_exit_2(args, needles):
+    _one_error_line(_run_cli(*args), *needles)
+
+
+def test_port_in_use_one_line_exit_2():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        _one_error_line(_run_cli("--port", str(port)), "--port", str(port))
+
+
+def test_engine_start_error_one_line_exit_2():
+    proc = _run_cli("--port", str(free_port()),
+                    env={**STUB_ENV, "STUB_START_ERROR": "cannot read weights from the file"})
+    _one_error_line(proc, "--model", "cannot read weights from the file")
+
+
+@pytest.mark.slow
+def test_real_engine_unusable_model_one_line_exit_2(tmp_path):
+    bogus = tmp_path / "model.gguf"
+    bogus.write_bytes(b"this is not a gguf file" * 10)
+    proc = _run_cli("--port", str(free_port()), "--model", str(bogus), timeout=300)
+    _one_error_line(proc, "--model", str(bogus))
+
+
+def test_ctrl_c_during_start_up_leaves_no_process():
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, HERE]), **STUB_ENV,
+           "STUB_START_DELAY_S": "60"}
+    env["PYTHONPATH"] = os.pathsep.join([REPO, HERE])
+    proc = subprocess.Popen([sys.executable, "-m", "jaxserve.serve", "--port", str(free_port())],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            cwd=REPO)
+    deadline = time.monotonic() + 60
+    kids = set()
+    while not kids and time.monotonic() < deadline:
+        time.sleep(0.2)
+        kids = descendants(proc.pid)
+    assert kids
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    assert "Traceback" not in out
+    time.sleep(0.5)
+    assert not [p for p in kids if alive(p)]
+
+
+@pytest.fixture(scope="module")
+def stub_server():
+    srv = Server("--max-model-len", "512", env=STUB_ENV, startup_timeout=120)
+    yield srv
+    srv.stop()
+
+
+def _client(srv):
+    return openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x", max_retries=0, timeout=60)
+
+
+def test_stub_serves(stub_server):
+    r = _client(stub_server).completions.create(model="stub-model", prompt="hi", max_tokens=5)
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 5
+
+
+def test_request_that_crashes_add_gets_500_and_engine_lives(stub_server):
+    c = _client(stub_server)
+    with pytest.raises(openai.InternalServerError) as e:
+        c.completions.create(model="stub-model", prompt=[ADD_CRASH_ID, 5, 6], max_tokens=5)
+    assert "stub add_request failure" in str(e.value)
+    assert c.completions.create(model="stub-model", prompt="hi", max_tokens=3).usage.completion_tokens == 3
+
+
+def test_request_that_crashes_step_gets_error_and_engine_lives(stub_server):
+    c = _client(stub_server)
+    with pytest.raises(openai.InternalServerError):
+        c.completions.create(model="stub-model", prompt=[STEP_CRASH_ID, 5], max_tokens=5)
+    # Streaming: the error arrives as an SSE error event, and the stream ends.
+    with pytest.raises(openai.APIError):
+        for _ in c.completions.create(model="stub-model", prompt=[STEP_CRASH_ID, 5],
+                                      max_tokens=5, stream=True):
+            pass
+    assert c.completions.create(model="stub-model", prompt="hi", max_tokens=3).usage.completion_tokens == 3
+    assert get(f"{stub_server.url}/health")[0] == 200
+
+
+def test_engine_death_gives_503_and_clean_exit(stub_server):
+    c = _client(stub_server)
+    result = {}
+
+    def stream():
+        try:
+            for _ in c.completions.create(model="stub-model", prompt="hi", max_tokens=100000,
+                                          stream=True):
+                pass
+            result["ended"] = "normally"
+        except Exception as e:  # noqa: BLE001
+            result["ended"] = type(e).__name__
+
+    t = threading.Thread(target=stream)
+    t.start()
+    time.sleep(1.0)
+    engine = [p for p in stub_server.engine_pids if alive(p)]
+    assert engine
+    log_before = len(stub_server.output())
+    for p in engine:
+        os.kill(p, signal.SIGKILL)
+    t.join(20)
+    assert not t.is_alive(), "the in-flight stream hung after the engine died"
+    assert result["ended"] != "normally"
+    deadline = time.monotonic() + 10
+    while get(f"{stub_server.url}/health")[0] != 503 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert get(f"{stub_server.url}/health")[0] == 503
+    with pytest.raises(openai.APIStatusError) as e:
+        c.completions.create(model="stub-model", prompt="hi", max_tokens=3)
+    assert e.value.status_code == 503
+    body = e.value.response.json()
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert stub_server.stop(signal.SIGTERM, timeout=30) == 0
+    assert "Traceback" not in stub_server.output()[log_before:]  # (earlier tests log on purpose)
+    assert not descendants(stub_server.proc.pid)

@@ -80,7 +80,8 @@ class EngineCoreClient:
         return self.ready_msg
 
     async def shutdown(self, timeout: float = 10.0) -> None:
-        """Ask the engine to exit, wait up to ``timeout`` s, then terminate/kill it. Idempotent."""
+        """Ask the engine to exit, wait up to ``timeout`` s (0.5 s if it is still starting), then
+        SIGTERM it, then SIGKILL it. Idempotent."""
         if self._closing:
             return
         self._closing = True
@@ -89,6 +90,8 @@ class EngineCoreClient:
         if not self.dead:
             self._sendq.put(M.encode(M.Shutdown()))
         self._sendq.put(None)
+        if self.ready_msg is None:
+            timeout = 0.5  # still loading/compiling: it would not read the pipe; SIGTERM it
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, self._proc.join, timeout)
         if self._proc.is_alive():

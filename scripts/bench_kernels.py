@@ -14,10 +14,11 @@ all measured in the same run:
 Also: a tile sweep (--sweep), the KV write (XLA scatter into the donated pool) and, with
 --model-step, a Llama-3.1-8B-shaped model step (a few layers) with Pallas vs reference attention.
 
-Timing: the main rows run ``--chain`` calls inside one executable (each call's input depends on
-the previous output through an optimization barrier), ``--iters`` such executables back to
-back, blocking once; the median over ``--reps`` runs, per call, is reported. Sweep rows time
-single calls dispatched back to back (host dispatch can show for tiny workloads).
+Timing: each measurement runs ``--iters`` calls dispatched back to back (asynchronous) and
+blocks once; the median over ``--reps`` such runs, divided by iters, is reported. A call whose
+device time is under the host's dispatch time per call (~50-70 us measured here for decode-b1)
+measures dispatch, not the kernel. (Chaining calls inside one executable was tried and dropped:
+XLA merged the repeated baseline calls, even across optimization barriers.)
 
 Usage: python scripts/bench_kernels.py [--sweep] [--model-step] [--json PATH]
        python scripts/bench_kernels.py --smoke   # tiny shapes, interpret mode, on CPU
@@ -58,21 +59,6 @@ def timeit(fn, *args, iters=20, reps=5):
     return statistics.median(times)
 
 
-def chained(fn, n):
-    """fn called n times in one executable, each call's first input made to depend on the last
-    output (an optimization barrier, no copy), so the calls run back to back on the device
-    without host dispatch between them and cannot be merged or hoisted."""
-
-    def run(first, *rest):
-        out = fn(first, *rest)
-        for _ in range(n - 1):
-            first, _ = jax.lax.optimization_barrier((first, out))
-            out = fn(first, *rest)
-        return out
-
-    return jax.jit(run)
-
-
 class Bench:
     def __init__(self, args):
         self.args = args
@@ -84,16 +70,9 @@ class Bench:
             return timeit(fn, *a, iters=1, reps=1)
         return timeit(fn, *a, iters=self.args.iters, reps=self.args.reps)
 
-    def safe(self, label, fn, *a, chain=True):
-        """Time fn; returns seconds or None (printing why) if it fails to compile or run.
-
-        With chain (the main rows), ``--chain`` calls run inside one executable and the time
-        per call is reported; the tile sweeps time single calls dispatched back to back.
-        """
+    def safe(self, label, fn, *a):
+        """Time fn; returns seconds or None (printing why) if it fails to compile or run."""
         try:
-            n = 1 if (self.smoke or not chain) else self.args.chain
-            if n > 1:
-                return self.t(chained(fn, n), *a) / n
             return self.t(fn, *a)
         except Exception as e:  # noqa: BLE001 - a baseline that cannot run is reported as n/a
             msg = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
@@ -160,7 +139,7 @@ def run_decode(bench: Bench, name, batch, ctx, cfg, tunings=None):
         del kd, vd
     for t in tunings or ():
         fn = jax.jit(lambda *x, t=t: paged_attention(*x, tuning=t, interpret=interp))
-        s = bench.safe(str(t), fn, q, kp, vp, bt, sl, chain=False)
+        s = bench.safe(str(t), fn, q, kp, vp, bt, sl)
         row.setdefault("sweep", []).append((str(t), s))
         if s is not None:
             print(f"  sweep {t}: {s * 1e3:.4f} ms {nbytes / s / 1e12:.2f} TB/s", flush=True)
@@ -214,7 +193,7 @@ def run_prefill(bench: Bench, name, batch, seq, cfg, tunings=None):
     del kd, vd
     for t in tunings or ():
         fn = jax.jit(lambda *x, t=t: attention(*x, prefill_tuning=t, interpret=interp))
-        s = bench.safe(str(t), fn, q, kp, vp, qsl, sl, bt, chain=False)
+        s = bench.safe(str(t), fn, q, kp, vp, qsl, sl, bt)
         row.setdefault("sweep", []).append((str(t), s))
         if s is not None:
             print(f"  sweep {t}: {s * 1e3:.4f} ms {flops / s / 1e12:.1f} TFLOP/s", flush=True)
@@ -293,17 +272,21 @@ def run_model_step(bench: Bench, num_layers=4, batch=64, ctx=2048):
     L, E, D, I = c.num_layers, c.hidden_size, c.head_dim, c.intermediate_size
     qkv = (c.num_heads + 2 * c.num_kv_heads) * D
     w = lambda *s: 0.02 * jax.random.normal(next(key), s, dtype)  # noqa: E731
+    # Per-layer weights and KV arrays: the model's GPU layout (an unrolled Python layer loop).
     params = {
         "embed_tokens": w(c.vocab_size, E), "lm_head": w(c.vocab_size, E),
-        "norm": jnp.ones(E, dtype), "input_layernorm": jnp.ones((L, E), dtype),
-        "post_attention_layernorm": jnp.ones((L, E), dtype), "qkv_proj": w(L, E, qkv),
-        "o_proj": w(L, c.num_heads * D, E), "gate_up_proj": w(L, E, 2 * I),
-        "down_proj": w(L, I, E),
+        "norm": jnp.ones(E, dtype),
+        "layers": [
+            {"input_layernorm": jnp.ones(E, dtype), "post_attention_layernorm": jnp.ones(E, dtype),
+             "qkv_proj": w(E, qkv), "o_proj": w(c.num_heads * D, E), "gate_up_proj": w(E, 2 * I),
+             "down_proj": w(I, E)}
+            for _ in range(L)
+        ],
     }
     page_size = 16
     pages_per_seq = ctx // page_size
     num_pages = 1 + batch * pages_per_seq
-    shape = (L, c.num_kv_heads, num_pages, page_size, D)
+    shape = (c.num_kv_heads, num_pages, page_size, D)
     perm = 1 + np.random.default_rng(0).permutation(num_pages - 1).astype(np.int32)
     bt = perm.reshape(batch, pages_per_seq)
     positions = np.full(batch, ctx - 1, np.int32)
@@ -321,11 +304,11 @@ def run_model_step(bench: Bench, num_layers=4, batch=64, ctx=2048):
     }
     times = {}
     for label, attn in fns.items():
-        kc = jax.random.normal(next(key), shape, dtype)
-        vc = jax.random.normal(next(key), shape, dtype)
+        kc = [jax.random.normal(jax.random.PRNGKey(i), shape, dtype) for i in range(L)]
+        vc = [jax.random.normal(jax.random.PRNGKey(L + i), shape, dtype) for i in range(L)]
         step = jax.jit(
             lambda p, t, m, kc, vc, li, attn=attn: llama.forward(
-                c, p, t, m, kc, vc, li, attention_fn=attn, unroll=True),
+                c, p, t, m, kc, vc, li, attention_fn=attn),
             donate_argnums=(3, 4))
         logits, kc, vc = step(params, tokens, md, kc, vc, logits_indices)  # compile
         jax.block_until_ready(logits)
@@ -411,7 +394,6 @@ def main(argv=None):
     p.add_argument("--kv-write", action="store_true", help="time the XLA KV scatter")
     p.add_argument("--only", default="", help="comma-separated workload names to run")
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--chain", type=int, default=10, help="calls per executable (main rows)")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--json", default=None, help="write all results here")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode (CPU)")

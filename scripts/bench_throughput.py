@@ -2,7 +2,8 @@
 """Offline generation throughput: jaxserve vs HF transformers ``generate`` on the same model.
 
     python scripts/bench_throughput.py [--batch-sizes 1,16] [--prompt-len 128] [--output-len 64]
-        [--num-prompts 16] [--model HF_FOLDER] [--dataset sharegpt.json] [--threads N]
+        [--num-prompts 16] [--model HF_FOLDER] [--dataset sharegpt.json] [--threads N|auto]
+        [--kv-cache-gib G] [--max-num-batched-tokens N] [--skip-hf | --skip-jax]
 
 Both engines run in this one process, on the CPU, in float32, with the same weights (by default
 the SmolLM2-135M-Instruct GGUF converted once to an HF folder under $JAXSERVE_CACHE/hf, which both
@@ -49,6 +50,12 @@ def _int_list(s: str) -> list[int]:
     return out
 
 
+def _threads(s: str) -> str:
+    if s != "auto" and not (s.isdigit() and int(s) >= 1):
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {s!r}")
+    return s
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bench_throughput.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--batch-sizes", type=_int_list, default=[1, 16], help="comma-separated (default 1,16)")
@@ -59,8 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None,
                    help="HF folder loaded by both (default: the SmolLM2 GGUF converted to an HF folder)")
     p.add_argument("--dataset", default=DEFAULT_DATASET, help="ShareGPT JSON file")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch intra-op threads (default: torch's own choice)")
+    p.add_argument("--threads", type=_threads, default="auto",
+                   help="torch intra-op threads: a number, or 'auto' (default): for each batch size, "
+                        "the faster of 1..cores on a short warm-up run (on a shared, busy machine "
+                        "torch's OpenMP threads can run several times slower than one thread)")
+    p.add_argument("--kv-cache-gib", type=float, default=None,
+                   help="jaxserve KV pool size (default: the engine's, 2 GiB on CPU)")
     p.add_argument("--max-num-batched-tokens", type=int, default=512,
                    help="jaxserve token budget per step (default 512)")
     p.add_argument("--skip-hf", action="store_true", help="time jaxserve only")
@@ -132,12 +143,13 @@ class HFRunner:
 
 class JaxRunner:
     def __init__(self, folder: pathlib.Path, output_len: int, max_len: int, max_num_seqs: int,
-                 max_num_batched_tokens: int):
+                 max_num_batched_tokens: int, kv_cache_gib: float | None):
         from jaxserve import LLM, SamplingParams
 
         t0 = time.perf_counter()
+        extra = {} if kv_cache_gib is None else {"kv_cache_gib": kv_cache_gib}
         self.llm = LLM(str(folder), log=log, max_model_len=max_len, max_num_seqs=max_num_seqs,
-                       max_num_batched_tokens=max(max_num_batched_tokens, max_num_seqs))
+                       max_num_batched_tokens=max(max_num_batched_tokens, max_num_seqs), **extra)
         self.startup_s = time.perf_counter() - t0
         self.SamplingParams = SamplingParams
         self.output_len = output_len
@@ -146,6 +158,23 @@ class JaxRunner:
         sp = self.SamplingParams(temperature=0, max_tokens=output_len or self.output_len, ignore_eos=True)
         outs = self.llm.generate(batch, sp, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def pick_torch_threads(runner: "HFRunner", batch: list[list[int]]) -> int:
+    """The fastest torch thread count (1..cores) on a short run of this batch shape."""
+    torch = runner.torch
+    best = None
+    for n in range(1, (os.cpu_count() or 1) + 1):
+        torch.set_num_threads(n)
+        runner.run(batch, output_len=2)
+        t0 = time.perf_counter()
+        runner.run(batch, output_len=8)
+        dt = time.perf_counter() - t0
+        log(f"torch threads {n}: warm-up {dt:.2f}s")
+        if best is None or dt < best[1]:
+            best = (n, dt)
+    torch.set_num_threads(best[0])
+    return best[0]
 
 
 def time_runner(runner, prompts: list[list[int]], bs: int, output_len: int) -> tuple[float, list]:
@@ -182,10 +211,11 @@ def cpu_model() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.threads:
+    load0 = os.getloadavg()[0]
+    if args.threads != "auto":
         import torch
 
-        torch.set_num_threads(args.threads)
+        torch.set_num_threads(int(args.threads))
     folder = pathlib.Path(args.model) if args.model else default_hf_folder()
     from transformers import AutoTokenizer
 
@@ -199,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     max_len = -(-(args.prompt_len + args.output_len) // page) * page
     jax_runner = hf_runner = None
     if not args.skip_jax:
-        jax_runner = JaxRunner(folder, args.output_len, max_len, max_bs, args.max_num_batched_tokens)
+        jax_runner = JaxRunner(folder, args.output_len, max_len, max_bs, args.max_num_batched_tokens,
+                               args.kv_cache_gib)
         log(f"jaxserve start-up (load + compile, not timed below): {jax_runner.startup_s:.1f}s")
     if not args.skip_hf:
         hf_runner = HFRunner(folder, args.output_len)
@@ -213,6 +244,10 @@ def main(argv: list[str] | None = None) -> int:
         for name, runner in (("jax", jax_runner), ("hf", hf_runner)):
             if runner is None:
                 continue
+            if name == "hf":
+                if args.threads == "auto":
+                    pick_torch_threads(runner, ps[:bs])
+                row["threads"] = torch.get_num_threads()
             log(f"batch {bs}: timing {name} on {len(ps)} prompts")
             dt, toks = time_runner(runner, ps, bs, args.output_len)
             assert all(len(t) == args.output_len for t in toks), f"{name} produced other lengths"
@@ -222,15 +257,19 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
 
     print(f"\n- date: {datetime.date.today().isoformat()}")
-    print(f"- device: {cpu_model()}, {os.cpu_count()} cores "
-          f"(torch threads {torch.get_num_threads()}), load average at start {os.getloadavg()[0]:.2f}")
+    print(f"- device: {cpu_model()}, {os.cpu_count()} cores, load average at start {load0:.2f}, "
+          f"at end {os.getloadavg()[0]:.2f}")
     print(f"- versions: {versions()}")
     print(f"- model: {folder.name} (float32), prompts {args.prompt_len} tokens, "
           f"{args.output_len} output tokens, greedy")
     if jax_runner:
-        print(f"- jaxserve start-up (not timed): {jax_runner.startup_s:.1f}s")
+        kv = jax_runner.llm.engine.config.kv_cache_gib
+        print(f"- jaxserve: max_num_seqs {max_bs}, max_num_batched_tokens "
+              f"{max(args.max_num_batched_tokens, max_bs)}, max_model_len {max_len}, kv_cache_gib {kv}; "
+              f"start-up (load + compile all buckets, not timed): {jax_runner.startup_s:.1f}s")
     print()
-    print("| batch | prompts | jaxserve out tok/s | HF transformers out tok/s | ratio | greedy tokens identical |")
+    print("| batch | prompts | jaxserve out tok/s | HF transformers out tok/s (torch threads) | ratio | "
+          "greedy tokens identical |")
     print("|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         j, h = r.get("jax"), r.get("hf")
@@ -240,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
             same_seqs = sum(a == b for a, b in zip(r["jax_toks"], r["hf_toks"]))
             same = f"{same_seqs}/{r['n']} sequences"
         fmt = lambda v: f"{v:.1f}" if v else "-"  # noqa: E731
-        print(f"| {r['bs']} | {r['n']} | {fmt(j)} | {fmt(h)} | {ratio} | {same} |")
+        th = f" ({r['threads']})" if h else ""
+        print(f"| {r['bs']} | {r['n']} | {fmt(j)} | {fmt(h)}{th} | {ratio} | {same} |")
     return 0
 
 

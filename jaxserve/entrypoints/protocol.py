@@ -35,6 +35,7 @@ class _SamplingFields(_Base):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    return_token_ids: bool = False  # vLLM's extension: token ids in each choice
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     n: int | None = 1

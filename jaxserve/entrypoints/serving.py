@@ -142,22 +142,28 @@ class _Stream:
 
 
 async def _run(request, llm: AsyncLLM, ids: list[int], sp: SamplingParams, request_id: str,
-               *, stream: bool, include_usage: bool, make_chunk, make_final):
+               *, stream: bool, include_usage: bool, make_chunk, make_final,
+               return_token_ids: bool = False):
     """Shared body of both endpoints. ``make_chunk(text, finish_reason)`` -> chunk dict;
-    ``make_final(text, finish_reason, usage)`` -> the non-streaming response dict."""
+    ``make_final(text, finish_reason, usage)`` -> the non-streaming response dict.
+    ``return_token_ids`` adds ``prompt_token_ids`` and ``token_ids`` (generated ids, EOS / stop
+    token included; deltas when streaming) to the choice, as vLLM does."""
     gen = llm.generate(ids, sp, request_id)
     if not stream:
-        text, out, n_out = [], None, 0
+        text, out, out_ids = [], None, []
         try:
             async with contextlib.aclosing(gen):
                 async for out in gen:
                     text.append(out.outputs[0].text)
-                    n_out += len(out.outputs[0].token_ids)
+                    out_ids += out.outputs[0].token_ids
         except (EngineDeadError, RequestError) as e:
             _raise_for(e)
         c = out.outputs[0]
-        usage = _usage(len(ids), n_out, out.num_cached_tokens)
-        return web.json_response(make_final("".join(text), c.finish_reason, usage))
+        usage = _usage(len(ids), len(out_ids), out.num_cached_tokens)
+        body = make_final("".join(text), c.finish_reason, usage)
+        if return_token_ids:
+            body["choices"][0].update(prompt_token_ids=list(ids), token_ids=out_ids)
+        return web.json_response(body)
 
     sse = _Stream(request)
     await sse.start()
@@ -171,8 +177,13 @@ async def _run(request, llm: AsyncLLM, ids: list[int], sp: SamplingParams, reque
                 async for out in gen:
                     c = out.outputs[0]
                     n_out += len(c.token_ids)
-                    if c.text or out.finished:
-                        await sse.send(make_chunk(c.text, c.finish_reason))
+                    if c.text or out.finished or (return_token_ids and c.token_ids):
+                        chunk = make_chunk(c.text, c.finish_reason)
+                        if return_token_ids:
+                            chunk["choices"][0]["token_ids"] = list(c.token_ids)
+                            if n_out == len(c.token_ids):
+                                chunk["choices"][0]["prompt_token_ids"] = list(ids)
+                        await sse.send(chunk)
             except (EngineDeadError, RequestError) as e:
                 await sse.send(_error_event(e))
                 out = None
@@ -217,7 +228,8 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
 
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return await _run(request, llm, ids, sp, request_id, stream=bool(req.stream),
-                      include_usage=include_usage, make_chunk=chunk, make_final=final)
+                      include_usage=include_usage, make_chunk=chunk, make_final=final,
+                      return_token_ids=req.return_token_ids)
 
 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
@@ -254,4 +266,5 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
 
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return await _run(request, llm, ids, sp, request_id, stream=bool(req.stream),
-                      include_usage=include_usage, make_chunk=chunk, make_final=final)
+                      include_usage=include_usage, make_chunk=chunk, make_final=final,
+                      return_token_ids=req.return_token_ids)

@@ -167,15 +167,42 @@ def test_seeded_sampling_is_reproducible(client):
 # -- batching ---------------------------------------------------------------------------------
 
 
-def test_32_concurrent_streams_match_one_by_one(server, client, aclient_factory):
-    """32 greedy streams at once give the same text as each request alone (DESIGN.md
-    section 7: texts compared; see the report of any mismatch), and the engine batched them."""
+def _near_tie_check(request, prompt_ids, alone, together):
+    """DESIGN.md section 7 for the mismatching pairs: compare token ids up to the first position
+    where the reference (alone) has its two best logits within 1e-3 (from HF transformers in
+    float32 on the same weights). Returns [(index, identical, positions compared)]."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    folder = request.getfixturevalue("smollm_hf_folder")
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    out = []
+    for i, (p, a, b) in enumerate(zip(prompt_ids, alone, together)):
+        if a == b:
+            continue
+        with torch.no_grad():
+            logits = hf(torch.tensor([p + a])).logits[0, len(p) - 1:len(p) - 1 + len(a)]
+        top2 = torch.topk(logits, 2, dim=-1).values
+        margins = (top2[:, 0] - top2[:, 1]).tolist()
+        n = next((k for k in range(min(len(a), len(b))) if margins[k] < 1e-3 or a[k] != b[k]),
+                 min(len(a), len(b)))
+        near_tie = n < len(margins) and margins[n] < 1e-3
+        out.append((i, near_tie, n))
+    return out
+
+
+def test_32_concurrent_streams_match_one_by_one(request, server, client, aclient_factory):
+    """32 greedy streams at once give the same token ids as each request alone (DESIGN.md
+    section 7), and the engine batched them (num_requests_running > 1 observed)."""
     prompts = _prompts(32)
     msgs = [[{"role": "user", "content": p}] for p in prompts]
-    alone = []
+    alone, alone_text, prompt_ids = [], [], []
     for m in msgs:
-        r = client.chat.completions.create(model=MODEL, messages=m, temperature=0, max_tokens=16)
-        alone.append(r.choices[0].message.content)
+        r = client.chat.completions.create(model=MODEL, messages=m, temperature=0, max_tokens=16,
+                                           extra_body={"return_token_ids": True})
+        alone.append(r.choices[0].token_ids)
+        alone_text.append(r.choices[0].message.content)
+        prompt_ids.append(r.choices[0].prompt_token_ids)
 
     max_running = 0
     stop_polling = threading.Event()
@@ -194,12 +221,14 @@ def test_32_concurrent_streams_match_one_by_one(server, client, aclient_factory)
 
     async def one(ac, m):
         stream = await ac.chat.completions.create(model=MODEL, messages=m, temperature=0,
-                                                  max_tokens=16, stream=True)
-        parts = []
+                                                  max_tokens=16, stream=True,
+                                                  extra_body={"return_token_ids": True})
+        parts, ids = [], []
         async for c in stream:
-            if c.choices and c.choices[0].delta.content:
-                parts.append(c.choices[0].delta.content)
-        return "".join(parts)
+            if c.choices:
+                parts.append(c.choices[0].delta.content or "")
+                ids += getattr(c.choices[0], "token_ids", None) or []
+        return "".join(parts), ids
 
     async def run_all():
         ac = aclient_factory()
@@ -209,12 +238,23 @@ def test_32_concurrent_streams_match_one_by_one(server, client, aclient_factory)
             await ac.close()
 
     try:
-        together = asyncio.run(run_all())
+        results = asyncio.run(run_all())
     finally:
         stop_polling.set()
         poller.join()
-    mismatches = [(i, a, b) for i, (a, b) in enumerate(zip(alone, together)) if a != b]
-    assert not mismatches, "\n".join(f"#{i}: alone={a!r} batched={b!r}" for i, a, b in mismatches)
+    together = [ids for _, ids in results]
+    assert all(len(a) >= 1 for a in alone)
+    checked = _near_tie_check(request, prompt_ids, alone, together) if alone != together else []
+    real = [(i, n) for i, near_tie, n in checked if not near_tie]
+    assert not real, "\n".join(f"#{i} differs at token {n}: alone={alone[i]} batched={together[i]}"
+                               for i, n in real)
+    if checked:
+        print(f"stopped early at a near-tie on {len(checked)} of 32 prompts: {checked}")
+    assert len(checked) <= 4, "near-ties on most prompts: the comparison says too little"
+    # Where the ids agree, the streamed text equals the non-streamed text.
+    for i, (text, ids) in enumerate(results):
+        if ids == alone[i]:
+            assert text == alone_text[i]
     assert max_running > 1, f"the engine never ran more than {max_running} request(s) at once"
 
 

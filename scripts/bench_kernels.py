@@ -268,7 +268,7 @@ def run_model_step(bench: Bench, num_layers=4, batch=64, ctx=2048):
                            "intermediate_size": 512, "num_heads": 4, "num_kv_heads": 2,
                            "head_dim": 64})
     dtype = jnp.bfloat16
-    key = iter(jax.random.split(jax.random.PRNGKey(3), 16))
+    key = iter(jax.random.split(jax.random.PRNGKey(3), 8 * num_layers + 8))
     L, E, D, I = c.num_layers, c.hidden_size, c.head_dim, c.intermediate_size
     qkv = (c.num_heads + 2 * c.num_kv_heads) * D
     w = lambda *s: 0.02 * jax.random.normal(next(key), s, dtype)  # noqa: E731

@@ -105,7 +105,6 @@ def dense_kv(pages, block_tables):
 
 
 def run_decode(bench: Bench, name, batch, ctx, cfg, tunings=None):
-    a = bench.args
     q, kp, vp, bt, sl = decode_inputs(jax.random.PRNGKey(batch * 7 + ctx), batch, ctx, **cfg)
     nbytes = 2 * cfg["kv_heads"] * batch * ctx * cfg["head_dim"] * jnp.dtype(cfg["dtype"]).itemsize
     interp = bench.smoke

@@ -13,32 +13,58 @@ Token ``i`` of sequence ``s`` lives in page ``block_tables[s, i // page_size]`` 
 import jax
 import jax.numpy as jnp
 
-# Query tokens of one prefill sequence are processed this many at a time; a decode (one query
-# token) takes a single-query path so it does not pay for a whole block.
-_PREFILL_BLOCK = 64
+# Query tokens of one prefill sequence are processed this many at a time.
+_QUERY_BLOCK = 64
+# Keys are read this many pages at a time, only as far as a sequence's context reaches, so the
+# cost follows the real lengths and not the block table's padded width.
+_KV_CHUNK_PAGES = 16
 
 
-def _gather_kv(pages: jax.Array, block_table: jax.Array) -> jax.Array:
-    """[KV, num_pages, page_size, D] gathered at block_table [P] -> [KV, P * page_size, D]."""
-    kv_heads, _, page_size, head_dim = pages.shape
-    return pages[:, block_table].reshape(kv_heads, -1, head_dim)
+def _attend_block(q, q_pos, k_pages, v_pages, block_table, ctx_len, sm_scale):
+    """Online-softmax attention of one query block over one sequence's paged keys.
 
+    Args:
+      q: [N, H, D] queries at positions q_pos [N]; a query sees keys at positions <= its own.
+      k_pages, v_pages: [KV, num_pages, page_size, D].
+      block_table: [P'] int32, P' a multiple of _KV_CHUNK_PAGES.
+      ctx_len: keys at positions >= ctx_len are never read.
 
-def _attend(q, k, v, q_pos, ctx_len, sm_scale):
-    """q [N, H, D] at positions q_pos [N]; k, v [KV, L, D]; keys at positions < ctx_len.
-
-    Returns [N, H, D] in q's dtype; softmax in float32.
+    Returns:
+      [N, H, D] float32.
     """
     n, num_heads, head_dim = q.shape
-    kv_heads, length, _ = k.shape
-    qg = q.reshape(n, kv_heads, num_heads // kv_heads, head_dim).astype(jnp.float32)
-    scores = jnp.einsum("nkgd,kld->nkgl", qg, k.astype(jnp.float32)) * sm_scale
-    key_pos = jnp.arange(length)
-    mask = (key_pos[None, :] <= q_pos[:, None]) & (key_pos[None, :] < ctx_len)
-    scores = jnp.where(mask[:, None, None, :], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("nkgl,kld->nkgd", probs, v.astype(jnp.float32))
-    return out.reshape(n, num_heads, head_dim).astype(q.dtype)
+    kv_heads, _, page_size, _ = k_pages.shape
+    group = num_heads // kv_heads
+    chunk = _KV_CHUNK_PAGES * page_size
+    qg = q.reshape(n, kv_heads, group, head_dim).astype(jnp.float32) * sm_scale
+    last = jnp.minimum(jnp.max(q_pos) + 1, ctx_len)
+
+    def body(c, carry):
+        m, l, acc = carry
+        pages = jax.lax.dynamic_slice_in_dim(block_table, c * _KV_CHUNK_PAGES, _KV_CHUNK_PAGES)
+        k = k_pages[:, pages].reshape(kv_heads, chunk, head_dim).astype(jnp.float32)
+        v = v_pages[:, pages].reshape(kv_heads, chunk, head_dim).astype(jnp.float32)
+        key_pos = c * chunk + jnp.arange(chunk)
+        mask = (key_pos[None, :] <= q_pos[:, None]) & (key_pos[None, :] < ctx_len)
+        s = jnp.einsum("nkgd,kld->nkgl", qg, k)
+        s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
+        m_new = jnp.maximum(m, s.max(axis=-1))
+        # Rows that have seen no key yet keep m = -inf; exp(-inf - -inf) would be nan.
+        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        p = jnp.exp(s - m_safe[..., None])
+        scale = jnp.exp(jnp.where(jnp.isfinite(m), m, m_safe) - m_safe)
+        l = l * scale + p.sum(axis=-1)
+        acc = acc * scale[..., None] + jnp.einsum("nkgl,kld->nkgd", p, v)
+        return m_new, l, acc
+
+    init = (
+        jnp.full((n, kv_heads, group), -jnp.inf, jnp.float32),
+        jnp.zeros((n, kv_heads, group), jnp.float32),
+        jnp.zeros((n, kv_heads, group, head_dim), jnp.float32),
+    )
+    _, l, acc = jax.lax.fori_loop(0, (last + chunk - 1) // chunk, body, init)
+    out = acc / jnp.where(l > 0, l, 1.0)[..., None]
+    return out.reshape(n, num_heads, head_dim)
 
 
 def attention(
@@ -60,7 +86,7 @@ def attention(
         keys and values.
       query_start_loc: [S + 1] int32, non-decreasing; padding sequences have zero query tokens.
       seq_lens: [S] int32, context length of each sequence after this step (tokens).
-      block_tables: [S, P] int32 page ids; entries past a sequence's length are ignored.
+      block_tables: [S, P] int32 page ids; entries past a sequence's length are never read.
       sm_scale: softmax scale, default D ** -0.5.
       interpret: unused here (the oracle is plain JAX); kept for the kernels' signature.
 
@@ -70,24 +96,27 @@ def attention(
       Rows past query_start_loc[S] (padding tokens) are zero.
     """
     del interpret
+    q, k_pages, v_pages, query_start_loc, seq_lens, block_tables = map(
+        jnp.asarray, (q, k_pages, v_pages, query_start_loc, seq_lens, block_tables)
+    )
     num_tokens, num_heads, head_dim = q.shape
     if sm_scale is None:
         sm_scale = head_dim**-0.5
-    block = min(_PREFILL_BLOCK, num_tokens)
+    block = min(_QUERY_BLOCK, num_tokens)
     # Padding rows let every block slice stay in bounds; they are cut off at the end.
     q_pad = jnp.pad(q, ((0, block), (0, 0), (0, 0)))
-    out = jnp.zeros_like(q_pad)
+    out = jnp.zeros(q_pad.shape, jnp.float32)
+    width = -(-block_tables.shape[1] // _KV_CHUNK_PAGES) * _KV_CHUNK_PAGES
+    tables = jnp.pad(block_tables, ((0, 0), (0, width - block_tables.shape[1])))
 
     def one_sequence(s, out):
         start = query_start_loc[s]
         q_len = query_start_loc[s + 1] - start
         ctx_len = seq_lens[s]
-        k = _gather_kv(k_pages, block_tables[s])
-        v = _gather_kv(v_pages, block_tables[s])
 
         def decode(out):
             q1 = jax.lax.dynamic_slice_in_dim(q_pad, start, 1)
-            o = _attend(q1, k, v, (ctx_len - 1)[None], ctx_len, sm_scale)
+            o = _attend_block(q1, (ctx_len - 1)[None], k_pages, v_pages, tables[s], ctx_len, sm_scale)
             return jax.lax.dynamic_update_slice_in_dim(out, o, start, axis=0)
 
         def prefill(out):
@@ -95,7 +124,8 @@ def attention(
                 offset = b * block
                 qb = jax.lax.dynamic_slice_in_dim(q_pad, start + offset, block)
                 idx = offset + jnp.arange(block)
-                o = _attend(qb, k, v, ctx_len - q_len + idx, ctx_len, sm_scale)
+                q_pos = ctx_len - q_len + jnp.minimum(idx, q_len - 1)
+                o = _attend_block(qb, q_pos, k_pages, v_pages, tables[s], ctx_len, sm_scale)
                 # The last block may run into the next sequence's rows: keep those as they are.
                 old = jax.lax.dynamic_slice_in_dim(out, start + offset, block)
                 o = jnp.where((idx < q_len)[:, None, None], o, old)
@@ -106,7 +136,7 @@ def attention(
         return jax.lax.cond(q_len == 1, decode, prefill, out)
 
     out = jax.lax.fori_loop(0, block_tables.shape[0], one_sequence, out)
-    return out[:num_tokens]
+    return out[:num_tokens].astype(q.dtype)
 
 
 def paged_attention(
@@ -167,6 +197,7 @@ def write_kv(
     Returns:
       The updated (k_pages, v_pages).
     """
+    k_pages, v_pages, slot_mapping = map(jnp.asarray, (k_pages, v_pages, slot_mapping))
     page_size = k_pages.shape[2]
     pages, offsets = slot_mapping // page_size, slot_mapping % page_size
     k_pages = k_pages.at[:, pages, offsets].set(k.transpose(1, 0, 2).astype(k_pages.dtype))

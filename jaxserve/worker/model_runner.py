@@ -1,10 +1,13 @@
 """ModelRunner: turns a SchedulerOutput into padded device inputs and runs the jitted step.
 
 One step = one call of a compiled executable: model forward over the ragged batch, KV write into
-the donated pool, and sampling. Token counts T come from a fixed list of buckets; the sequence
-count is S = min(T, max_num_seqs) and the block-table width P is a bucket of its own, so
-attention cost follows the longest context in the batch. Every (T, P) bucket is compiled
-ahead of time by ``compile_buckets``; ``execute`` never compiles (it raises if asked to).
+the donated pool, and sampling. Token counts T come from a fixed list of buckets (powers of two
+up to max_num_batched_tokens); the sequence count is S = min(T, max_num_seqs), and the block
+table always has the width P of a max_model_len sequence. Attention reads pages only as far as
+each sequence's length reaches, so its cost follows the real contexts, not P; that keeps the
+number of compiled shapes to the token buckets alone (DESIGN.md section 3 allowed P buckets too;
+they multiplied start-up compilation). Every bucket is compiled ahead of time by
+``compile_buckets``; ``execute`` never compiles (it raises if asked to).
 """
 
 import time
@@ -78,7 +81,7 @@ class ModelRunner:
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
         self.token_buckets = powers_of_two_up_to(max_num_batched_tokens)
-        self.page_buckets = powers_of_two_up_to(-(-max_model_len // page_size))
+        self.max_pages_per_seq = -(-max_model_len // page_size)
         shape = (config.num_kv_heads, num_pages, page_size, config.head_dim)
         if unroll:
             self.k_cache = [jnp.zeros(shape, kv_dtype) for _ in range(config.num_layers)]
@@ -87,13 +90,13 @@ class ModelRunner:
             self.k_cache = jnp.zeros((config.num_layers, *shape), kv_dtype)
             self.v_cache = jnp.zeros((config.num_layers, *shape), kv_dtype)
         self._jitted = jax.jit(partial(_step, config, attention_fn), donate_argnums=(3, 4))
-        self._compiled: dict[tuple[int, int], Callable] = {}
+        self._compiled: dict[int, Callable] = {}
 
     def num_seqs_for(self, num_tokens_bucket: int) -> int:
         return min(num_tokens_bucket, self.max_num_seqs)
 
-    def _dummy_inputs(self, t: int, p: int):
-        s = self.num_seqs_for(t)
+    def _dummy_inputs(self, t: int):
+        s, p = self.num_seqs_for(t), self.max_pages_per_seq
         zeros_t = np.zeros(t, np.int32)
         md = llama.AttentionMetadata(
             positions=zeros_t, slot_mapping=zeros_t,
@@ -107,17 +110,16 @@ class ModelRunner:
         return zeros_t, md, np.zeros(s, np.int32), sm
 
     def compile_buckets(self, log: Callable[[str], None] = print) -> None:
-        """Compile the step for every (tokens, pages) bucket, with a progress line each."""
-        keys = [(t, p) for t in self.token_buckets for p in self.page_buckets]
+        """Compile the step for every token bucket, with a progress line each."""
         start = time.perf_counter()
-        for i, (t, p) in enumerate(keys, 1):
-            token_ids, md, logits_indices, sm = self._dummy_inputs(t, p)
+        for i, t in enumerate(self.token_buckets, 1):
+            token_ids, md, logits_indices, sm = self._dummy_inputs(t)
             lowered = self._jitted.lower(
                 self.params, token_ids, md, self.k_cache, self.v_cache, logits_indices, sm
             )
-            self._compiled[(t, p)] = lowered.compile()
+            self._compiled[t] = lowered.compile()
             log(
-                f"compiling buckets: {i}/{len(keys)} (tokens={t}, pages={p}) "
+                f"compiling buckets: {i}/{len(self.token_buckets)} (tokens={t}) "
                 f"{time.perf_counter() - start:.1f}s"
             )
 
@@ -128,7 +130,7 @@ class ModelRunner:
         n_seq = len(sched.scheduled)
         t = _bucket(self.token_buckets, n_tok)
         s = self.num_seqs_for(t)
-        p = _bucket(self.page_buckets, max(len(r.block_ids) for r, _ in sched.scheduled))
+        p = self.max_pages_per_seq
         token_ids = np.zeros(t, np.int32)
         positions = np.zeros(t, np.int32)
         slots = np.zeros(t, np.int32)
@@ -163,9 +165,9 @@ class ModelRunner:
             steps[i] = req.num_output_tokens
         md = llama.AttentionMetadata(positions, slots, qsl, seq_lens, block_tables)
         sm = SamplingMetadata(temperature, top_k, top_p, seeds, steps)
-        step = self._compiled.get((t, p))
+        step = self._compiled.get(t)
         if step is None:
-            raise RuntimeError(f"bucket (tokens={t}, pages={p}) was not compiled at start-up")
+            raise RuntimeError(f"bucket tokens={t} was not compiled at start-up")
         sampled, self.k_cache, self.v_cache = step(
             self.params, token_ids, md, self.k_cache, self.v_cache, logits_indices, sm
         )

@@ -1,0 +1,34 @@
+"""DESIGN.md section 7's "identical greedy outputs": equal token ids up to the first near-tie of
+the reference (its two best logits within 1e-3), where float rounding may pick either."""
+
+import numpy as np
+
+NEAR_TIE = 1e-3
+
+
+def top2_margins(logits: np.ndarray) -> np.ndarray:
+    """[N, V] logits -> [N] gap between the best and second-best logit."""
+    top2 = np.sort(logits, axis=-1)[:, -2:]
+    return top2[:, 1] - top2[:, 0]
+
+
+def hf_greedy_margins(hf_model, prompt_ids: list[int], generated: list[int]) -> np.ndarray:
+    """Gaps at each generated position, from one HF forward over prompt + generated tokens."""
+    import torch
+
+    ids = torch.tensor([list(prompt_ids) + list(generated)])
+    with torch.no_grad():
+        logits = hf_model(ids).logits[0].numpy()
+    n = len(prompt_ids)
+    return top2_margins(logits[n - 1 : n - 1 + len(generated)])
+
+
+def compare_greedy(ours: list[int], ref: list[int], ref_margins: np.ndarray) -> tuple[bool, int]:
+    """(identical, positions compared): stop at the reference's first near-tie."""
+    n = min(len(ours), len(ref))
+    for i in range(n):
+        if ref_margins[i] < NEAR_TIE:
+            return True, i
+        if ours[i] != ref[i]:
+            return False, i
+    return len(ours) == len(ref), n

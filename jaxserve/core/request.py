@@ -20,6 +20,11 @@ class Request:
       all_token_ids: prompt followed by generated tokens.
       num_computed_tokens: tokens whose K/V are in the pool (prefix-cache hits included).
       block_ids: KV pages held, in sequence order.
+      block_hashes: prefix-cache keys of the full pages of all_token_ids computed so far
+        (kept across preemption: the tokens do not change).
+      num_registered_pages: leading pages of block_ids already entered in the prefix cache.
+      num_cached_tokens: prompt tokens served from the prefix cache at first admission.
+      num_preemptions: times this request was preempted (recomputed).
       seed: the RNG seed of this request's sampling (drawn by the engine when not given).
     """
 
@@ -33,6 +38,9 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
         self.block_ids: list[int] = []
+        self.block_hashes: list[bytes] = []
+        self.num_registered_pages = 0
+        self.num_preemptions = 0
         self.status = RequestStatus.WAITING
 
     @property

@@ -1,14 +1,22 @@
 """Scheduler: continuous batching under a unified token budget, in the manner of vLLM V1.
 
 Each step hands out at most ``max_num_batched_tokens`` tokens to at most ``max_num_seqs``
-sequences: running requests first (a decode token each, or the next chunk of an unfinished
-prompt), then waiting requests in arrival order. A prompt longer than the budget is split across
-steps (chunked prefill). When pages run out, the newest running request is preempted: its pages
-are freed and it is recomputed later from its tokens so far.
+sequences: running requests first, in admission order (a decode token each, or the next chunk of
+an unfinished prompt), then waiting requests in arrival order (preempted ones first). A prompt
+longer than the remaining budget is split across steps (chunked prefill), so decodes keep flowing
+while a long prompt enters. A newly admitted request first takes the longest run of cached full
+pages that starts its tokens (automatic prefix caching, see KVCacheManager) and computes only the
+rest.
+
+When pages run out, the newest running request is preempted: its pages are freed (its full pages
+stay in the prefix cache until evicted) and it is recomputed later from its tokens so far, which
+gives the same tokens as if it had never been preempted. As in vLLM, a step that had to preempt
+admits no new request.
 """
 
-from collections import deque
 from dataclasses import dataclass, field
+
+from collections import deque
 
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.request import Request, RequestStatus
@@ -20,10 +28,7 @@ class SchedulerOutput:
     """The work of one step: (request, number of new tokens) in batch order."""
 
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
+    num_tokens: int = 0
 
 
 class Scheduler:
@@ -40,11 +45,13 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.eos_token_ids = set(eos_token_ids)
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -72,76 +79,97 @@ class Scheduler:
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.num_preemptions += 1
         self.waiting.appendleft(req)
         self.num_preemptions += 1
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        scheduled = []
         budget = self.max_num_batched_tokens
+        allocate = self.kv.allocate_slots
+        running = self.running
         preempted = False
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(req, n):
-                victim = self.running.pop()
+        while i < len(running) and budget > 0:
+            req = running[i]
+            n = len(req.all_token_ids) - req.num_computed_tokens
+            if n > budget:
+                n = budget
+            while not allocate(req, n):
+                victim = running.pop()  # the newest running request
                 self._preempt(victim)
                 preempted = True
                 if victim is req:
                     break
             else:
-                out.scheduled.append((req, n))
+                scheduled.append((req, n))
                 budget -= n
                 i += 1
         # As vLLM does: no new admissions in a step that had to preempt.
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
-            req = self.waiting[0]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self.kv.allocate_slots(req, n):
+        waiting = self.waiting
+        kv = self.kv
+        while waiting and budget > 0 and len(running) < self.max_num_seqs and not preempted:
+            req = waiting[0]
+            computed = kv.get_computed_pages(req) if req.num_computed_tokens == 0 else []
+            num_cached = len(computed) * kv.page_size
+            n = min(req.num_tokens - req.num_computed_tokens - num_cached, budget)
+            if not allocate(req, n, computed):
                 break
-            self.waiting.popleft()
+            waiting.popleft()
+            if req.num_preemptions == 0 and kv.enable_caching:
+                self.prefix_cache_queries += req.num_tokens
+                self.prefix_cache_hits += num_cached
+                req.num_cached_tokens = num_cached
+            req.num_computed_tokens += num_cached
             req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            out.scheduled.append((req, n))
+            running.append(req)
+            scheduled.append((req, n))
             budget -= n
-        return out
+        return SchedulerOutput(scheduled, self.max_num_batched_tokens - budget)
 
     def update(self, sched: SchedulerOutput, sampled: list[int]) -> list[EngineCoreOutput]:
         """Advance scheduled requests by their tokens; append sampled tokens where a sequence
         reached its end this step; finish requests that stop. ``sampled[i]`` belongs to
         ``sched.scheduled[i]``."""
         outputs = []
+        finished = []
+        page_size = self.kv.page_size
+        cache_full_pages = self.kv.cache_full_pages
         for (req, n), token in zip(sched.scheduled, sampled):
             req.num_computed_tokens += n
-            if req.num_computed_tokens < req.num_tokens:
+            if req.num_computed_tokens // page_size > req.num_registered_pages:
+                cache_full_pages(req)
+            if req.num_computed_tokens < len(req.all_token_ids):
                 continue  # a prompt chunk: nothing sampled yet
-            req.all_token_ids.append(int(token))
-            reason, stop_reason = self._check_stop(req, int(token))
+            token = int(token)
+            req.all_token_ids.append(token)
+            reason, stop_reason = self._check_stop(req, token)
             outputs.append(
                 EngineCoreOutput(
-                    request_id=req.request_id,
-                    new_token_ids=[int(token)],
-                    finish_reason=reason,
-                    stop_reason=stop_reason,
-                    num_prompt_tokens=req.num_prompt_tokens,
-                    num_cached_tokens=req.num_cached_tokens,
+                    req.request_id, [token], reason, stop_reason,
+                    req.num_prompt_tokens, req.num_cached_tokens,
                 )
             )
             if reason is not None:
-                self.running.remove(req)
+                finished.append(req)
+        if finished:
+            done = set(map(id, finished))
+            self.running = [r for r in self.running if id(r) not in done]
+            for req in finished:
                 del self.requests[req.request_id]
                 self._free(req)
         return outputs
 
     def _check_stop(self, req: Request, token: int) -> tuple[str | None, int | None]:
         sp = req.sampling_params
-        if token in sp.stop_token_ids:
+        if sp.stop_token_ids and token in sp.stop_token_ids:
             return "stop", token
         if token in self.eos_token_ids and not sp.ignore_eos:
             return "stop", token
-        if sp.max_tokens is not None and req.num_output_tokens >= sp.max_tokens:
+        n = len(req.all_token_ids)
+        if sp.max_tokens is not None and n - len(req.prompt_token_ids) >= sp.max_tokens:
             return "length", None
-        if req.num_tokens >= self.max_model_len:
+        if n >= self.max_model_len:
             return "length", None
         return None, None
 
@@ -151,4 +179,6 @@ class Scheduler:
             num_waiting_reqs=len(self.waiting),
             kv_cache_usage=self.kv.usage(),
             num_preemptions_total=self.num_preemptions,
+            prefix_cache_queries=self.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits,
         )

@@ -1,0 +1,177 @@
+"""Scheduler with a model-free runner (tests/unit/kv_fakes.py): token budget, sequence cap,
+chunked prefill, prefix-cache hits, preemption order, and outputs unchanged by all of them."""
+
+import random
+
+from jaxserve.core.kv_cache_manager import KVCacheManager
+from jaxserve.core.request import RequestStatus
+from jaxserve.core.scheduler import Scheduler
+from tests.unit.kv_fakes import FakeRunner, make_request, run_to_completion
+
+PS = 4
+
+
+def make(num_pages=256, budget=32, max_seqs=4, max_model_len=512, caching=True):
+    sched = Scheduler(
+        KVCacheManager(num_pages, PS, enable_caching=caching),
+        max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=max_model_len,
+        eos_token_ids=(0,),
+    )
+    return sched, FakeRunner(num_pages, PS)
+
+
+def check_invariants(sched):
+    """Budget and sequence cap, each request's pages cover its tokens, reference counts equal
+    the number of live holders, and usage counts referenced pages only."""
+
+    def on_step(out):
+        assert out.num_tokens == sum(n for _, n in out.scheduled) <= sched.max_num_batched_tokens
+        assert len(out.scheduled) <= sched.max_num_seqs
+        assert len(sched.running) <= sched.max_num_seqs
+        assert len({r.request_id for r, _ in out.scheduled}) == len(out.scheduled)
+        pool = sched.kv.block_pool
+        holders = [0] * pool.num_pages
+        for r in sched.running:
+            for p in r.block_ids:
+                holders[p] += 1
+        for r in sched.waiting:
+            assert r.block_ids == []
+        assert holders == pool.ref_counts
+        assert set(pool.free_queue) == {p for p in range(1, pool.num_pages) if holders[p] == 0}
+        used = sum(1 for h in holders[1:] if h)
+        assert abs(sched.kv.usage() - used / pool.num_usable_pages) < 1e-12
+
+    return on_step
+
+
+def random_prompts(n, seed, shared_prefix=()):
+    rng = random.Random(seed)
+    return [list(shared_prefix) + [rng.randrange(10, 1000) for _ in range(rng.randrange(1, 90))]
+            for _ in range(n)]
+
+
+def run(prompts, max_tokens=6, **kw):
+    sched, runner = make(**kw)
+    for i, p in enumerate(prompts):
+        sched.add_request(make_request(i, p, max_tokens=max_tokens))
+    out = run_to_completion(sched, runner, on_step=check_invariants(sched))
+    return out, sched
+
+
+def test_budget_and_seq_cap_every_step_and_outputs_unchanged():
+    prompts = random_prompts(20, seed=1)
+    ref, _ = run(prompts, budget=4096, max_seqs=64, caching=False)
+    for budget, seqs in [(8, 2), (16, 4), (32, 3), (64, 8)]:
+        out, _ = run(prompts, budget=budget, max_seqs=seqs)
+        assert out == ref
+    assert all(len(v) == 6 for v in ref.values())
+
+
+def test_long_prompt_is_chunked_and_decodes_keep_advancing():
+    sched, runner = make(budget=16, max_seqs=4)
+    short = make_request("short", [5, 6, 7], max_tokens=40)
+    sched.add_request(short)
+    sched.update(out := sched.schedule(), runner.execute(out))  # short: prefill, first token
+    long = make_request("long", list(range(100, 200)), max_tokens=2)
+    sched.add_request(long)
+    chunks = []
+    while long.num_computed_tokens < long.num_prompt_tokens:
+        out = sched.schedule()
+        assert out.scheduled[0] == (short, 1)  # running first: a decode token every step
+        chunks += [n for r, n in out.scheduled if r is long]
+        before = short.num_output_tokens
+        sched.update(out, runner.execute(out))
+        assert short.num_output_tokens == before + 1
+    assert chunks == [15] * 6 + [10]
+    assert long.num_output_tokens == 1
+
+
+def test_waiting_requests_admitted_in_arrival_order_after_running():
+    sched, runner = make(budget=10, max_seqs=2)
+    for i in range(3):
+        sched.add_request(make_request(i, [1 + i] * 6, max_tokens=3))
+    out = sched.schedule()
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("0", 6), ("1", 4)]
+    sched.update(out, runner.execute(out))
+    out = sched.schedule()  # seq cap 2: "2" waits
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("0", 1), ("1", 2)]
+
+
+def test_shared_prefix_hits_and_same_outputs_as_caching_off():
+    prefix = list(range(300, 340))  # 10 pages of 4
+    prompts = random_prompts(12, seed=2, shared_prefix=prefix)
+    ref, off = run(prompts, caching=False)
+    assert off.prefix_cache_hits == 0
+    out, on = run(prompts)
+    assert out == ref
+    assert on.prefix_cache_queries == sum(len(p) for p in prompts)
+    # Requests admitted after the first prefix was computed reuse all 10 pages.
+    assert on.prefix_cache_hits >= 40 * (12 - on.max_num_seqs)
+
+
+def test_num_cached_tokens_reported_and_only_the_tail_computed():
+    sched, runner = make(budget=64)
+    a = make_request("a", list(range(50, 90)), max_tokens=2)
+    sched.add_request(a)
+    run_to_completion(sched, runner)
+    b = make_request("b", list(range(50, 90)) + [7, 8], max_tokens=2)
+    sched.add_request(b)
+    out = sched.schedule()
+    assert out.scheduled == [(b, 2)] and b.num_computed_tokens == 40
+    outs = sched.update(out, runner.execute(out))
+    assert outs[0].num_cached_tokens == 40
+
+
+def test_preemption_newest_first_and_outputs_unchanged():
+    prompts = random_prompts(16, seed=3)
+    ref, _ = run(prompts, max_tokens=20, budget=4096, max_seqs=16, caching=False)
+    for caching in (False, True):
+        # 25 usable pages of 4 tokens: far too few for 16 requests of up to ~110 tokens at once.
+        out, sched = run(prompts, max_tokens=20, num_pages=26, budget=64, max_seqs=16, caching=caching)
+        assert out == ref
+        assert sched.num_preemptions > 0
+
+
+def test_preempts_the_newest_running_request():
+    sched, runner = make(num_pages=7, budget=64, max_seqs=3)  # 6 usable pages
+    reqs = [make_request(i, [10 + i] * 8, max_tokens=10) for i in range(3)]  # 2 pages each
+    for r in reqs:
+        sched.add_request(r)
+    out = sched.schedule()
+    sched.update(out, runner.execute(out))
+    assert sched.kv.block_pool.num_free_pages == 0
+    out = sched.schedule()  # request 0 needs a 3rd page for position 8: request 2 is preempted
+    assert [r.request_id for r, _ in out.scheduled] == ["0", "1"]
+    assert reqs[2].status == RequestStatus.PREEMPTED and reqs[2].block_ids == []
+    assert reqs[2].num_computed_tokens == 0 and sched.waiting[0] is reqs[2]
+    assert sched.num_preemptions == 1
+    sched.update(out, runner.execute(out))
+    while sched.num_preemptions == 1:  # decodes until position 12 needs a 4th page
+        out = sched.schedule()
+        sched.update(out, runner.execute(out))
+    assert [r.request_id for r, _ in out.scheduled] == ["0"]
+    assert list(sched.waiting) == [reqs[1], reqs[2]]  # older first
+
+
+def test_abort_frees_pages():
+    sched, runner = make(budget=8)
+    a = make_request("a", list(range(20)))
+    b = make_request("b", list(range(20, 40)))
+    sched.add_request(a)
+    sched.add_request(b)
+    out = sched.schedule()
+    sched.update(out, runner.execute(out))
+    sched.abort_requests(["a", "b", "missing"])
+    assert not sched.has_unfinished_requests()
+    assert sched.kv.usage() == 0.0 and not sched.running and not sched.waiting
+
+
+def test_stops_on_eos_stop_token_and_max_model_len():
+    sched, _ = make(max_model_len=12)
+    r = make_request("r", [1, 2, 3], max_tokens=100)
+    r.sampling_params.ignore_eos = False
+    assert sched._check_stop(r, 0) == ("stop", 0)
+    r.sampling_params.stop_token_ids = [77]
+    assert sched._check_stop(r, 77) == ("stop", 77)
+    r.all_token_ids += [5] * 9
+    assert sched._check_stop(r, 5) == ("length", None)

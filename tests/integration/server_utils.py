@@ -52,6 +52,17 @@ def alive(pid: int) -> bool:
         return False
 
 
+def wait_gone(pids, timeout: float = 10.0) -> list[int]:
+    """Wait until none of ``pids`` is alive (helpers such as multiprocessing's resource tracker
+    exit a moment after the server); returns those still alive after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = [p for p in pids if alive(p)]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
+
+
 def get(url: str, timeout: float = 10.0) -> tuple[int, str]:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:

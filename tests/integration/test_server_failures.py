@@ -19,7 +19,7 @@ import time
 import openai
 import pytest
 
-from server_utils import REPO, Server, alive, descendants, free_port, get
+from server_utils import REPO, Server, alive, descendants, free_port, get, wait_gone
 from stub_engine import ADD_CRASH_ID, STEP_CRASH_ID
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -97,8 +97,7 @@ def test_ctrl_c_during_start_up_leaves_no_process():
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, out
     assert "Traceback" not in out
-    time.sleep(0.5)
-    assert not [p for p in kids if alive(p)]
+    assert not wait_gone(kids)
 
 
 @pytest.fixture(scope="module")
@@ -155,8 +154,15 @@ def test_engine_death_gives_503_and_clean_exit(stub_server):
     t = threading.Thread(target=stream)
     t.start()
     time.sleep(1.0)
-    engine = [p for p in stub_server.engine_pids if alive(p)]
-    assert engine
+    def cmdline(pid):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
+
+    engine = [p for p in stub_server.engine_pids if alive(p) and "spawn_main" in cmdline(p)]
+    assert len(engine) == 1
     log_before = len(stub_server.output())
     for p in engine:
         os.kill(p, signal.SIGKILL)
@@ -174,4 +180,4 @@ def test_engine_death_gives_503_and_clean_exit(stub_server):
     assert set(body["error"]) == {"message", "type", "param", "code"}
     assert stub_server.stop(signal.SIGTERM, timeout=30) == 0
     assert "Traceback" not in stub_server.output()[log_before:]  # (earlier tests log on purpose)
-    assert not descendants(stub_server.proc.pid)
+    assert not wait_gone(stub_server.engine_pids)

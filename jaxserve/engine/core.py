@@ -17,6 +17,7 @@ from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.request import Request
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.engine import EngineCoreOutput, EngineCoreRequest, SchedulerStats
+from jaxserve.engine import kv_sizing
 from jaxserve.model_loader import load_checkpoint
 from jaxserve.models.registry import build_params, resolve_dtype
 from jaxserve.worker.model_runner import ModelRunner
@@ -37,7 +38,18 @@ def enable_compilation_cache() -> None:
 
 def kv_bytes_per_page(model_config, page_size: int, dtype) -> int:
     c = model_config
-    return 2 * c.num_layers * c.num_kv_heads * page_size * c.head_dim * np.dtype(dtype).itemsize
+    return kv_sizing.kv_bytes_per_page(
+        c.num_layers, c.num_kv_heads, c.head_dim, page_size, np.dtype(dtype).itemsize
+    )
+
+
+def _backends_initialized() -> bool:
+    try:
+        from jax._src import xla_bridge
+
+        return xla_bridge.backends_are_initialized()
+    except Exception:  # private API: assume the worst
+        return True
 
 
 class EngineCore:
@@ -55,6 +67,10 @@ class EngineCore:
     def __init__(self, config: EngineConfig, log: Callable[[str], None] = print):
         enable_compilation_cache()
         self.config = config
+        # JAX caps its GPU allocator at XLA_PYTHON_CLIENT_MEM_FRACTION (0.75 unless set) of total
+        # memory; raise the cap to --gpu-memory-utilization before the backend starts.
+        if not _backends_initialized():
+            kv_sizing.allocator_fraction_env(config.gpu_memory_utilization, os.environ)
         on_gpu = jax.default_backend() == "gpu"
         t0 = time.perf_counter()
         ckpt = load_checkpoint(config.model, config.load_format)
@@ -77,29 +93,33 @@ class EngineCore:
         if config.max_num_batched_tokens < config.max_num_seqs:
             raise ValueError("--max-num-batched-tokens must be at least --max-num-seqs")
         per_page = kv_bytes_per_page(mc, config.page_size, dtype)
-        num_pages = int(config.kv_cache_gib * 2**30) // per_page
-        pages_per_seq = -(-self.max_model_len // config.page_size)
-        if num_pages - 1 < pages_per_seq:
-            raise ValueError(
-                f"the KV cache ({config.kv_cache_gib} GiB, {num_pages - 1} pages of "
-                f"{config.page_size} tokens) cannot hold one {self.max_model_len}-token sequence: "
-                f"raise --kv-cache-gib or lower --max-model-len"
-            )
-        log(f"KV cache: {num_pages - 1} pages of {config.page_size} tokens "
-            f"({(num_pages - 1) // pages_per_seq} sequences of {self.max_model_len} tokens)")
-
         backend = config.attention_backend
         self.runner = ModelRunner(
             mc, params,
-            num_pages=num_pages, page_size=config.page_size,
+            num_pages=None, page_size=config.page_size,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len, kv_dtype=dtype,
             attention_fn=get_attention_fn(backend),
             unroll=on_gpu,
         )
+        del params
+        if on_gpu:
+            num_pages = self._gpu_num_pages(per_page, log)
+            hint = "raise --gpu-memory-utilization or lower --max-model-len"
+        else:
+            num_pages = kv_sizing.cpu_num_pages(config.kv_cache_gib, per_page)
+            hint = "raise --kv-cache-gib or lower --max-model-len"
+        num_seqs = kv_sizing.check_pool_fits(num_pages, config.page_size, self.max_model_len, hint)
+        self.num_pages = num_pages
+        log(f"KV cache: {num_pages - 1} pages of {config.page_size} tokens "
+            f"({(num_pages - 1) * config.page_size} tokens, {(num_pages - 1) * per_page / 2**30:.2f} GiB; "
+            f"{num_seqs} sequences of {self.max_model_len} tokens fit); prefix caching "
+            f"{'on' if config.enable_prefix_caching else 'off'}")
+        self.runner.allocate_kv_cache(num_pages)
+
         self.scheduler = Scheduler(
-            KVCacheManager(num_pages, config.page_size),
+            KVCacheManager(num_pages, config.page_size, config.enable_prefix_caching),
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
@@ -109,6 +129,32 @@ class EngineCore:
         )
         self.runner.compile_buckets(log)
         self._rng = random.Random(config.seed)
+
+    def _gpu_num_pages(self, per_page: int, log: Callable[[str], None]) -> int:
+        """Pages for the pool under --gpu-memory-utilization (see kv_sizing): the device's
+        budget minus what is resident now (the weights) minus the largest step's bytes."""
+        stats = jax.devices()[0].memory_stats() or {}
+        limit = stats.get("bytes_limit")
+        if not limit:
+            raise ValueError(
+                "the GPU reports no memory limit, so --gpu-memory-utilization cannot size the KV "
+                "cache on this device"
+            )
+        weights = sum(x.nbytes for x in jax.tree.leaves(self.runner.params))
+        in_use = max(stats.get("bytes_in_use", 0), weights)
+        probe = kv_sizing.pages_per_seq(self.max_model_len, self.config.page_size) + 1
+        t0 = time.perf_counter()
+        step = self.runner.profile_step_bytes(probe)
+        log(f"profiled the largest step ({self.runner.token_buckets[-1]} tokens): "
+            f"{step / 2**30:.2f} GiB in {time.perf_counter() - t0:.1f}s")
+        fraction = float(os.environ.get(
+            "XLA_PYTHON_CLIENT_MEM_FRACTION", kv_sizing.DEFAULT_XLA_MEM_FRACTION))
+        util = self.config.gpu_memory_utilization
+        b = kv_sizing.gpu_kv_budget(utilization=util, allocator_limit_bytes=int(limit),
+                                    allocator_fraction=fraction, in_use_bytes=int(in_use),
+                                    step_bytes=step)
+        log(b.describe(util))
+        return kv_sizing.num_pages_for_bytes(b.pool_bytes, per_page)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a tokenized request.

@@ -53,7 +53,8 @@ class ModelRunner:
     Args:
       config: model shapes.
       params: pure dict of device arrays (see ``llama.LlamaForCausalLM``).
-      num_pages: pages in the KV pool, page 0 included (the null page).
+      num_pages: pages in the KV pool, page 0 included (the null page); None defers the pool to
+        ``allocate_kv_cache`` (the GPU path sizes it after ``profile_step_bytes``).
       page_size: tokens per page.
       max_num_seqs, max_num_batched_tokens, max_model_len: scheduler limits (tokens/sequences).
       kv_dtype: dtype of the KV pool.
@@ -67,7 +68,7 @@ class ModelRunner:
         config: ModelConfig,
         params: dict,
         *,
-        num_pages: int,
+        num_pages: int | None,
         page_size: int,
         max_num_seqs: int,
         max_num_batched_tokens: int,
@@ -82,15 +83,49 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.token_buckets = powers_of_two_up_to(max_num_batched_tokens)
         self.max_pages_per_seq = -(-max_model_len // page_size)
-        shape = (config.num_kv_heads, num_pages, page_size, config.head_dim)
-        if unroll:
-            self.k_cache = [jnp.zeros(shape, kv_dtype) for _ in range(config.num_layers)]
-            self.v_cache = [jnp.zeros(shape, kv_dtype) for _ in range(config.num_layers)]
-        else:
-            self.k_cache = jnp.zeros((config.num_layers, *shape), kv_dtype)
-            self.v_cache = jnp.zeros((config.num_layers, *shape), kv_dtype)
+        self.unroll = unroll
+        self.kv_dtype = kv_dtype
+        self.k_cache = self.v_cache = None
+        if num_pages is not None:
+            self.allocate_kv_cache(num_pages)
         self._jitted = jax.jit(partial(_step, config, attention_fn), donate_argnums=(3, 4))
         self._compiled: dict[int, Callable] = {}
+
+    def _kv_shapes(self, num_pages: int):
+        c = self.config
+        shape = (c.num_kv_heads, num_pages, self.page_size, c.head_dim)
+        if self.unroll:
+            return [shape] * c.num_layers
+        return (c.num_layers, *shape)
+
+    def allocate_kv_cache(self, num_pages: int) -> None:
+        """Allocate the (zeroed) K and V pools of num_pages pages, page 0 included."""
+        shapes = self._kv_shapes(num_pages)
+        if self.unroll:
+            self.k_cache = [jnp.zeros(s, self.kv_dtype) for s in shapes]
+            self.v_cache = [jnp.zeros(s, self.kv_dtype) for s in shapes]
+        else:
+            self.k_cache = jnp.zeros(shapes, self.kv_dtype)
+            self.v_cache = jnp.zeros(shapes, self.kv_dtype)
+
+    def profile_step_bytes(self, num_pages: int) -> int:
+        """Device bytes the largest token bucket's step needs beyond its arguments, from XLA's
+        memory analysis of that bucket compiled against a pool of num_pages pages (described
+        by shapes only: nothing is allocated). 0 if the backend gives no analysis."""
+        from jaxserve.engine.kv_sizing import step_bytes_from_memory_analysis
+
+        shapes = self._kv_shapes(num_pages)
+        sds = lambda s: jax.ShapeDtypeStruct(s, self.kv_dtype)  # noqa: E731
+        kv = [sds(s) for s in shapes] if self.unroll else sds(shapes)
+        token_ids, md, logits_indices, sm = self._dummy_inputs(self.token_buckets[-1])
+        compiled = self._jitted.lower(self.params, token_ids, md, kv, kv, logits_indices, sm).compile()
+        ma = compiled.memory_analysis()
+        if ma is None:
+            return 0
+        return step_bytes_from_memory_analysis(
+            ma.temp_size_in_bytes, ma.output_size_in_bytes, ma.alias_size_in_bytes,
+            getattr(ma, "generated_code_size_in_bytes", 0),
+        )
 
     def num_seqs_for(self, num_tokens_bucket: int) -> int:
         return min(num_tokens_bucket, self.max_num_seqs)

@@ -1,0 +1,79 @@
+"""KV pool sizing arithmetic (jaxserve/engine/kv_sizing.py), CPU and GPU paths."""
+
+import pytest
+
+from jaxserve.engine import kv_sizing as K
+
+GIB = 2**30
+
+
+def test_bytes_per_page_smollm_and_llama8b():
+    # SmolLM2-135M float32: 30 layers, 3 KV heads, head_dim 64, page 16.
+    assert K.kv_bytes_per_page(30, 3, 64, 16, 4) == 2 * 30 * 3 * 16 * 64 * 4 == 737_280
+    # Llama-3.1-8B bf16: 32 layers, 8 KV heads, head_dim 128: 128 KiB per token.
+    assert K.kv_bytes_per_page(32, 8, 128, 16, 2) == 16 * 128 * 1024
+
+
+def test_cpu_pages_and_fit():
+    per_page = K.kv_bytes_per_page(30, 3, 64, 16, 4)
+    n = K.cpu_num_pages(0.25, per_page)
+    assert n == (GIB // 4) // per_page == 364
+    assert K.check_pool_fits(n, 16, 512, "raise --kv-cache-gib") == 363 // 32
+    with pytest.raises(ValueError, match="--kv-cache-gib"):
+        K.check_pool_fits(32, 16, 512, "raise --kv-cache-gib")  # 31 usable < 32 needed
+    assert K.check_pool_fits(33, 16, 512, "x") == 1
+
+
+def test_step_bytes_counts_only_unaliased_outputs():
+    # KV pool outputs alias the donated inputs: only the sampled tokens count.
+    assert K.step_bytes_from_memory_analysis(temp=500, output=10_000 + 64, alias=10_000, code=7) == 571
+    assert K.step_bytes_from_memory_analysis(temp=500, output=64, alias=0) == 564
+
+
+def test_allocator_fraction_env_respects_a_user_setting():
+    env = {}
+    assert K.allocator_fraction_env(0.9, env) == 0.9 and env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.900000"
+    env = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"}
+    assert K.allocator_fraction_env(0.9, env) == 0.5
+
+
+def test_gpu_budget_h200_llama8b():
+    total = 140 * GIB
+    b = K.gpu_kv_budget(utilization=0.9, allocator_limit_bytes=int(0.9 * total), allocator_fraction=0.9,
+                        in_use_bytes=15 * GIB, step_bytes=3 * GIB)
+    assert abs(b.total_bytes - total) <= 2
+    assert abs(b.budget_bytes - int(0.9 * total)) <= 2
+    assert b.headroom_bytes == GIB  # 2% of 126 GiB is over the 1 GiB cap
+    assert abs(b.pool_bytes - (126 - 1 - 15 - 3) * GIB) <= 2
+    per_page = K.kv_bytes_per_page(32, 8, 128, 16, 2)
+    pages = K.num_pages_for_bytes(b.pool_bytes, per_page)
+    assert pages == b.pool_bytes // per_page
+    assert K.check_pool_fits(pages, 16, 131072, "x") == (pages - 1) // 8192
+    assert "KV pool" in b.describe(0.9)
+
+
+def test_gpu_budget_capped_by_allocator_limit():
+    # The backend started with JAX's default 0.75 cap before the engine could raise it.
+    total = 80 * GIB
+    b = K.gpu_kv_budget(utilization=0.9, allocator_limit_bytes=int(0.75 * total), allocator_fraction=0.75,
+                        in_use_bytes=GIB, step_bytes=GIB)
+    assert abs(b.total_bytes - total) <= 2 and b.budget_bytes == int(0.75 * total)
+    assert b.headroom_bytes == K.HEADROOM_MAX_BYTES  # 2% of 60 GiB is over the cap
+    # Lower utilization than the cap: utilization wins.
+    b = K.gpu_kv_budget(utilization=0.5, allocator_limit_bytes=int(0.75 * total), allocator_fraction=0.75,
+                        in_use_bytes=GIB, step_bytes=GIB)
+    assert abs(b.budget_bytes - 40 * GIB) <= 2
+
+
+def test_gpu_small_device_headroom_is_two_percent():
+    b = K.gpu_kv_budget(utilization=0.9, allocator_limit_bytes=int(0.9 * 16 * GIB), allocator_fraction=0.9,
+                        in_use_bytes=GIB, step_bytes=GIB)
+    assert b.headroom_bytes == int(0.02 * b.budget_bytes) < K.HEADROOM_MAX_BYTES
+
+
+def test_gpu_weights_too_big_leave_no_pages():
+    b = K.gpu_kv_budget(utilization=0.3, allocator_limit_bytes=24 * GIB, allocator_fraction=0.3,
+                        in_use_bytes=20 * GIB, step_bytes=4 * GIB)
+    assert b.pool_bytes < 0 and K.num_pages_for_bytes(b.pool_bytes, 4096) == 0
+    with pytest.raises(ValueError, match="--gpu-memory-utilization"):
+        K.check_pool_fits(0, 16, 4096, "raise --gpu-memory-utilization or lower --max-model-len")

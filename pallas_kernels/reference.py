@@ -20,8 +20,35 @@ _QUERY_BLOCK = 64
 _KV_CHUNK_PAGES = 16
 
 
+def _init_softmax(rows: int, kv_heads: int, group: int, head_dim: int):
+    """Running max, denominator and accumulator of an online softmax over key chunks."""
+    return (
+        jnp.full((rows, kv_heads, group), -jnp.inf, jnp.float32),
+        jnp.zeros((rows, kv_heads, group), jnp.float32),
+        jnp.zeros((rows, kv_heads, group, head_dim), jnp.float32),
+    )
+
+
+def _softmax_step(carry, s, weighted_values):
+    """Fold one chunk of masked scores s [R, KV, G, L] into the running softmax;
+    weighted_values(p) is p @ V for that chunk, [R, KV, G, D]."""
+    m, l, acc = carry
+    m_new = jnp.maximum(m, s.max(axis=-1))
+    # Rows that have seen no key yet keep m = -inf; exp(-inf - -inf) would be nan.
+    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+    p = jnp.exp(s - m_safe[..., None])
+    scale = jnp.exp(jnp.where(jnp.isfinite(m), m, m_safe) - m_safe)
+    return m_new, l * scale + p.sum(axis=-1), acc * scale[..., None] + weighted_values(p)
+
+
+def _finish_softmax(carry, num_heads: int, head_dim: int):
+    _, l, acc = carry
+    out = acc / jnp.where(l > 0, l, 1.0)[..., None]
+    return out.reshape(-1, num_heads, head_dim)
+
+
 def _attend_block(q, q_pos, k_pages, v_pages, block_table, ctx_len, sm_scale):
-    """Online-softmax attention of one query block over one sequence's paged keys.
+    """Attention of one query block over one sequence's paged keys.
 
     Args:
       q: [N, H, D] queries at positions q_pos [N]; a query sees keys at positions <= its own.
@@ -34,37 +61,43 @@ def _attend_block(q, q_pos, k_pages, v_pages, block_table, ctx_len, sm_scale):
     """
     n, num_heads, head_dim = q.shape
     kv_heads, _, page_size, _ = k_pages.shape
-    group = num_heads // kv_heads
     chunk = _KV_CHUNK_PAGES * page_size
-    qg = q.reshape(n, kv_heads, group, head_dim).astype(jnp.float32) * sm_scale
+    qg = q.reshape(n, kv_heads, -1, head_dim).astype(jnp.float32) * sm_scale
     last = jnp.minimum(jnp.max(q_pos) + 1, ctx_len)
 
     def body(c, carry):
-        m, l, acc = carry
         pages = jax.lax.dynamic_slice_in_dim(block_table, c * _KV_CHUNK_PAGES, _KV_CHUNK_PAGES)
         k = k_pages[:, pages].reshape(kv_heads, chunk, head_dim).astype(jnp.float32)
         v = v_pages[:, pages].reshape(kv_heads, chunk, head_dim).astype(jnp.float32)
         key_pos = c * chunk + jnp.arange(chunk)
         mask = (key_pos[None, :] <= q_pos[:, None]) & (key_pos[None, :] < ctx_len)
-        s = jnp.einsum("nkgd,kld->nkgl", qg, k)
-        s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
-        m_new = jnp.maximum(m, s.max(axis=-1))
-        # Rows that have seen no key yet keep m = -inf; exp(-inf - -inf) would be nan.
-        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-        p = jnp.exp(s - m_safe[..., None])
-        scale = jnp.exp(jnp.where(jnp.isfinite(m), m, m_safe) - m_safe)
-        l = l * scale + p.sum(axis=-1)
-        acc = acc * scale[..., None] + jnp.einsum("nkgl,kld->nkgd", p, v)
-        return m_new, l, acc
+        s = jnp.where(mask[:, None, None, :], jnp.einsum("nkgd,kld->nkgl", qg, k), -jnp.inf)
+        return _softmax_step(carry, s, lambda p: jnp.einsum("nkgl,kld->nkgd", p, v))
 
-    init = (
-        jnp.full((n, kv_heads, group), -jnp.inf, jnp.float32),
-        jnp.zeros((n, kv_heads, group), jnp.float32),
-        jnp.zeros((n, kv_heads, group, head_dim), jnp.float32),
-    )
-    _, l, acc = jax.lax.fori_loop(0, (last + chunk - 1) // chunk, body, init)
-    out = acc / jnp.where(l > 0, l, 1.0)[..., None]
-    return out.reshape(n, num_heads, head_dim)
+    init = _init_softmax(n, kv_heads, num_heads // kv_heads, head_dim)
+    carry = jax.lax.fori_loop(0, (last + chunk - 1) // chunk, body, init)
+    return _finish_softmax(carry, num_heads, head_dim)
+
+
+def _decode_all(q, k_pages, v_pages, tables, seq_lens, sm_scale):
+    """Every sequence's one query [S, H, D] (at position seq_lens - 1) at once, key chunks read
+    for all sequences together up to the longest length. Returns [S, H, D] float32."""
+    num_seqs, num_heads, head_dim = q.shape
+    kv_heads, _, page_size, _ = k_pages.shape
+    chunk = _KV_CHUNK_PAGES * page_size
+    qg = q.reshape(num_seqs, kv_heads, -1, head_dim).astype(jnp.float32) * sm_scale
+
+    def body(c, carry):
+        pages = jax.lax.dynamic_slice_in_dim(tables, c * _KV_CHUNK_PAGES, _KV_CHUNK_PAGES, axis=1)
+        k = k_pages[:, pages].reshape(kv_heads, num_seqs, chunk, head_dim).astype(jnp.float32)
+        v = v_pages[:, pages].reshape(kv_heads, num_seqs, chunk, head_dim).astype(jnp.float32)
+        mask = c * chunk + jnp.arange(chunk)[None, :] < seq_lens[:, None]
+        s = jnp.where(mask[:, None, None, :], jnp.einsum("skgd,ksld->skgl", qg, k), -jnp.inf)
+        return _softmax_step(carry, s, lambda p: jnp.einsum("skgl,ksld->skgd", p, v))
+
+    init = _init_softmax(num_seqs, kv_heads, num_heads // kv_heads, head_dim)
+    carry = jax.lax.fori_loop(0, (jnp.max(seq_lens) + chunk - 1) // chunk, body, init)
+    return _finish_softmax(carry, num_heads, head_dim)
 
 
 def attention(
@@ -135,8 +168,20 @@ def attention(
 
         return jax.lax.cond(q_len == 1, decode, prefill, out)
 
-    out = jax.lax.fori_loop(0, block_tables.shape[0], one_sequence, out)
-    return out[:num_tokens].astype(q.dtype)
+    def ragged(_):
+        return jax.lax.fori_loop(0, block_tables.shape[0], one_sequence, out)[:num_tokens]
+
+    def decodes_only(_):
+        # Sequence s's one query is row query_start_loc[s]; sequences without one write nowhere.
+        rows = query_start_loc[:-1]
+        o = _decode_all(q[jnp.minimum(rows, num_tokens - 1)], k_pages, v_pages, tables,
+                        seq_lens, sm_scale)
+        rows = jnp.where(query_start_loc[1:] - rows == 1, rows, num_tokens)
+        return jnp.zeros((num_tokens, num_heads, head_dim), jnp.float32).at[rows].set(o, mode="drop")
+
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    out = jax.lax.cond(jnp.all(q_lens <= 1), decodes_only, ragged, None)
+    return out.astype(q.dtype)
 
 
 def paged_attention(

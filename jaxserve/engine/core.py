@@ -101,7 +101,6 @@ class EngineCore:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len, kv_dtype=dtype,
             attention_fn=get_attention_fn(backend),
-            unroll=on_gpu,
         )
         del params
         if on_gpu:

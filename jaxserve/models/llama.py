@@ -3,12 +3,11 @@
 Source: HF transformers' modeling_llama / modeling_qwen2 / modeling_qwen3 (pre-norm RMSNorm,
 rotate-half RoPE, SwiGLU MLP, grouped-query attention).
 
-Parameters are ``nnx.Param`` arrays with a leading layer axis, so one layer function serves a
-rolled ``lax.scan`` (CPU: fast to compile) and a fully unrolled loop (GPU: DESIGN.md section 3
-measured 1.2 TB/s weight streaming rolled vs 3.0 TB/s unrolled). Q/K/V and gate/up projections
-are fused into one matmul each. The KV pool ``[num_layers, KV, num_pages, page_size, D]`` rides
-in the scan carry and is updated in place with a scatter at ``slot_mapping``; it is never a
-scan input or output.
+The NNX module keeps the decoder layers' parameters stacked on a leading layer axis (one
+random init for dummy weights, one checkpoint layout); ``unstack_layers`` splits them once at
+start-up into per-layer arrays for the step, which loops over layers in Python. Q/K/V and
+gate/up projections are fused into one matmul each. The KV pool is one donated
+``[KV, num_pages, page_size, D]`` array per layer, written in place at ``slot_mapping``.
 """
 
 import math
@@ -155,20 +154,18 @@ def forward(
 ):
     """One model step over a flattened ragged batch.
 
-    Two layouts, chosen by ``params["layers"]``:
-      * a dict of stacked ``[L, ...]`` arrays with ``k_cache, v_cache`` one
-        ``[L, KV, num_pages, page_size, D]`` array each: a rolled ``lax.scan`` (CPU, fast to
-        compile); the pool rides in the carry and is scattered into in place.
-      * a list of per-layer dicts with ``k_cache, v_cache`` lists of per-layer
-        ``[KV, num_pages, page_size, D]`` arrays: a Python loop (GPU, where streaming stacked
-        weights through a scan measured 1.2 TB/s against 3.0 TB/s unrolled).
+    The layers run as a Python loop over per-layer weights and per-layer KV arrays. DESIGN.md
+    measured streaming stacked weights through a rolled ``lax.scan`` at 1.2 TB/s against 3.0 TB/s
+    unrolled on the H200; on CPU, slicing one layer out of a stacked pool inside a scan made XLA
+    copy that layer's whole pool every step (268 ms vs 26 ms per decode step at 2 GiB).
 
     Args:
       config: the model's shapes.
-      params: pure params dict (see ``LlamaForCausalLM`` and ``unstack_layers``).
+      params: pure params dict with ``params["layers"]`` a list of per-layer dicts
+        (``unstack_layers`` of the NNX state).
       token_ids: [T] int32 input tokens; ids past the embedding's vocabulary read row 0.
       md: positions, slot mapping and sequence layout of this batch.
-      k_cache, v_cache: the KV pool in the layout above (donate it).
+      k_cache, v_cache: lists of L arrays [KV, num_pages, page_size, D], the KV pool (donate it).
       logits_indices: [S] int32 rows whose logits are returned.
       attention_fn: ``attention(q, k_pages, v_pages, query_start_loc, seq_lens, block_tables)``
         from pallas_kernels (reference or Pallas).
@@ -204,41 +201,16 @@ def forward(
         gate, up = jnp.split(x @ p["gate_up_proj"], 2, axis=-1)
         return hidden + (jax.nn.silu(gate) * up) @ p["down_proj"]
 
-    def attend(q, k_pages, v_pages):
-        return attention_fn(
-            q, k_pages, v_pages, md.query_start_loc, md.seq_lens, md.block_tables
-        )
+    k_cache, v_cache = list(k_cache), list(v_cache)
+    for i, p in enumerate(params["layers"]):
 
-    if isinstance(params["layers"], dict):
-        page_size = k_cache.shape[3]
-        pages, offsets = md.slot_mapping // page_size, md.slot_mapping % page_size
+        def write_and_attend(q, k, v, i=i):
+            k_cache[i], v_cache[i] = write_kv(k_cache[i], v_cache[i], k, v, md.slot_mapping)
+            return attention_fn(
+                q, k_cache[i], v_cache[i], md.query_start_loc, md.seq_lens, md.block_tables
+            )
 
-        def scan_body(carry, xs):
-            hidden, k_cache, v_cache = carry
-            p, idx = xs
-
-            def write_and_attend(q, k, v):
-                nonlocal k_cache, v_cache
-                # The scalar layer index and the slot arrays are split by a slice, so numpy
-                # indexing puts the token axis first: the update is [T, KV, D], as k and v are.
-                k_cache = k_cache.at[idx, :, pages, offsets].set(k.astype(k_cache.dtype))
-                v_cache = v_cache.at[idx, :, pages, offsets].set(v.astype(v_cache.dtype))
-                return attend(q, k_cache[idx], v_cache[idx])
-
-            hidden = layer(hidden, p, write_and_attend)
-            return (hidden, k_cache, v_cache), None
-
-        xs = (params["layers"], jnp.arange(c.num_layers))
-        (hidden, k_cache, v_cache), _ = jax.lax.scan(scan_body, (hidden, k_cache, v_cache), xs)
-    else:
-        k_cache, v_cache = list(k_cache), list(v_cache)
-        for i, p in enumerate(params["layers"]):
-
-            def write_and_attend(q, k, v, i=i):
-                k_cache[i], v_cache[i] = write_kv(k_cache[i], v_cache[i], k, v, md.slot_mapping)
-                return attend(q, k_cache[i], v_cache[i])
-
-            hidden = layer(hidden, p, write_and_attend)
+        hidden = layer(hidden, p, write_and_attend)
 
     hidden = _rms_norm(hidden[logits_indices], params["norm"], c.rms_norm_eps)
     lm_head = params.get("lm_head", embed)

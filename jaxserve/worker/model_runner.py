@@ -59,8 +59,6 @@ class ModelRunner:
       max_num_seqs, max_num_batched_tokens, max_model_len: scheduler limits (tokens/sequences).
       kv_dtype: dtype of the KV pool.
       attention_fn: pallas_kernels attention entry point.
-      unroll: unroll the layer loop over per-layer weight and KV arrays (GPU) instead of a
-        rolled scan over stacked ones (CPU); see ``llama.forward``.
     """
 
     def __init__(
@@ -75,15 +73,13 @@ class ModelRunner:
         max_model_len: int,
         kv_dtype,
         attention_fn: Callable,
-        unroll: bool,
     ):
         self.config = config
-        self.params = llama.unstack_layers(params) if unroll else params
+        self.params = llama.unstack_layers(params)
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
         self.token_buckets = powers_of_two_up_to(max_num_batched_tokens)
         self.max_pages_per_seq = -(-max_model_len // page_size)
-        self.unroll = unroll
         self.kv_dtype = kv_dtype
         self.k_cache = self.v_cache = None
         if num_pages is not None:
@@ -93,20 +89,13 @@ class ModelRunner:
 
     def _kv_shapes(self, num_pages: int):
         c = self.config
-        shape = (c.num_kv_heads, num_pages, self.page_size, c.head_dim)
-        if self.unroll:
-            return [shape] * c.num_layers
-        return (c.num_layers, *shape)
+        return [(c.num_kv_heads, num_pages, self.page_size, c.head_dim)] * c.num_layers
 
     def allocate_kv_cache(self, num_pages: int) -> None:
         """Allocate the (zeroed) K and V pools of num_pages pages, page 0 included."""
         shapes = self._kv_shapes(num_pages)
-        if self.unroll:
-            self.k_cache = [jnp.zeros(s, self.kv_dtype) for s in shapes]
-            self.v_cache = [jnp.zeros(s, self.kv_dtype) for s in shapes]
-        else:
-            self.k_cache = jnp.zeros(shapes, self.kv_dtype)
-            self.v_cache = jnp.zeros(shapes, self.kv_dtype)
+        self.k_cache = [jnp.zeros(s, self.kv_dtype) for s in shapes]
+        self.v_cache = [jnp.zeros(s, self.kv_dtype) for s in shapes]
 
     def profile_step_bytes(self, num_pages: int) -> int:
         """Device bytes the largest token bucket's step needs beyond its arguments, from XLA's
@@ -116,7 +105,7 @@ class ModelRunner:
 
         shapes = self._kv_shapes(num_pages)
         sds = lambda s: jax.ShapeDtypeStruct(s, self.kv_dtype)  # noqa: E731
-        kv = [sds(s) for s in shapes] if self.unroll else sds(shapes)
+        kv = [sds(s) for s in shapes]
         token_ids, md, logits_indices, sm = self._dummy_inputs(self.token_buckets[-1])
         compiled = self._jitted.lower(self.params, token_ids, md, kv, kv, logits_indices, sm).compile()
         ma = compiled.memory_analysis()

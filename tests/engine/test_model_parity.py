@@ -21,10 +21,10 @@ PAGE = 16
 
 
 def our_prompt_logits(hf_config: dict, weights: dict, ids: list[int]) -> np.ndarray:
-    """[len(ids), V] logits of one prompt through our model (stacked layout, reference attention),
-    written into a paged pool with a scrambled block table."""
+    """[len(ids), V] logits of one prompt through our model (reference attention), written into
+    a paged pool with a scrambled block table."""
     config = ModelConfig.from_hf_config(hf_config)
-    params = llama.params_from_hf(config, weights, jnp.float32)
+    params = llama.unstack_layers(llama.params_from_hf(config, weights, jnp.float32))
     n = len(ids)
     pages = -(-n // PAGE)
     rng = np.random.default_rng(0)
@@ -37,10 +37,10 @@ def our_prompt_logits(hf_config: dict, weights: dict, ids: list[int]) -> np.ndar
         seq_lens=np.array([n], np.int32),
         block_tables=block_table[None],
     )
-    shape = (config.num_layers, config.num_kv_heads, pages + 8, PAGE, config.head_dim)
+    pool = [jnp.zeros((config.num_kv_heads, pages + 8, PAGE, config.head_dim))] * config.num_layers
     logits, _, _ = jax.jit(
         lambda p, t, md, k, v, li: llama.forward(config, p, t, md, k, v, li, attention_fn=attention)
-    )(params, np.asarray(ids, np.int32), md, jnp.zeros(shape), jnp.zeros(shape), np.arange(n))
+    )(params, np.asarray(ids, np.int32), md, pool, pool, np.arange(n))
     return np.asarray(logits)
 
 

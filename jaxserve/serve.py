@@ -90,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--load-format", choices=["auto", "dummy"], default="auto")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse cached KV pages across requests with a shared prefix")
+    p.add_argument("--attention-backend", choices=["auto", "pallas", "reference"], default="auto",
+                   help="auto: Pallas kernels on GPU, the pure-JAX reference on CPU")
     return p
 
 
@@ -113,6 +115,7 @@ def engine_config(args) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_gib=args.kv_cache_gib, gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=args.enable_prefix_caching,
+        attention_backend=args.attention_backend,
     )
 
 

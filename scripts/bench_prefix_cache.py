@@ -21,10 +21,10 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's jaxserve
 
-from jaxserve.config import EngineConfig  # noqa: E402
-from jaxserve.engine import EngineCoreRequest  # noqa: E402
-from jaxserve.engine.core import EngineCore  # noqa: E402
-from jaxserve.sampling_params import SamplingParams  # noqa: E402
+from jaxserve.config import EngineConfig
+from jaxserve.engine import EngineCoreRequest
+from jaxserve.engine.core import EngineCore
+from jaxserve.sampling_params import SamplingParams
 
 SHAREGPT = ROOT.parent / "shared" / "data" / "sharegpt_1k.json"
 
@@ -73,8 +73,9 @@ def measure(args, caching: bool):
             outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
     total = time.perf_counter() - t0
     t = sorted(ttft.values())
-    return dict(mean=statistics.mean(t), p50=t[len(t) // 2], p99=t[min(len(t) - 1, int(len(t) * 0.99))],
-                total=total, cached=sum(cached.values()), stats=engine.get_stats(), outputs=outputs)
+    return {"mean": statistics.mean(t), "p50": t[len(t) // 2],
+            "p99": t[min(len(t) - 1, int(len(t) * 0.99))], "total": total,
+            "cached": sum(cached.values()), "stats": engine.get_stats(), "outputs": outputs}
 
 
 def main():

@@ -14,9 +14,8 @@ gives the same tokens as if it had never been preempted. As in vLLM, a step that
 admits no new request.
 """
 
-from dataclasses import dataclass, field
-
 from collections import deque
+from dataclasses import dataclass, field
 
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.request import Request, RequestStatus
@@ -93,8 +92,7 @@ class Scheduler:
         while i < len(running) and budget > 0:
             req = running[i]
             n = len(req.all_token_ids) - req.num_computed_tokens
-            if n > budget:
-                n = budget
+            n = min(n, budget)
             while not allocate(req, n):
                 victim = running.pop()  # the newest running request
                 self._preempt(victim)

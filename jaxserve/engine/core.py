@@ -16,8 +16,12 @@ from jaxserve.config import EngineConfig
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.request import Request
 from jaxserve.core.scheduler import Scheduler
-from jaxserve.engine import EngineCoreOutput, EngineCoreRequest, SchedulerStats
-from jaxserve.engine import kv_sizing
+from jaxserve.engine import (
+    EngineCoreOutput,
+    EngineCoreRequest,
+    SchedulerStats,
+    kv_sizing,
+)
 from jaxserve.model_loader import load_checkpoint
 from jaxserve.models.registry import build_params, resolve_dtype
 from jaxserve.worker.model_runner import ModelRunner
@@ -48,7 +52,7 @@ def _backends_initialized() -> bool:
         from jax._src import xla_bridge
 
         return xla_bridge.backends_are_initialized()
-    except Exception:  # private API: assume the worst
+    except (ImportError, AttributeError):  # private API: assume the worst
         return True
 
 

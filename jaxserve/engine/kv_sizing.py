@@ -65,7 +65,7 @@ class GpuKVBudget:
     pool_bytes: int  # what is left for KV pages (may be negative)
 
     def describe(self, utilization: float) -> str:
-        g = lambda b: f"{b / GIB:.2f} GiB"  # noqa: E731
+        g = lambda b: f"{b / GIB:.2f} GiB"
         return (f"GPU memory: {utilization:g} x {g(self.total_bytes)} total -> budget "
                 f"{g(self.budget_bytes)}; weights and resident arrays {g(self.in_use_bytes)}, "
                 f"largest step {g(self.step_bytes)}, headroom {g(self.headroom_bytes)}; "

@@ -104,7 +104,7 @@ class ModelRunner:
         from jaxserve.engine.kv_sizing import step_bytes_from_memory_analysis
 
         shapes = self._kv_shapes(num_pages)
-        sds = lambda s: jax.ShapeDtypeStruct(s, self.kv_dtype)  # noqa: E731
+        sds = lambda s: jax.ShapeDtypeStruct(s, self.kv_dtype)
         kv = [sds(s) for s in shapes]
         token_ids, md, logits_indices, sm = self._dummy_inputs(self.token_buckets[-1])
         compiled = self._jitted.lower(self.params, token_ids, md, kv, kv, logits_indices, sm).compile()

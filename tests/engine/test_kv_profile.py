@@ -9,9 +9,9 @@ from jaxserve.models.registry import build_params
 from jaxserve.worker.model_runner import ModelRunner
 from pallas_kernels.reference import attention
 
-TINY = dict(architectures=["LlamaForCausalLM"], vocab_size=256, hidden_size=64, intermediate_size=128,
-            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            max_position_embeddings=256)
+TINY = {"architectures": ["LlamaForCausalLM"], "vocab_size": 256, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": 256}
 
 
 @pytest.mark.parametrize("unroll", [False, True])

@@ -11,7 +11,6 @@ pages by holding the rest.
 
 import collections
 import contextlib
-import time
 
 import pytest
 
@@ -25,8 +24,8 @@ MAX_TOKENS = 16
 
 @pytest.fixture(scope="module")
 def engine():
-    from jaxserve.engine.core import EngineCore
     from jaxserve.config import EngineConfig
+    from jaxserve.engine.core import EngineCore
 
     # 0.16 GiB / 737,280 B per page (float32) = 233 pages.
     return EngineCore(EngineConfig(max_model_len=3200, max_num_batched_tokens=4096, max_num_seqs=16,

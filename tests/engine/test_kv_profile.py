@@ -3,7 +3,6 @@ largest bucket against a pool given by shapes only), exercised on CPU with a tin
 
 import jax
 import jax.numpy as jnp
-import pytest
 
 from jaxserve.models.registry import build_params
 from jaxserve.worker.model_runner import ModelRunner
@@ -14,12 +13,11 @@ TINY = {"architectures": ["LlamaForCausalLM"], "vocab_size": 256, "hidden_size":
         "num_key_value_heads": 2, "max_position_embeddings": 256}
 
 
-@pytest.mark.parametrize("unroll", [False, True])
-def test_profile_step_bytes_and_deferred_pool(unroll):
+def test_profile_step_bytes_and_deferred_pool():
     config, params = build_params(TINY, None, jnp.float32, 0)
     runner = ModelRunner(config, params, num_pages=None, page_size=16, max_num_seqs=4,
                          max_num_batched_tokens=64, max_model_len=256, kv_dtype=jnp.float32,
-                         attention_fn=attention, unroll=unroll)
+                         attention_fn=attention)
     assert runner.k_cache is None
     step = runner.profile_step_bytes(num_pages=17)
     # At least the largest bucket's hidden states (64 tokens x 64 floats) pass through temporaries;
@@ -27,5 +25,5 @@ def test_profile_step_bytes_and_deferred_pool(unroll):
     assert 64 * 64 * 4 <= step < 10 * 2**20
     runner.allocate_kv_cache(17)
     leaves = jax.tree.leaves(runner.k_cache)
-    assert len(leaves) == (config.num_layers if unroll else 1)
+    assert len(leaves) == config.num_layers  # per-layer pools
     assert sum(x.size for x in leaves) == config.num_layers * config.num_kv_heads * 17 * 16 * config.head_dim

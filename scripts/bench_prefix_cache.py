@@ -15,11 +15,9 @@ import argparse
 import json
 import pathlib
 import statistics
-import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # this checkout's jaxserve
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine import EngineCoreRequest

@@ -10,12 +10,9 @@ Prefix caching is on (the default), so full pages are hashed and registered as d
 """
 
 import argparse
-import pathlib
 import statistics
-import sys
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # this checkout's jaxserve
 
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.request import Request

@@ -5,8 +5,11 @@ CPU: ``--kv-cache-gib`` is the pool size.
 GPU: ``--gpu-memory-utilization F`` is, as in vLLM, the fraction of the device's *total* memory
 that the engine may use for weights, activations and KV pages together. JAX's BFC allocator caps
 its pool at ``XLA_PYTHON_CLIENT_MEM_FRACTION`` of the total (0.75 unless set, with or without
-preallocation), so the engine sets that variable to F before JAX initialises its GPU backend
-(``allocator_fraction_env``); the allocator limit JAX then reports is F x total. The pool gets
+preallocation), so the engine sets that variable to F + 0.04 (at most 0.98) before JAX
+initialises its GPU backend (``allocator_fraction_env``). The slack above F is for the
+allocator, not for us: on the H200, a Llama-3.1-8B pool planned to end 1 GiB short of an
+allocator limit of exactly F x total ran out of memory on the first step (BFC fragmentation of
+the many pool-sized blocks, and XLA's own scratch). The pool gets
 
     budget = min(F x total, allocator limit) - headroom
     pool   = budget - bytes in use after loading the weights - bytes of the largest step
@@ -24,6 +27,8 @@ GIB = 2**30
 HEADROOM_FRACTION = 0.02
 HEADROOM_MAX_BYTES = 1 * GIB
 DEFAULT_XLA_MEM_FRACTION = 0.75  # JAX's own default for XLA_PYTHON_CLIENT_MEM_FRACTION
+ALLOCATOR_SLACK = 0.04  # allocator limit above --gpu-memory-utilization, for fragmentation
+MAX_ALLOCATOR_FRACTION = 0.98
 
 
 def kv_bytes_per_page(num_layers: int, num_kv_heads: int, head_dim: int, page_size: int,
@@ -48,10 +53,12 @@ def step_bytes_from_memory_analysis(temp: int, output: int, alias: int, code: in
 
 
 def allocator_fraction_env(utilization: float, environ: dict) -> float:
-    """Set XLA_PYTHON_CLIENT_MEM_FRACTION to the utilization unless the user set it; returns the
-    fraction in effect. Call before JAX initialises its GPU backend."""
+    """Set XLA_PYTHON_CLIENT_MEM_FRACTION to the utilization plus ALLOCATOR_SLACK (at most
+    0.98) unless the user set it; returns the fraction in effect. Call before JAX initialises
+    its GPU backend."""
     if "XLA_PYTHON_CLIENT_MEM_FRACTION" not in environ:
-        environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{utilization:.6f}"
+        fraction = min(utilization + ALLOCATOR_SLACK, MAX_ALLOCATOR_FRACTION)
+        environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{fraction:.6f}"
     return float(environ["XLA_PYTHON_CLIENT_MEM_FRACTION"])
 
 

@@ -32,7 +32,8 @@ def test_step_bytes_counts_only_unaliased_outputs():
 
 def test_allocator_fraction_env_respects_a_user_setting():
     env = {}
-    assert K.allocator_fraction_env(0.9, env) == 0.9 and env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.900000"
+    assert K.allocator_fraction_env(0.9, env) == 0.94 and env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.940000"
+    assert K.allocator_fraction_env(0.97, {}) == 0.98
     env = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"}
     assert K.allocator_fraction_env(0.9, env) == 0.5
 

@@ -87,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV pool size on CPU, GiB")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $JAXSERVE_API_KEY)")
-    p.add_argument("--load-format", choices=["auto", "dummy"], default="auto")
+    p.add_argument("--load-format", choices=["auto", "gguf", "safetensors", "orbax", "dummy"],
+                   default="auto", help="dummy: random weights for --model PRESET or config.json")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse cached KV pages across requests with a shared prefix")
     p.add_argument("--attention-backend", choices=["auto", "pallas", "reference"], default="auto",

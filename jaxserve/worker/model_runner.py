@@ -143,8 +143,8 @@ class ModelRunner:
             )
             self._compiled[t] = lowered.compile()
             log(
-                f"compiling buckets: {i}/{len(self.token_buckets)} (tokens={t}) "
-                f"{time.perf_counter() - start:.1f}s"
+                f"compiling buckets (or loading them from the cache): {i}/{len(self.token_buckets)} "
+                f"(tokens={t}) {time.perf_counter() - start:.1f}s"
             )
 
     def execute(self, sched: SchedulerOutput) -> list[int]:

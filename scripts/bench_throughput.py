@@ -17,7 +17,9 @@ For each batch size B the prompts go in consecutive groups of B: jaxserve gets e
 ``generate`` (left padding; all prompts have the same length, so there is none). Throughput is
 output tokens / wall time over all groups, prefill included. Both are warmed up with one group
 before timing; jaxserve's start-up (loading and compiling every bucket ahead of time) is not
-timed and is reported separately. The last column compares the greedy tokens of the two.
+timed and is reported separately. jaxserve runs with prefix caching off, since the same prompts
+come back in the warm-up and at every batch size. The last column compares the greedy tokens of
+the two.
 
 Prints a markdown table (and the environment) to stdout; progress goes to stderr.
 """
@@ -148,8 +150,11 @@ class JaxRunner:
 
         t0 = time.perf_counter()
         extra = {} if kv_cache_gib is None else {"kv_cache_gib": kv_cache_gib}
+        # Prefix caching off: the warm-up and every batch size reuse the same prompts, and HF has
+        # no cache across generate calls, so hits would skip prefills HF has to do.
         self.llm = LLM(str(folder), log=log, max_model_len=max_len, max_num_seqs=max_num_seqs,
-                       max_num_batched_tokens=max(max_num_batched_tokens, max_num_seqs), **extra)
+                       max_num_batched_tokens=max(max_num_batched_tokens, max_num_seqs),
+                       enable_prefix_caching=False, **extra)
         self.startup_s = time.perf_counter() - t0
         self.SamplingParams = SamplingParams
         self.output_len = output_len

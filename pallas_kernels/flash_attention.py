@@ -33,7 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import paged_attention as _paged
-from pallas_kernels.paged_attention import LOG2E, MASK_VALUE, DecodeTuning
+from pallas_kernels.paged_attention import LOG2E, MASK_VALUE, DecodeTuning, online_softmax_step
 
 _INFO_FIELDS = 8  # per query block: seq, row start, row end, first position, context length
 
@@ -125,12 +125,7 @@ def _prefill_kernel(
             k_pos = j * block_k + jnp.arange(block_k, dtype=jnp.int32)
             visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < ctx_len)
             s = jnp.where(visible, s, MASK_VALUE)
-        m_next = jnp.maximum(m_prev, s.max(axis=1))
-        alpha = jnp.exp2(m_prev - m_next)
-        p = jnp.exp2(s - m_next[:, None])
-        l_next = alpha * l_prev + p.sum(axis=1)
-        acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v)
-        return acc, m_next, l_next
+        return online_softmax_step(acc, m_prev, l_prev, s, v)
 
     acc = jnp.zeros((block_q, head_dim), jnp.float32)
     m = jnp.full((block_q,), MASK_VALUE, jnp.float32)

@@ -51,6 +51,24 @@ class DecodeTuning:
     num_stages: int | None = None
 
 
+def online_softmax_step(acc, m_prev, l_prev, s, v):
+    """Fold one key block into a running softmax (FlashAttention-2's update), inside a kernel.
+
+    Args:
+      acc: [R, D] f32 running sum of p @ V; m_prev, l_prev: [R] f32 running max and denominator.
+      s: [R, block_k] f32 scores in base-2 units, masked entries MASK_VALUE.
+      v: [block_k, D] values.
+
+    Returns:
+      The updated (acc, m, l).
+    """
+    m_next = jnp.maximum(m_prev, s.max(axis=1))
+    alpha = jnp.exp2(m_prev - m_next)
+    p = jnp.exp2(s - m_next[:, None])
+    l_next = alpha * l_prev + p.sum(axis=1)
+    return acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v), m_next, l_next
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -122,12 +140,7 @@ def _decode_kernel(
         s = plgpu.dot(q, k, trans_b=True) * scale  # [Gp, block_k] f32
         pos = split_start + i * block_k + jnp.arange(block_k, dtype=jnp.int32)
         s = jnp.where((pos < split_end)[None, :], s, MASK_VALUE)
-        m_next = jnp.maximum(m_prev, s.max(axis=1))
-        alpha = jnp.exp2(m_prev - m_next)
-        p = jnp.exp2(s - m_next[:, None])
-        l_next = alpha * l_prev + p.sum(axis=1)
-        acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v)
-        return acc, m_next, l_next
+        return online_softmax_step(acc, m_prev, l_prev, s, v)
 
     acc = jnp.zeros((rows, head_dim), jnp.float32)
     m = jnp.full((rows,), MASK_VALUE, jnp.float32)

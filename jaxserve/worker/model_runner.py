@@ -10,10 +10,8 @@ they multiplied start-up compilation). Every bucket is compiled ahead of time by
 ``compile_buckets``; ``execute`` never compiles (it raises if asked to).
 """
 
-import os
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from functools import partial
 
 import jax
@@ -136,26 +134,18 @@ class ModelRunner:
         return zeros_t, md, np.zeros(s, np.int32), sm
 
     def compile_buckets(self, log: Callable[[str], None] = print) -> None:
-        """Compile the step for every token bucket, with a progress line each.
-
-        Lowering runs here; XLA compiles in a thread pool (it releases the GIL): 4 SmolLM2
-        buckets took 26.1 s one at a time and 18.9 s on 2 threads of a 2-core CPU.
-        """
+        """Compile the step for every token bucket, with a progress line each."""
         start = time.perf_counter()
-        lowered = {}
-        for t in self.token_buckets:
+        for i, t in enumerate(self.token_buckets, 1):
             token_ids, md, logits_indices, sm = self._dummy_inputs(t)
-            lowered[t] = self._jitted.lower(
+            lowered = self._jitted.lower(
                 self.params, token_ids, md, self.k_cache, self.v_cache, logits_indices, sm
             )
-        with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
-            futures = {pool.submit(lowered[t].compile): t for t in self.token_buckets}
-            for i, future in enumerate(as_completed(futures), 1):
-                self._compiled[futures[future]] = future.result()
-                log(
-                    f"compiling buckets (or loading them from the cache): {i}/{len(futures)} "
-                    f"(tokens={futures[future]}) {time.perf_counter() - start:.1f}s"
-                )
+            self._compiled[t] = lowered.compile()
+            log(
+                f"compiling buckets (or loading them from the cache): {i}/{len(self.token_buckets)} "
+                f"(tokens={t}) {time.perf_counter() - start:.1f}s"
+            )
 
     def execute(self, sched: SchedulerOutput) -> list[int]:
         """Run one step; returns the token sampled for each scheduled request, in order (tokens

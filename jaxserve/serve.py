@@ -35,37 +35,28 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def _positive(kind):
+def _number(kind, ok, bounds: str):
+    """An argparse type: ``kind`` parsed from the text and checked with ``ok``."""
+    noun = "an integer" if kind is int else "a number"
+
     def parse(text):
         try:
             v = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
-        if v <= 0:
-            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+            raise argparse.ArgumentTypeError(f"expected {noun}, got {text!r}") from None
+        if not ok(v):
+            raise argparse.ArgumentTypeError(f"must be {bounds}, got {text}")
         return v
 
     return parse
 
 
-def _fraction(text):
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0 < v <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
-    return v
+def _positive(kind):
+    return _number(kind, lambda v: v > 0, "positive")
 
 
-def _port(text):
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if not 0 <= v <= 65535:
-        raise argparse.ArgumentTypeError(f"must be in 0..65535, got {text}")
-    return v
+_fraction = _number(float, lambda v: 0 < v <= 1, "in (0, 1]")
+_port = _number(int, lambda v: 0 <= v <= 65535, "in 0..65535")
 
 
 def build_parser() -> argparse.ArgumentParser:

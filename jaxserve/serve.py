@@ -168,7 +168,8 @@ async def serve(args, sock: socket.socket) -> int:
         await asyncio.wait({start, stopper}, return_when=asyncio.FIRST_COMPLETED)
         if start.done() and start.exception() is None:
             name = args.served_model_name or llm.model_name
-            _say(f"ready: serving {name!r} (max_model_len {llm.max_model_len}) at {url}/v1")
+            _say(f"ready: serving {name!r} (max_model_len {llm.max_model_len}, allocator "
+                 f"fraction {llm.allocator_fraction:g} of device memory) at {url}/v1")
             await stopper
         elif start.done():
             e = start.exception()

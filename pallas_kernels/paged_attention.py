@@ -1,8 +1,8 @@
 """Decode paged attention in Pallas (Triton backend), with flash-decoding KV splits.
 
 One query token per sequence attends over that sequence's pages of the KV page pool
-(DESIGN.md section 3). One Pallas program handles one (sequence, KV head, KV split): it loads
-the query rows of all query heads that share the KV head (the GQA group, padded to 16 rows for
+(docs/design.md section 3). One Pallas program handles one (sequence, KV head, KV split): it
+loads the query rows of all query heads that share the KV head (the GQA group, padded to 16 rows for
 the tensor cores), then streams the split's pages ``block_k`` tokens at a time, keeping an
 online softmax in float32. Splits of one sequence are combined exactly afterwards from their
 running max ``m`` and denominator ``l`` (log-sum-exp merge), in plain XLA.

@@ -15,7 +15,7 @@ POISON = 30.0
 
 @dataclasses.dataclass
 class Batch:
-    """One flattened ragged batch (DESIGN.md section 3) with its page pool."""
+    """One flattened ragged batch (docs/design.md section 3) with its page pool."""
 
     q: jax.Array  # [T, H, D]
     k_pages: jax.Array  # [KV, num_pages, page_size, D]

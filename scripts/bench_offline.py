@@ -5,9 +5,9 @@ with fixed prompt and output lengths (ignore_eos).
     python scripts/bench_offline.py --model llama-3.1-8b --load-format dummy \
         --num-prompts 64 --prompt-len 512 --output-len 128 --max-model-len 2048
 
-DESIGN.md section 6 gives HF transformers `generate` on the same shape (bf16, sdpa, batch 64,
-prompt 512 / 128 new tokens) as the reference: about 870 output tokens/s eager, 2,240 with a
-static KV cache.
+docs/design.md section 6 gives HF transformers `generate` on the same shape (bf16, sdpa,
+batch 64, prompt 512 / 128 new tokens) as the reference: about 870 output tokens/s eager, 2,240
+with a static KV cache.
 """
 
 import argparse

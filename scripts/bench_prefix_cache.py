@@ -1,7 +1,7 @@
 """Time to first token on a shared-prefix workload, prefix caching on vs off (issue 4).
 
 --num-requests requests (default 32) share one --prefix-len-token system prompt (default 1,000
-tokens of ShareGPT text) followed by a distinct ShareGPT question each (--tail-len tokens); all
+tokens of ShareGPT text, --dataset) followed by a distinct ShareGPT question each (--tail-len tokens); all
 arrive at once. The offline EngineCore runs them in process (no HTTP), greedy, --max-tokens
 each; TTFT is measured from submission to the step that returns a request's first token. Each
 setting gets a fresh engine built with its own enable_prefix_caching flag and one warm-up request
@@ -12,30 +12,18 @@ that shares nothing with the workload.
 """
 
 import argparse
-import json
-import pathlib
 import statistics
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from sharegpt import SAMPLE, first_turns
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine import EngineCoreRequest
 from jaxserve.engine.core import EngineCore
 from jaxserve.sampling_params import SamplingParams
 
-SHAREGPT = ROOT.parent / "shared" / "data" / "sharegpt_1k.json"
-
-
-def texts():
-    for conv in json.loads(SHAREGPT.read_text()):
-        t = conv["conversations"][0]["value"].strip()
-        if t:
-            yield t
-
-
-def build_workload(tokenizer, n, prefix_len, tail_len):
-    it = texts()
+def build_workload(dataset, tokenizer, n, prefix_len, tail_len):
+    it = (t.strip() for t in first_turns(dataset) if t.strip())
     prefix: list[int] = []
     while len(prefix) < prefix_len:
         prefix += tokenizer.encode(next(it) + "\n\n", add_special_tokens=False)
@@ -53,7 +41,7 @@ def measure(args, caching: bool):
         max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, kv_cache_gib=args.kv_cache_gib,
         enable_prefix_caching=caching), log=lambda s: None)
-    prompts, warm = build_workload(engine.tokenizer, args.num_requests, args.prefix_len, args.tail_len)
+    prompts, warm = build_workload(args.dataset, engine.tokenizer, args.num_requests, args.prefix_len, args.tail_len)
     sp = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     engine.add_request(EngineCoreRequest("warm", warm, sp))
     while engine.has_unfinished_requests():
@@ -86,6 +74,8 @@ def main():
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--kv-cache-gib", type=float, default=2.0)
+    ap.add_argument("--dataset", default=str(SAMPLE),
+                    help="ShareGPT JSON file (default: the repo's sample, data/)")
     args = ap.parse_args()
     res = {}
     for caching in (True, False):

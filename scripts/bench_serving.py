@@ -48,7 +48,10 @@ async def run(args):
     prompts = [rng.integers(10, args.vocab, args.input_len).tolist() for _ in range(args.num_prompts)]
     url = f"{args.base_url}/v1/completions"
     timeout = aiohttp.ClientTimeout(total=None)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    # aiohttp's default connector allows 100 connections: requests above that would wait inside
+    # the client and the wait would be counted as TTFT. --max-concurrency is the only cap.
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         async with session.get(f"{args.base_url}/v1/models") as r:
             model = args.model or (await r.json())["data"][0]["id"]
         limit = asyncio.Semaphore(args.max_concurrency)

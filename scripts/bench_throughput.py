@@ -28,15 +28,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import pathlib
 import platform
 import sys
 import time
 
-DEFAULT_DATASET = "/work/shared/data/sharegpt_1k.json"
-
+from sharegpt import SAMPLE, first_turns
 
 def log(msg: str) -> None:
     print(f"[bench] {msg}", file=sys.stderr, flush=True)
@@ -67,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompts per batch size, rounded up to a multiple of it (default 16)")
     p.add_argument("--model", default=None,
                    help="HF folder loaded by both (default: the SmolLM2 GGUF converted to an HF folder)")
-    p.add_argument("--dataset", default=DEFAULT_DATASET, help="ShareGPT JSON file")
+    p.add_argument("--dataset", default=str(SAMPLE),
+                   help="ShareGPT JSON file (default: the repo's sample, data/)")
     p.add_argument("--threads", type=_threads, default="auto",
                    help="torch intra-op threads: a number, or 'auto' (default): for each batch size, "
                         "the faster of 1..cores on a short warm-up run (on a shared, busy machine "
@@ -96,13 +95,9 @@ def default_hf_folder() -> pathlib.Path:
 
 
 def load_prompts(path: str, tokenizer, n: int, prompt_len: int) -> list[list[int]]:
-    convs = json.loads(pathlib.Path(path).read_text())
     out = []
-    for c in convs:
-        turns = c.get("conversations") or []
-        if not turns or turns[0].get("from") != "human":
-            continue
-        ids = tokenizer.encode(turns[0]["value"], add_special_tokens=False)
+    for text in first_turns(path):
+        ids = tokenizer.encode(text, add_special_tokens=False)
         if len(ids) >= prompt_len:
             out.append(ids[:prompt_len])
             if len(out) == n:

@@ -30,15 +30,13 @@ def smollm_hf_folder(smollm, tmp_path_factory) -> pathlib.Path:
 # Small engine limits keep start-up compilation short on 2 CPU cores (fewer buckets).
 SMALL_ENGINE = dict(max_model_len=512, max_num_batched_tokens=128, max_num_seqs=16, kv_cache_gib=0.25)
 
-SHAREGPT = pathlib.Path(__file__).resolve().parents[1].parent / "shared" / "data" / "sharegpt_1k.json"
+def sharegpt_prompts(n: int, max_chars: int = 600, skip: int = 0, min_chars: int = 1) -> list[str]:
+    """First human turns of the repo's ShareGPT sample (data/README.md), from conversation
+    ``skip`` on, those with at least ``min_chars`` non-blank characters, cut to ``max_chars``."""
+    from scripts.sharegpt import first_turns
 
-
-def sharegpt_prompts(n: int, max_chars: int = 600, skip: int = 0) -> list[str]:
-    """The first human turn of n ShareGPT conversations, cut to max_chars characters."""
-    import json
-
-    convs = json.loads(SHAREGPT.read_text())
-    prompts = [c["conversations"][0]["value"][:max_chars] for c in convs[skip:] if c["conversations"][0]["value"].strip()]
+    prompts = [t[:max_chars] for t in first_turns()[skip:] if len(t.strip()) >= min_chars]
+    assert len(prompts) >= n, f"the sample has only {len(prompts)} such prompts"
     return prompts[:n]
 
 

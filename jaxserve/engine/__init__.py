@@ -50,7 +50,7 @@ class EngineCoreOutput:
 
 @dataclass
 class SchedulerStats:
-    """Engine counters for /metrics (DESIGN.md section 3, "Engine stats")."""
+    """Engine counters for /metrics (docs/design.md section 3, "Engine stats")."""
 
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0

@@ -41,6 +41,7 @@ class AsyncLLM:
       model_name: the model's own name.
       max_model_len: longest sequence, prompt + output, tokens.
       metrics: the Metrics behind ``GET /metrics``.
+      allocator_fraction: XLA_PYTHON_CLIENT_MEM_FRACTION the engine process runs with.
       ready: True once the engine is serving; False before, and after it died or shut down.
     """
 
@@ -52,6 +53,7 @@ class AsyncLLM:
         self.max_model_len: int = 0
         self.vocab_size: int = 0
         self.engine_config: dict = {}
+        self.allocator_fraction: float = 0.0
         self.metrics: Metrics | None = None
         self.output_processor: OutputProcessor | None = None
         self.ready = False
@@ -76,6 +78,7 @@ class AsyncLLM:
         self.max_model_len = ready.max_model_len
         self.vocab_size = ready.vocab_size
         self.engine_config = ready.config
+        self.allocator_fraction = ready.allocator_fraction
         self.metrics = Metrics(ready.model_name)
         self.output_processor = OutputProcessor(self.tokenizer, ready.eos_token_ids, self.metrics)
         self.ready = True

@@ -72,10 +72,18 @@ class EngineCore:
         enable_compilation_cache()
         self.config = config
         # JAX caps its GPU allocator at XLA_PYTHON_CLIENT_MEM_FRACTION (0.75 unless set) of total
-        # memory; raise the cap to --gpu-memory-utilization before the backend starts.
-        if not _backends_initialized():
-            kv_sizing.allocator_fraction_env(config.gpu_memory_utilization, os.environ)
+        # memory; raise the cap above --gpu-memory-utilization before the backend starts. This is
+        # the one place that sets it, for the server's engine process and LLM alike.
+        if _backends_initialized():  # too late to change: report what the backend started with
+            self.allocator_fraction = float(os.environ.get(
+                "XLA_PYTHON_CLIENT_MEM_FRACTION", kv_sizing.DEFAULT_XLA_MEM_FRACTION))
+        else:
+            self.allocator_fraction = kv_sizing.allocator_fraction_env(
+                config.gpu_memory_utilization, os.environ)
         on_gpu = jax.default_backend() == "gpu"
+        log(f"allocator fraction {self.allocator_fraction:g} of device memory "
+            f"(XLA_PYTHON_CLIENT_MEM_FRACTION; --gpu-memory-utilization "
+            f"{config.gpu_memory_utilization:g}; {jax.default_backend()} backend)")
         t0 = time.perf_counter()
         ckpt = load_checkpoint(config.model, config.load_format)
         self.tokenizer = ckpt.tokenizer
@@ -150,11 +158,10 @@ class EngineCore:
         step = self.runner.profile_step_bytes(probe)
         log(f"profiled the largest step ({self.runner.token_buckets[-1]} tokens): "
             f"{step / 2**30:.2f} GiB in {time.perf_counter() - t0:.1f}s")
-        fraction = float(os.environ.get(
-            "XLA_PYTHON_CLIENT_MEM_FRACTION", kv_sizing.DEFAULT_XLA_MEM_FRACTION))
         util = self.config.gpu_memory_utilization
         b = kv_sizing.gpu_kv_budget(utilization=util, allocator_limit_bytes=int(limit),
-                                    allocator_fraction=fraction, in_use_bytes=int(in_use),
+                                    allocator_fraction=self.allocator_fraction,
+                                    in_use_bytes=int(in_use),
                                     step_bytes=step)
         log(b.describe(util))
         return kv_sizing.num_pages_for_bytes(b.pool_bytes, per_page)

@@ -1,4 +1,4 @@
-"""The engine process: EngineCore behind the pipe (DESIGN.md section 1).
+"""The engine process: EngineCore behind the pipe (docs/design.md section 1).
 
 ``run_engine_core(config, conn)`` is the target of the ``spawn``-context process that
 ``EngineCoreClient`` starts. It builds the EngineCore (the only place JAX is imported), sends
@@ -192,8 +192,6 @@ def run_engine_core(config: EngineConfig, conn: Connection, parent_pid: int | No
     signal.signal(signal.SIGTERM, _sigterm)
     threading.Thread(target=_watch_parent, args=(parent_pid or os.getppid(),), daemon=True,
                      name="jaxserve-parent-watch").start()
-    # Before JAX is imported (DESIGN.md section 3): let the engine size its own memory.
-    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", str(config.gpu_memory_utilization))
     try:
         try:
             core = _engine_core_class()(config, log=_log)
@@ -215,6 +213,7 @@ def run_engine_core(config: EngineConfig, conn: Connection, parent_pid: int | No
             tokenizer_dir=tokenizer_dir, eos_token_ids=sorted(int(i) for i in eos),
             vocab_size=int(getattr(mc, "vocab_size", None) or len(tok)),
             config=dataclasses.asdict(effective) if dataclasses.is_dataclass(effective) else {},
+            allocator_fraction=float(getattr(core, "allocator_fraction", 0.0)),
         )))
         EngineCoreProc(core, conn).run()
     except (SystemExit, KeyboardInterrupt, BrokenPipeError, EOFError, OSError):

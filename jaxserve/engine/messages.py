@@ -1,4 +1,4 @@
-"""The msgpack schema of the API process <-> engine process pipe (DESIGN.md section 1).
+"""The msgpack schema of the API process <-> engine process pipe (docs/design.md section 1).
 
 Every frame is one msgpack map with a ``type`` field, sent with ``Connection.send_bytes``.
 Token ids cross the pipe, text never does.
@@ -9,7 +9,8 @@ API -> engine:
   ``shutdown``  {}
 
 Engine -> API:
-  ``ready``     {model_name, max_model_len, tokenizer_dir, eos_token_ids, vocab_size, config}
+  ``ready``     {model_name, max_model_len, tokenizer_dir, eos_token_ids, vocab_size, config,
+                 allocator_fraction}
   ``outputs``   {outputs: [EngineCoreOutput fields], stats: SchedulerStats fields | None}
   ``error``     {request_ids, message, kind, fatal}; ``kind`` is "invalid_request" (the request
                 was rejected, e.g. its prompt does not fit) or "internal"; ``fatal`` means the
@@ -58,6 +59,8 @@ class Ready:
       eos_token_ids: ids that end generation by default.
       vocab_size: the model's vocabulary size (ids at or above it are invalid).
       config: the effective engine configuration (EngineConfig fields, for /v1/models, logs).
+      allocator_fraction: XLA_PYTHON_CLIENT_MEM_FRACTION the engine's JAX backend runs with (the
+        share of device memory its allocator may take; computed and reported on CPU too).
     """
 
     model_name: str
@@ -66,6 +69,7 @@ class Ready:
     eos_token_ids: list[int] = field(default_factory=list)
     vocab_size: int = 0
     config: dict = field(default_factory=dict)
+    allocator_fraction: float = 0.0
 
 
 @dataclass

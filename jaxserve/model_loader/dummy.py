@@ -2,8 +2,8 @@
 
 ``--model PRESET`` (see :data:`PRESETS`, values copied from the models' published
 ``config.json``) or a path to a ``config.json``. The tokenizer is borrowed from the default model
-(SmolLM2-135M-Instruct, vocab 49152; DESIGN.md section 4): ids beyond it are the model code's to
-handle. The borrowed tokenizer is cached as ``$JAXSERVE_CACHE/tokenizers/<name>/`` so that
+(SmolLM2-135M-Instruct, vocab 49152; docs/design.md section 4): ids beyond it are the model
+code's to handle. The borrowed tokenizer is cached as ``$JAXSERVE_CACHE/tokenizers/<name>/`` so that
 machines without the GGUF (e.g. the GPU box) can carry just that folder.
 """
 

@@ -25,7 +25,7 @@ from pallas_kernels.reference import write_kv
 
 @dataclass(frozen=True)
 class AttentionMetadata:
-    """One flattened ragged batch, padded to buckets (DESIGN.md section 3).
+    """One flattened ragged batch, padded to buckets (docs/design.md section 3).
 
     Attributes:
       positions: [T] int32 position of each token in its sequence.
@@ -154,10 +154,11 @@ def forward(
 ):
     """One model step over a flattened ragged batch.
 
-    The layers run as a Python loop over per-layer weights and per-layer KV arrays. DESIGN.md
-    measured streaming stacked weights through a rolled ``lax.scan`` at 1.2 TB/s against 3.0 TB/s
-    unrolled on the H200; on CPU, slicing one layer out of a stacked pool inside a scan made XLA
-    copy that layer's whole pool every step (268 ms vs 26 ms per decode step at 2 GiB).
+    The layers run as a Python loop over per-layer weights and per-layer KV arrays
+    (docs/design.md section 3): on the H200, stacked weights streamed through a rolled
+    ``lax.scan`` at 1.2 TB/s against 3.0 TB/s unrolled; on CPU, slicing one layer out of a
+    stacked pool inside a scan made XLA copy that layer's whole pool every step (268 ms vs 26 ms
+    per decode step at 2 GiB).
 
     Args:
       config: the model's shapes.

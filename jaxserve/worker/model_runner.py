@@ -5,8 +5,8 @@ the donated pool, and sampling. Token counts T come from a fixed list of buckets
 up to max_num_batched_tokens); the sequence count is S = min(T, max_num_seqs), and the block
 table always has the width P of a max_model_len sequence. Attention reads pages only as far as
 each sequence's length reaches, so its cost follows the real contexts, not P; that keeps the
-number of compiled shapes to the token buckets alone (DESIGN.md section 3 allowed P buckets too;
-they multiplied start-up compilation). Every bucket is compiled ahead of time by
+number of compiled shapes to the token buckets alone (docs/design.md section 3; P buckets were
+tried and multiplied start-up compilation). Every bucket is compiled ahead of time by
 ``compile_buckets``; ``execute`` never compiles (it raises if asked to).
 """
 

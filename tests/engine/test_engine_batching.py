@@ -1,5 +1,5 @@
 """Continuous batching: prompts generated together match each prompt alone, and serving after
-warmup never compiles (DESIGN.md sections 3 and 7)."""
+warmup never compiles (docs/design.md sections 3 and 7)."""
 
 import jax.monitoring
 

@@ -8,27 +8,13 @@ import sys
 
 import pytest
 
+from tests.conftest import sharegpt_prompts
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "offline_batch.py"
-SHAREGPT = pathlib.Path("/work/shared/data/sharegpt_1k.json")
-if not SHAREGPT.exists():  # a checkout that carries shared/ in the repo root (device machine)
-    SHAREGPT = REPO / "shared" / "data" / "sharegpt_1k.json"
-
 ENGINE_FLAGS = ["--max-model-len", "256", "--max-num-batched-tokens", "128", "--max-num-seqs", "32",
                 "--kv-cache-gib", "0.25"]
 BAD_LINE = 26  # 1-based line number of the malformed line
-
-
-def first_human_turns(n: int, max_chars: int = 200) -> list[str]:
-    convs = json.loads(SHAREGPT.read_text())
-    prompts = []
-    for c in convs:
-        text = c["conversations"][0]["value"].strip()
-        if text:
-            prompts.append(text[:max_chars])
-        if len(prompts) == n:
-            break
-    return prompts
 
 
 def run_script(tmp_path, lines: list[str], *extra) -> tuple[subprocess.CompletedProcess, list[dict]]:
@@ -43,9 +29,8 @@ def run_script(tmp_path, lines: list[str], *extra) -> tuple[subprocess.Completed
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not SHAREGPT.exists(), reason="ShareGPT sample not available")
 def test_50_sharegpt_prompts_and_one_malformed_line(tmp_path):
-    prompts = first_human_turns(50)
+    prompts = sharegpt_prompts(50, max_chars=200)
     lines = []
     for i, p in enumerate(prompts):
         rec = {"id": f"sg-{i}", "max_tokens": 8, "temperature": 0}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -18,11 +19,14 @@ import aiohttp
 import openai
 import pytest
 
-from server_utils import REPO, Server, descendants, get, wait_gone
+from server_utils import Server, descendants, get, wait_gone
+
+from tests.conftest import sharegpt_prompts
 
 API_KEY = "test-key-123"
 MODEL = "SmolLM2-135M-Instruct"
 MAX_MODEL_LEN = 1024
+GPU_MEMORY_UTILIZATION = 0.5  # no effect on the CPU, but the allocator fraction is still reported
 
 pytestmark = pytest.mark.slow
 
@@ -30,7 +34,8 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def server():
     srv = Server("--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "32",
-                 "--max-num-batched-tokens", "256", "--api-key", API_KEY)
+                 "--max-num-batched-tokens", "256", "--api-key", API_KEY,
+                 "--gpu-memory-utilization", str(GPU_MEMORY_UTILIZATION))
     yield srv
     srv.stop()
 
@@ -44,25 +49,6 @@ def client(server):
 def aclient_factory(server):
     return lambda: openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY,
                                       max_retries=0, timeout=600)
-
-
-def _prompts(n: int, max_chars: int = 600) -> list[str]:
-    """First user turns of real ShareGPT conversations (DESIGN.md section 6), clipped."""
-    path = os.path.join(REPO, "..", "shared", "data", "sharegpt_1k.json")
-    out = []
-    if os.path.exists(path):
-        with open(path) as f:
-            for conv in json.load(f):
-                turns = conv.get("conversations") or []
-                if turns and turns[0].get("from") == "human" and len(turns[0]["value"]) > 80:
-                    out.append(turns[0]["value"][:max_chars])
-                if len(out) == n:
-                    return out
-    topics = ["rivers", "volcanoes", "bread", "chess", "the moon", "bees", "glass", "trains"]
-    while len(out) < n:
-        k = len(out)
-        out.append(f"Write a short paragraph about {topics[k % len(topics)]} (number {k}).")
-    return out
 
 
 def _headers():
@@ -85,6 +71,20 @@ def test_api_process_never_imports_jax(server):
             return ""
 
     assert any("jaxlib" in maps(p) for p in server.engine_pids)
+
+
+def test_engine_reports_its_allocator_fraction(server):
+    """The engine process sets XLA_PYTHON_CLIENT_MEM_FRACTION to --gpu-memory-utilization + 0.04
+    (unless the user set it) before JAX starts, logs it, and sends it in its Ready message, which
+    the API process prints in its ready line."""
+    user = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
+    expected = float(user) if user else GPU_MEMORY_UTILIZATION + 0.04
+    out = server.output()
+    engine = re.search(r"\[jaxserve engine\] allocator fraction ([0-9.]+) of device memory", out)
+    ready = re.search(r"ready: serving .*allocator fraction ([0-9.]+) of device memory", out)
+    assert engine and ready, out[-3000:]
+    assert float(engine.group(1)) == pytest.approx(expected)
+    assert float(ready.group(1)) == pytest.approx(expected)
 
 
 def test_health_version_models(server, client):
@@ -168,9 +168,9 @@ def test_seeded_sampling_is_reproducible(client):
 
 
 def _near_tie_check(request, prompt_ids, alone, together):
-    """DESIGN.md section 7 for the mismatching pairs: compare token ids up to the first position
-    where the reference (alone) has its two best logits within 1e-3 (from HF transformers in
-    float32 on the same weights). Returns [(index, identical, positions compared)]."""
+    """docs/design.md section 7 for the mismatching pairs: compare token ids up to the first
+    position where the reference (alone) has its two best logits within 1e-3 (from HF
+    transformers, float32, same weights). Returns [(index, identical, positions compared)]."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -192,9 +192,9 @@ def _near_tie_check(request, prompt_ids, alone, together):
 
 
 def test_32_concurrent_streams_match_one_by_one(request, server, client, aclient_factory):
-    """32 greedy streams at once give the same token ids as each request alone (DESIGN.md
-    section 7), and the engine batched them (num_requests_running > 1 observed)."""
-    prompts = _prompts(32, max_chars=400)
+    """32 greedy streams at once give the same token ids as each request alone
+    (docs/design.md section 7), and the engine batched them (num_requests_running > 1 observed)."""
+    prompts = sharegpt_prompts(32, max_chars=400, min_chars=81)
     msgs = [[{"role": "user", "content": p}] for p in prompts]
     alone, alone_text, prompt_ids = [], [], []
     for m in msgs:

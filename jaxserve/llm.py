@@ -7,8 +7,9 @@ from tqdm import tqdm
 from jaxserve.config import EngineConfig
 from jaxserve.engine import EngineCoreRequest
 from jaxserve.engine.core import EngineCore
-from jaxserve.engine.detokenizer import IncrementalDetokenizer
-from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.engine.input_processor import InputProcessor
+from jaxserve.engine.output_processor import OutputProcessor, merge_outputs
+from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
 
@@ -29,6 +30,9 @@ class LLM:
     def __init__(self, model: str | None = None, *, log=print, **kwargs):
         self.engine = EngineCore(EngineConfig(model=model, **kwargs), log=log)
         self.tokenizer = self.engine.tokenizer
+        self.input_processor = InputProcessor(self.tokenizer, self.engine.max_model_len,
+                                              self.engine.vocab_size)
+        self.output_processor = OutputProcessor(self.tokenizer, self.engine.eos_token_ids)
         self._next_id = 0
 
     def generate(
@@ -41,16 +45,13 @@ class LLM:
         """Complete each prompt (text, or a list of token ids); results in input order.
 
         Raises:
-          ValueError: a prompt that is empty or does not fit max_model_len (before any work).
+          ValueError: a prompt that is empty, holds an id outside the vocabulary or does not
+            fit max_model_len (before any work; the message names the prompt's index).
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        items = []
-        for p in prompts:
-            if isinstance(p, str):
-                items.append((p, self.tokenizer.encode(p, add_special_tokens=False)))
-            else:
-                items.append((None, [int(t) for t in p]))
+        items = [(p if isinstance(p, str) else None, self.input_processor.tokenize_prompt(p))
+                 for p in prompts]
         return self._run(items, sampling_params, use_tqdm)
 
     def chat(
@@ -61,15 +62,14 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Answer one conversation (a list of {"role", "content"} messages) or a list of them,
-        through the model's chat template with the assistant turn opened."""
+        through the model's chat template with the assistant turn opened.
+
+        Raises:
+          ValueError: as ``generate``, or the chat template rejected the messages.
+        """
         if messages and isinstance(messages[0], dict):
             messages = [messages]
-        items = []
-        for conv in messages:
-            prompt = self.tokenizer.apply_chat_template(
-                list(conv), add_generation_prompt=True, tokenize=False
-            )
-            items.append((prompt, self.tokenizer.encode(prompt, add_special_tokens=False)))
+        items = [self.input_processor.tokenize_chat(conv) for conv in messages]
         return self._run(items, sampling_params, use_tqdm)
 
     def _run(self, items, sampling_params, use_tqdm) -> list[RequestOutput]:
@@ -79,39 +79,29 @@ class LLM:
             raise ValueError(
                 f"got {len(sampling_params)} SamplingParams for {len(items)} prompts"
             )
-        limit = self.engine.max_model_len
         for i, (_, ids) in enumerate(items):
-            if not ids:
-                raise ValueError(f"prompt {i} is empty")
-            if len(ids) >= limit:
-                raise ValueError(f"prompt {i} has {len(ids)} tokens; max_model_len is {limit}")
-        live: dict[str, tuple[int, IncrementalDetokenizer]] = {}
+            try:
+                self.input_processor.check_prompt(ids)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+        index: dict[str, int] = {}
         results: list[RequestOutput | None] = [None] * len(items)
         for i, ((prompt, ids), sp) in enumerate(zip(items, sampling_params)):
             rid = str(self._next_id)
             self._next_id += 1
+            index[rid] = i
+            self.output_processor.add_request(rid, prompt, ids, sp)
             self.engine.add_request(EngineCoreRequest(rid, ids, sp))
-            detok = IncrementalDetokenizer(self.tokenizer, stop=sp.stop, prompt_token_ids=ids)
-            live[rid] = (i, detok)
-            results[i] = RequestOutput(rid, prompt, ids, [CompletionOutput(0, "", [])])
         bar = tqdm(total=len(items), desc="generating", disable=not use_tqdm, unit="req")
-        while live:
-            for out in self.engine.step():
-                i, detok = live[out.request_id]
-                completion = results[i].outputs[0]
-                completion.token_ids.extend(out.new_token_ids)
-                detok.update(out.new_token_ids)
-                results[i].num_cached_tokens = out.num_cached_tokens
-                if detok.stop_matched is not None:
-                    self.engine.abort_requests([out.request_id])
-                    completion.finish_reason, completion.stop_reason = "stop", detok.stop_matched
-                elif out.finished:
-                    detok.flush()
-                    completion.finish_reason, completion.stop_reason = out.finish_reason, out.stop_reason
-                else:
-                    continue
-                completion.text = detok.output_text
-                del live[out.request_id]
-                bar.update(1)
+        while index:
+            processed = self.output_processor.process_outputs(self.engine.step())
+            if processed.reqs_to_abort:
+                self.engine.abort_requests(processed.reqs_to_abort)
+            for delta in processed.request_outputs:
+                i = index[delta.request_id]
+                results[i] = delta if results[i] is None else merge_outputs(results[i], delta)
+                if delta.finished:
+                    del index[delta.request_id]
+                    bar.update(1)
         bar.close()
         return results

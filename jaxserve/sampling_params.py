@@ -1,13 +1,14 @@
 """SamplingParams: how to pick each next token and when to stop (vLLM's names and defaults).
 
-Validation lives here, in one place, for the offline API, the HTTP server and the engine.
+Validation lives here, in one place, for the offline API, the HTTP server and the engine. A
+msgspec Struct (as in vLLM V1), so it crosses the engine pipe as is; ``__post_init__`` also runs
+when a frame is decoded.
 """
 
-from dataclasses import dataclass, field
+import msgspec
 
 
-@dataclass
-class SamplingParams:
+class SamplingParams(msgspec.Struct, omit_defaults=True):
     """Per-request sampling and stopping settings.
 
     Attributes:
@@ -29,8 +30,8 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = msgspec.field(default_factory=list)
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)
     ignore_eos: bool = False
 
     def __post_init__(self):
@@ -53,6 +54,3 @@ class SamplingParams:
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0

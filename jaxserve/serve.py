@@ -20,7 +20,7 @@ import signal
 import socket
 import sys
 
-from jaxserve.config import EngineConfig
+from jaxserve.engine.arg_utils import HelpFormatter, add_cli_args, bounded, from_cli_args
 
 PROG = "python -m jaxserve.serve"
 SHUTDOWN_GRACE_S = 5.0  # in-flight requests get this long to finish after SIGINT/SIGTERM
@@ -35,56 +35,19 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def _number(kind, ok, bounds: str):
-    """An argparse type: ``kind`` parsed from the text and checked with ``ok``."""
-    noun = "an integer" if kind is int else "a number"
-
-    def parse(text):
-        try:
-            v = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {noun}, got {text!r}") from None
-        if not ok(v):
-            raise argparse.ArgumentTypeError(f"must be {bounds}, got {text}")
-        return v
-
-    return parse
-
-
-def _positive(kind):
-    return _number(kind, lambda v: v > 0, "positive")
-
-
-_fraction = _number(float, lambda v: 0 < v <= 1, "in (0, 1]")
-_port = _number(int, lambda v: 0 <= v <= 65535, "in 0..65535")
+_port = bounded(int, lambda v: 0 <= v <= 65535, "in 0..65535")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=PROG, description="OpenAI-compatible LLM server on JAX/XLA.")
-    p.add_argument("--model", default=None,
-                   help="HF folder, GGUF file, orbax folder, or (with --load-format dummy) a preset "
-                        "name or config.json; default: SmolLM2-135M-Instruct (fetched on first use)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=_port, default=8000)
+    p = _Parser(prog=PROG, description="OpenAI-compatible LLM server on JAX/XLA.",
+                formatter_class=HelpFormatter)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=_port, default=8000, help="port to listen on (0: any free port)")
     p.add_argument("--served-model-name", default=None,
-                   help="the name clients send as `model` (default: the model's own name)")
-    p.add_argument("--max-model-len", type=_positive(int), default=None,
-                   help="longest sequence, prompt + output, tokens")
-    p.add_argument("--max-num-seqs", type=_positive(int), default=32)
-    p.add_argument("--max-num-batched-tokens", type=_positive(int), default=512)
-    p.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto")
-    p.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9)
-    p.add_argument("--kv-cache-gib", type=_positive(float), default=2.0,
-                   help="KV pool size on CPU, GiB")
+                   help="the name clients send as `model` (None: the model's own name)")
     p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $JAXSERVE_API_KEY)")
-    p.add_argument("--load-format", choices=["auto", "gguf", "safetensors", "orbax", "dummy"],
-                   default="auto", help="dummy: random weights for --model PRESET or config.json")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="reuse cached KV pages across requests with a shared prefix")
-    p.add_argument("--attention-backend", choices=["auto", "pallas", "reference"], default="auto",
-                   help="auto: Pallas kernels on GPU, the pure-JAX reference on CPU")
-    return p
+                   help="require 'Authorization: Bearer KEY' on /v1/* (None: $JAXSERVE_API_KEY)")
+    return add_cli_args(p)
 
 
 def parse_args(argv=None):
@@ -98,17 +61,6 @@ def parse_args(argv=None):
     if args.api_key is None:
         args.api_key = os.environ.get("JAXSERVE_API_KEY") or None
     return args
-
-
-def engine_config(args) -> EngineConfig:
-    return EngineConfig(
-        model=args.model, load_format=args.load_format, dtype=args.dtype,
-        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_gib=args.kv_cache_gib, gpu_memory_utilization=args.gpu_memory_utilization,
-        enable_prefix_caching=args.enable_prefix_caching,
-        attention_backend=args.attention_backend,
-    )
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -140,7 +92,7 @@ async def serve(args, sock: socket.socket) -> int:
     from jaxserve.entrypoints.api_server import build_app
 
     loop = asyncio.get_running_loop()
-    llm = AsyncLLM(engine_config(args))
+    llm = AsyncLLM(from_cli_args(args))
     app = build_app(llm, served_model_name=args.served_model_name, api_key=args.api_key)
     runner = web.AppRunner(app, handle_signals=False, access_log=None, handler_cancellation=True,
                            shutdown_timeout=SHUTDOWN_GRACE_S)

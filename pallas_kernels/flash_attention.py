@@ -32,8 +32,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import paged_attention as _paged
-from pallas_kernels.paged_attention import LOG2E, MASK_VALUE, DecodeTuning, online_softmax_step
+from pallas_kernels.online_softmax import (
+    LOG2E,
+    MASK_VALUE,
+    online_softmax_init,
+    online_softmax_output,
+    online_softmax_step,
+)
+from pallas_kernels.paged_attention import DecodeTuning, check_shapes, decode_grouped, group_queries
 
 _INFO_FIELDS = 8  # per query block: seq, row start, row end, first position, context length
 
@@ -65,8 +71,8 @@ def resolve_prefill_tuning(
     """
     tuning = tuning or PrefillTuning()
     big = itemsize <= 2 and head_dim <= 128
-    block_q = _paged._next_pow2(max(16, tuning.block_q or (128 if big else 64)))
-    block_k = _paged._next_pow2(tuning.block_k or (128 if big else 32))
+    block_q = pl.next_power_of_2(max(16, tuning.block_q or (128 if big else 64)))
+    block_k = pl.next_power_of_2(tuning.block_k or (128 if big else 32))
     block_k = max(block_k, page_size)
     return PrefillTuning(
         block_q=block_q,
@@ -127,14 +133,11 @@ def _prefill_kernel(
             s = jnp.where(visible, s, MASK_VALUE)
         return online_softmax_step(acc, m_prev, l_prev, s, v)
 
-    acc = jnp.zeros((block_q, head_dim), jnp.float32)
-    m = jnp.full((block_q,), MASK_VALUE, jnp.float32)
-    l = jnp.zeros((block_q,), jnp.float32)
-    carry = lax.fori_loop(0, num_full, functools.partial(step, masked=False), (acc, m, l))
+    carry = online_softmax_init(block_q, head_dim)
+    carry = lax.fori_loop(0, num_full, functools.partial(step, masked=False), carry)
     acc, m, l = lax.fori_loop(num_full, num_kv_blocks, functools.partial(step, masked=True), carry)
 
-    safe_l = jnp.where(l > 0.0, l, 1.0)
-    out = (acc / safe_l[:, None]).astype(o_ref.dtype)
+    out = online_softmax_output(acc, l).astype(o_ref.dtype)
     plgpu.store(o_ref.at[pl.ds(row_start, block_q), :], out, mask=row_mask[:, None])
 
 
@@ -207,12 +210,12 @@ def ragged_prefill(
     group = num_heads // num_kv_heads
     t = resolve_prefill_tuning(head_dim, page_size, jnp.dtype(q.dtype).itemsize, tuning)
     pages_per_block = t.block_k // page_size
-    padded_pages = _paged._cdiv(pages_per_seq, pages_per_block) * pages_per_block
+    padded_pages = pl.cdiv(pages_per_seq, pages_per_block) * pages_per_block
     if padded_pages != pages_per_seq:
         block_tables = jnp.pad(block_tables, ((0, 0), (0, padded_pages - pages_per_seq)))
     # Blocks: sum over sequences of cdiv(q_len, block_q) <= T / block_q + (sequences with
     # q_len >= 1); decode-only sequences (q_len 1) are excluded when ``include`` says so.
-    num_blocks = _paged._cdiv(num_tokens, t.block_q) + min(num_seqs, num_tokens // min_q_len) + 1
+    num_blocks = pl.cdiv(num_tokens, t.block_q) + min(num_seqs, num_tokens // min_q_len) + 1
     info = _block_info(query_start_loc, seq_lens, include, num_tokens, t.block_q, num_blocks)
 
     kernel = functools.partial(
@@ -286,7 +289,7 @@ def attention(
     Raises:
         ValueError: on inconsistent shapes.
     """
-    _paged._check_shapes(q, k_pages, v_pages, block_tables, seq_lens)
+    check_shapes(q, k_pages, v_pages, block_tables, seq_lens)
     if query_start_loc.shape != (seq_lens.shape[0] + 1,):
         raise ValueError(
             f"query_start_loc {query_start_loc.shape} must be [S + 1] for seq_lens {seq_lens.shape}"
@@ -319,8 +322,8 @@ def attention(
     if split_decode:
         # Decode rows: gather each sequence's first query row, attend, scatter back in place.
         rows = jnp.clip(qsl[:-1], 0, num_tokens - 1)
-        qg, group = _paged.group_queries(q[rows], num_kv_heads)
-        dec = _paged.decode_grouped(
+        qg, group = group_queries(q[rows], num_kv_heads)
+        dec = decode_grouped(
             qg,
             k_pages,
             v_pages,

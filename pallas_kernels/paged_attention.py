@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -24,9 +23,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-# A large finite negative for masked scores: keeps exp2(mask - max) at 0 without inf - inf.
-MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
-LOG2E = math.log2(math.e)
+from pallas_kernels.online_softmax import (
+    LOG2E,
+    MASK_VALUE,
+    online_softmax_init,
+    online_softmax_output,
+    online_softmax_step,
+)
+
 # Rows of the query tile: Triton's tensor-core dot needs at least 16 on each side.
 MIN_TILE_ROWS = 16
 # Streaming multiprocessors of an H100/H200; the split heuristic aims to fill them several times.
@@ -51,32 +55,6 @@ class DecodeTuning:
     num_stages: int | None = None
 
 
-def online_softmax_step(acc, m_prev, l_prev, s, v):
-    """Fold one key block into a running softmax (FlashAttention-2's update), inside a kernel.
-
-    Args:
-      acc: [R, D] f32 running sum of p @ V; m_prev, l_prev: [R] f32 running max and denominator.
-      s: [R, block_k] f32 scores in base-2 units, masked entries MASK_VALUE.
-      v: [block_k, D] values.
-
-    Returns:
-      The updated (acc, m, l).
-    """
-    m_next = jnp.maximum(m_prev, s.max(axis=1))
-    alpha = jnp.exp2(m_prev - m_next)
-    p = jnp.exp2(s - m_next[:, None])
-    l_next = alpha * l_prev + p.sum(axis=1)
-    return acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v), m_next, l_next
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def resolve_decode_tuning(
     num_seqs: int,
     num_kv_heads: int,
@@ -87,15 +65,15 @@ def resolve_decode_tuning(
 ) -> DecodeTuning:
     """Fills the unset fields of ``tuning`` for these shapes; returns a complete DecodeTuning."""
     tuning = tuning or DecodeTuning()
-    block_k = max(_next_pow2(tuning.block_k or 64), page_size)
+    block_k = max(pl.next_power_of_2(tuning.block_k or 64), page_size)
     max_tokens = pages_per_seq * page_size
     num_splits = tuning.num_splits
     if num_splits is None:
         # Enough programs to fill the SMs (two resident per SM at the default tile) without
         # cutting splits shorter than 4 tiles; measured in docs/performance.md.
-        want = _cdiv(PROGRAMS_TARGET, max(1, num_seqs * num_kv_heads))
+        want = pl.cdiv(PROGRAMS_TARGET, max(1, num_seqs * num_kv_heads))
         num_splits = max(1, min(want, max_tokens // (4 * block_k)))
-    num_splits = max(1, min(num_splits, _cdiv(max_tokens, block_k)))
+    num_splits = max(1, min(num_splits, pl.cdiv(max_tokens, block_k)))
     return DecodeTuning(
         block_k=block_k,
         num_splits=num_splits,
@@ -142,10 +120,7 @@ def _decode_kernel(
         s = jnp.where((pos < split_end)[None, :], s, MASK_VALUE)
         return online_softmax_step(acc, m_prev, l_prev, s, v)
 
-    acc = jnp.zeros((rows, head_dim), jnp.float32)
-    m = jnp.full((rows,), MASK_VALUE, jnp.float32)
-    l = jnp.zeros((rows,), jnp.float32)
-    acc, m, l = lax.fori_loop(0, num_blocks, body, (acc, m, l))
+    acc, m, l = lax.fori_loop(0, num_blocks, body, online_softmax_init(rows, head_dim))
 
     if stat_refs:
         m_ref, l_ref = stat_refs
@@ -153,8 +128,7 @@ def _decode_kernel(
         m_ref[...] = m
         l_ref[...] = l
     else:
-        safe_l = jnp.where(l > 0.0, l, 1.0)
-        o_ref[...] = (acc / safe_l[:, None]).astype(o_ref.dtype)
+        o_ref[...] = online_softmax_output(acc, l).astype(o_ref.dtype)
 
 
 def decode_grouped(
@@ -184,8 +158,9 @@ def decode_grouped(
     pages_per_seq = block_tables.shape[1]
     t = resolve_decode_tuning(num_seqs, num_kv_heads, pages_per_seq, page_size, head_dim, tuning)
     pages_per_block = t.block_k // page_size
-    pages_per_split = _cdiv(_cdiv(pages_per_seq, t.num_splits), pages_per_block) * pages_per_block
-    num_splits = _cdiv(pages_per_seq, pages_per_split)
+    blocks_per_split = pl.cdiv(pl.cdiv(pages_per_seq, t.num_splits), pages_per_block)
+    pages_per_split = blocks_per_split * pages_per_block
+    num_splits = pl.cdiv(pages_per_seq, pages_per_split)
     padded_pages = num_splits * pages_per_split
     if padded_pages != pages_per_seq:
         block_tables = jnp.pad(block_tables, ((0, 0), (0, padded_pages - pages_per_seq)))
@@ -247,14 +222,15 @@ def group_queries(q: jax.Array, num_kv_heads: int) -> tuple[jax.Array, int]:
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
     group = num_heads // num_kv_heads
-    rows = max(MIN_TILE_ROWS, _next_pow2(group))
+    rows = max(MIN_TILE_ROWS, pl.next_power_of_2(group))
     qg = q.reshape(n, num_kv_heads, group, head_dim)
     if rows != group:
         qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
     return qg, group
 
 
-def _check_shapes(q, k_pages, v_pages, block_tables, seq_lens):
+def check_shapes(q, k_pages, v_pages, block_tables, seq_lens):
+    """Validates the arrays both kernels take (docs/design.md section 3); raises ValueError."""
     if k_pages.shape != v_pages.shape:
         raise ValueError(f"k_pages {k_pages.shape} and v_pages {v_pages.shape} differ")
     if k_pages.ndim != 4 or q.ndim != 3:
@@ -298,7 +274,7 @@ def paged_attention(
     Raises:
         ValueError: on inconsistent shapes.
     """
-    _check_shapes(q, k_pages, v_pages, block_tables, seq_lens)
+    check_shapes(q, k_pages, v_pages, block_tables, seq_lens)
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_pages.shape[0]
     if sm_scale is None:

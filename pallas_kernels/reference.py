@@ -224,27 +224,3 @@ def paged_attention(
     out = jnp.einsum("skgl,ksld->skgd", probs, v.astype(jnp.float32))
     return out.reshape(num_seqs, num_heads, head_dim).astype(q.dtype)
 
-
-def write_kv(
-    k_pages: jax.Array,
-    v_pages: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    slot_mapping: jax.Array,
-) -> tuple[jax.Array, jax.Array]:
-    """Scatter this step's keys and values into their slots of the page pool (XLA scatter).
-
-    Args:
-      k_pages, v_pages: [KV, num_pages, page_size, D]; donate them to update in place.
-      k, v: [T, KV, D] new keys and values.
-      slot_mapping: [T] int32, page * page_size + offset; padding tokens point into page 0.
-
-    Returns:
-      The updated (k_pages, v_pages).
-    """
-    k_pages, v_pages, slot_mapping = map(jnp.asarray, (k_pages, v_pages, slot_mapping))
-    page_size = k_pages.shape[2]
-    pages, offsets = slot_mapping // page_size, slot_mapping % page_size
-    k_pages = k_pages.at[:, pages, offsets].set(k.transpose(1, 0, 2).astype(k_pages.dtype))
-    v_pages = v_pages.at[:, pages, offsets].set(v.transpose(1, 0, 2).astype(v_pages.dtype))
-    return k_pages, v_pages

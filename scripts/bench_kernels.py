@@ -228,8 +228,10 @@ def run_mixed(bench: Bench, name, num_decodes, ctx, chunk, cfg):
 
 def run_kv_write(bench: Bench, cfg, batch=64, ctx=2048):
     """XLA scatter of T new tokens' K/V into the donated pool (in place, or it would copy)."""
+    from jaxserve.models.llama import write_kv
+
     q, kp, vp, bt, sl = decode_inputs(jax.random.PRNGKey(0), batch, ctx, **cfg)
-    write = jax.jit(reference.write_kv, donate_argnums=(0, 1))
+    write = jax.jit(write_kv, donate_argnums=(0, 1))
     for tokens in (64, 16384):
         tokens = min(tokens, kp.shape[1] * kp.shape[2])
         k = jax.random.normal(jax.random.PRNGKey(1), (tokens, cfg["kv_heads"], cfg["head_dim"]),

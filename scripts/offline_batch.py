@@ -2,8 +2,10 @@
 """Run a JSONL file of prompts through jaxserve offline, one output line per input line.
 
     python scripts/offline_batch.py --input in.jsonl --output out.jsonl [--model M]
-        [--load-format F] [--max-model-len N] [--max-num-seqs N]
-        [--max-num-batched-tokens N] [--kv-cache-gib G]
+        [--max-model-len N] [--max-num-seqs N] [...]
+
+The engine flags are the server's (every EngineConfig field, jaxserve/engine/arg_utils.py);
+``--help`` lists them with their defaults.
 
 Input: one JSON object per line, either
 
@@ -45,6 +47,7 @@ line on stderr naming the flag.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import pathlib
@@ -54,7 +57,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-# jaxserve (and with it JAX) is imported in main(), after the arguments are checked, so that a
+from jaxserve.engine.arg_utils import HelpFormatter, add_cli_args, from_cli_args
+
+# jaxserve.LLM (and with it JAX) is imported in main(), after the arguments are checked, so that a
 # command-line error is reported at once.
 
 
@@ -142,39 +147,12 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def _positive_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}")
-    return v
-
-
-def _positive_float(s: str) -> float:
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {s!r}") from None
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {s!r}")
-    return v
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="offline_batch.py", description=__doc__.split("\n\n")[0])
+    p = _Parser(prog="offline_batch.py", description=__doc__.split("\n\n")[0],
+                formatter_class=HelpFormatter)
     p.add_argument("--input", required=True, help="input JSONL file")
     p.add_argument("--output", required=True, help="output JSONL file (overwritten)")
-    p.add_argument("--model", default=None,
-                   help="GGUF file, HF folder, orbax folder or dummy preset (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--load-format", default="auto",
-                   choices=("auto", "gguf", "safetensors", "orbax", "dummy"))
-    p.add_argument("--max-model-len", type=_positive_int, default=None)
-    p.add_argument("--max-num-seqs", type=_positive_int, default=None)
-    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=None)
-    p.add_argument("--kv-cache-gib", type=_positive_float, default=None)
-    return p
+    return add_cli_args(p)
 
 
 def cli_fail(parser: argparse.ArgumentParser, message: str):
@@ -210,21 +188,12 @@ def main(argv: list[str] | None = None) -> int:
         except LineError as e:
             records.append({"line": n, "id": e.args[1], "error": f"line {n}: {e.args[0]}"})
 
-    engine_kwargs = {
-        k: v for k, v in {
-            "load_format": args.load_format,
-            "max_model_len": args.max_model_len,
-            "max_num_seqs": args.max_num_seqs,
-            "max_num_batched_tokens": args.max_num_batched_tokens,
-            "kv_cache_gib": args.kv_cache_gib,
-        }.items() if v is not None
-    }
     log = lambda msg: print(f"[offline_batch] {msg}", file=sys.stderr, flush=True)  # noqa: E731
     t0 = time.perf_counter()
     from jaxserve import LLM, SamplingParams
 
     try:
-        llm = LLM(args.model, log=log, **engine_kwargs)
+        llm = LLM(log=log, **dataclasses.asdict(from_cli_args(args)))
     except ValueError as e:
         msg = str(e)
         if "--" not in msg:  # the loader's messages name the model, not the flag
@@ -232,11 +201,10 @@ def main(argv: list[str] | None = None) -> int:
         cli_fail(parser, msg)
     log(f"engine ready in {time.perf_counter() - t0:.1f}s")
 
-    # Tokenize exactly as LLM.generate / LLM.chat do, so that every valid line (prompt or chat)
-    # can go to the engine in one generate() call and the length check can fail one line only.
-    tok = llm.tokenizer
-    limit = llm.engine.max_model_len
-    vocab = llm.engine.model_config.vocab_size
+    # LLM's own InputProcessor tokenizes and checks each line (the server and LLM.generate /
+    # LLM.chat use the same one), so that a bad line fails alone and every valid line, prompt or
+    # chat, goes to the engine in one generate() call.
+    processor = llm.input_processor
     batch_ids, batch_params, batch_recs = [], [], []
     for rec in records:
         req: BatchLine | None = rec.get("req")
@@ -244,39 +212,18 @@ def main(argv: list[str] | None = None) -> int:
             continue
         n = rec["line"]
         try:
-            try:
-                sp = SamplingParams(
-                    max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
-                    top_k=req.top_k, seed=req.seed, stop=req.stop,
-                )
-            except ValueError as e:
-                raise LineError(str(e)) from None
+            sp = SamplingParams(
+                max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
+                top_k=req.top_k, seed=req.seed, stop=req.stop,
+            )
             if req.messages is not None:
-                try:
-                    text = tok.apply_chat_template(
-                        [m.model_dump() for m in req.messages], add_generation_prompt=True, tokenize=False
-                    )
-                except Exception as e:  # jinja template errors (e.g. roles out of order)
-                    raise LineError(f"messages: the chat template rejected them: {e}") from None
-                ids = tok.encode(text, add_special_tokens=False)
-            elif isinstance(req.prompt, str):
-                ids = tok.encode(req.prompt, add_special_tokens=False)
+                _, ids = processor.tokenize_chat([m.model_dump() for m in req.messages])
             else:
-                ids = list(req.prompt)
-                bad = [t for t in ids if not 0 <= t < vocab]
-                if bad:
-                    raise LineError(f"prompt: token id {bad[0]} is outside the vocabulary [0, {vocab})")
-            if not ids:
-                raise LineError("prompt: it tokenizes to no tokens")
-            if len(ids) >= limit:
-                raise LineError(
-                    f"prompt: {len(ids)} tokens leave no room to generate within "
-                    f"max_model_len {limit} (--max-model-len)"
-                )
-        except LineError as e:
-            rec["error"] = f"line {n}: {e.args[0]}"
+                ids = processor.tokenize_prompt(req.prompt)
+            processor.check_prompt(ids)
+        except ValueError as e:
+            rec["error"] = f"line {n}: {e}"
             continue
-        rec["num_prompt_tokens"] = len(ids)
         batch_ids.append(ids)
         batch_params.append(sp)
         batch_recs.append(rec)

@@ -35,7 +35,6 @@ class BlockPool:
         self.page_hash: list[bytes | None] = [None] * num_pages
         self.cached: dict[bytes, int] = {}
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_pages))
-        self.num_evictions = 0
 
     @property
     def num_usable_pages(self) -> int:
@@ -45,9 +44,6 @@ class BlockPool:
     def num_free_pages(self) -> int:
         """Pages no live request references (cached ones included: they can be evicted)."""
         return len(self.free_queue)
-
-    def get_cached_page(self, block_hash: bytes) -> int | None:
-        return self.cached.get(block_hash)
 
     def allocate(self, n: int) -> list[int] | None:
         """n pages with reference count 1, or None (nothing taken) if fewer are free. Pages taken
@@ -63,7 +59,6 @@ class BlockPool:
                 self.page_hash[p] = None
                 if self.cached.get(h) == p:
                     del self.cached[h]
-                self.num_evictions += 1
             self.ref_counts[p] = 1
             pages.append(p)
         return pages

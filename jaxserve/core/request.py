@@ -30,11 +30,10 @@ class Request:
 
     def __init__(self, req: EngineCoreRequest, seed: int):
         self.request_id = req.request_id
-        self.prompt_token_ids = list(req.prompt_token_ids)
+        self.prompt_token_ids = req.prompt_token_ids
         self.sampling_params: SamplingParams = req.sampling_params
-        self.arrival_time = req.arrival_time
         self.seed = seed
-        self.all_token_ids = list(req.prompt_token_ids)
+        self.all_token_ids = list(req.prompt_token_ids)  # grows; prompt_token_ids does not
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
         self.block_ids: list[int] = []
@@ -54,7 +53,3 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.all_token_ids) - len(self.prompt_token_ids)
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.all_token_ids[len(self.prompt_token_ids) :]

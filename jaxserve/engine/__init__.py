@@ -1,29 +1,30 @@
-"""What crosses the engine boundary: requests in, per-step outputs back (token ids only)."""
+"""What crosses the engine boundary: requests in, per-step outputs back (token ids only).
 
-from dataclasses import dataclass
+msgspec Structs, as in vLLM V1: the pipe (``jaxserve.engine.messages``) encodes and decodes them
+directly, and the in-process path (``jaxserve.LLM``) uses the same objects.
+"""
+
+import msgspec
 
 from jaxserve.sampling_params import SamplingParams
 
 
-@dataclass
-class EngineCoreRequest:
-    """A request as the engine sees it: already tokenized.
+class EngineCoreRequest(msgspec.Struct, array_like=True):
+    """A request as the engine sees it: tokenized and validated by the InputProcessor.
 
     Attributes:
       request_id: unique among live requests.
-      prompt_token_ids: the prompt, token ids.
-      sampling_params: validated SamplingParams (stop strings are the caller's job).
-      arrival_time: time.time() of arrival, seconds.
+      prompt_token_ids: the prompt, token ids (non-empty, in the vocabulary, shorter than
+        max_model_len: the engine trusts the InputProcessor's checks).
+      sampling_params: validated SamplingParams (stop strings are the OutputProcessor's job).
     """
 
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    arrival_time: float = 0.0
 
 
-@dataclass
-class EngineCoreOutput:
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     """New tokens of one request from one engine step.
 
     Attributes:
@@ -48,8 +49,7 @@ class EngineCoreOutput:
         return self.finish_reason is not None
 
 
-@dataclass
-class SchedulerStats:
+class SchedulerStats(msgspec.Struct):
     """Engine counters for /metrics (docs/design.md section 3, "Engine stats")."""
 
     num_running_reqs: int = 0

@@ -1,7 +1,8 @@
 """AsyncLLM: the API process's engine front (vLLM V1's name).
 
-Owns the tokenizer and chat template, the EngineCoreClient (engine process + pipe), the
-OutputProcessor (detokenization, stop strings, per-request queues) and the metrics. Never imports
+Owns the tokenizer, the InputProcessor (tokenization, chat template, prompt checks), the
+EngineCoreClient (engine process + pipe), the OutputProcessor (detokenization, stop strings,
+per-request queues) and the metrics. Never imports
 JAX: the tokenizer comes from a folder the engine process saved it to.
 
 Usage (inside an event loop)::
@@ -25,6 +26,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine import EngineCoreRequest
 from jaxserve.engine import messages as M
 from jaxserve.engine.core_client import EngineCoreClient, EngineDeadError, EngineStartError
+from jaxserve.engine.input_processor import InputProcessor
 from jaxserve.engine.output_processor import OutputProcessor, RequestError, merge_outputs
 from jaxserve.outputs import RequestOutput
 from jaxserve.metrics import Metrics
@@ -55,6 +57,7 @@ class AsyncLLM:
         self.engine_config: dict = {}
         self.allocator_fraction: float = 0.0
         self.metrics: Metrics | None = None
+        self.input_processor: InputProcessor | None = None
         self.output_processor: OutputProcessor | None = None
         self.ready = False
         self.errored = False
@@ -80,48 +83,23 @@ class AsyncLLM:
         self.engine_config = ready.config
         self.allocator_fraction = ready.allocator_fraction
         self.metrics = Metrics(ready.model_name)
+        self.input_processor = InputProcessor(self.tokenizer, ready.max_model_len, ready.vocab_size)
         self.output_processor = OutputProcessor(self.tokenizer, ready.eos_token_ids, self.metrics)
         self.ready = True
 
     # -- prompts -------------------------------------------------------------------------------
 
     def encode_prompt(self, prompt: str) -> list[int]:
-        """Text prompt -> token ids (with the tokenizer's own special tokens, e.g. BOS)."""
-        return list(self.tokenizer.encode(prompt))
+        """Text prompt -> token ids (InputProcessor.tokenize_prompt)."""
+        return self.input_processor.tokenize_prompt(prompt)
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
-        """Chat messages -> token ids through the model's chat template, with the assistant
-        generation prompt appended.
-
-        Raises:
-          ValueError: the tokenizer has no chat template, or the template rejected the messages.
-        """
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("this model has no chat template; use /v1/completions")
-        try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                      add_generation_prompt=True)
-        except Exception as e:  # jinja errors (e.g. "roles must alternate")
-            raise ValueError(f"messages: the chat template rejected them: {e}") from e
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        """Chat messages -> token ids (InputProcessor.tokenize_chat). Raises ValueError."""
+        return self.input_processor.tokenize_chat(messages)[1]
 
     def check_prompt(self, prompt_token_ids: list[int], max_tokens: int | None) -> None:
-        """Raises ValueError (OpenAI's wording) if the prompt plus ``max_tokens`` does not fit."""
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise ValueError("prompt: the prompt is empty")
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt: token id {bad[0]} is out of range [0, {self.vocab_size})")
-        if n >= self.max_model_len:
-            raise ValueError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                f"your prompt has {n} tokens, which leaves no room for the completion.")
-        if max_tokens is not None and n + max_tokens > self.max_model_len:
-            raise ValueError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                f"you requested {n + max_tokens} tokens ({n} in the prompt, {max_tokens} for the "
-                f"completion). Please reduce the prompt or max_tokens.")
+        """InputProcessor.check_prompt with the server's rule. Raises ValueError."""
+        self.input_processor.check_prompt(prompt_token_ids, max_tokens)
 
     # -- generation ----------------------------------------------------------------------------
 
@@ -142,11 +120,12 @@ class AsyncLLM:
         if not self.ready or self.shutting_down:
             raise EngineDeadError("the engine is not available")
         queue: asyncio.Queue = asyncio.Queue()
-        self.output_processor.add_request(request_id, prompt_token_ids, sampling_params, queue)
+        self.output_processor.add_request(request_id, None, prompt_token_ids, sampling_params,
+                                          queue)
         finished = False
         try:
-            self.engine_core.add_request(EngineCoreRequest(
-                request_id, list(prompt_token_ids), sampling_params, time.time()))
+            self.engine_core.add_request(
+                EngineCoreRequest(request_id, prompt_token_ids, sampling_params))
             while not finished:
                 out = await queue.get()
                 while not isinstance(out, BaseException) and not out.finished and not queue.empty():
@@ -209,7 +188,7 @@ class AsyncLLM:
             if msg.stats is not None:
                 self.metrics.update_stats(msg.stats)
             if msg.outputs:
-                to_abort = self.output_processor.process_outputs(msg.outputs)
+                to_abort = self.output_processor.process_outputs(msg.outputs).reqs_to_abort
                 if to_abort:
                     self.engine_core.abort_requests(to_abort)
         elif isinstance(msg, M.Error):

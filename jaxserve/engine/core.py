@@ -47,15 +47,6 @@ def kv_bytes_per_page(model_config, page_size: int, dtype) -> int:
     )
 
 
-def _backends_initialized() -> bool:
-    try:
-        from jax._src import xla_bridge
-
-        return xla_bridge.backends_are_initialized()
-    except (ImportError, AttributeError):  # private API: assume the worst
-        return True
-
-
 class EngineCore:
     """Loads the model, sizes and allocates the KV pool, compiles every bucket, then serves steps.
 
@@ -72,14 +63,12 @@ class EngineCore:
         enable_compilation_cache()
         self.config = config
         # JAX caps its GPU allocator at XLA_PYTHON_CLIENT_MEM_FRACTION (0.75 unless set) of total
-        # memory; raise the cap above --gpu-memory-utilization before the backend starts. This is
-        # the one place that sets it, for the server's engine process and LLM alike.
-        if _backends_initialized():  # too late to change: report what the backend started with
-            self.allocator_fraction = float(os.environ.get(
-                "XLA_PYTHON_CLIENT_MEM_FRACTION", kv_sizing.DEFAULT_XLA_MEM_FRACTION))
-        else:
-            self.allocator_fraction = kv_sizing.allocator_fraction_env(
-                config.gpu_memory_utilization, os.environ)
+        # memory; raise the cap above --gpu-memory-utilization before the backend starts (the
+        # next line starts it). This is the one place that sets it, for the server's engine
+        # process and LLM alike. (In a process whose JAX GPU backend is already running, the
+        # variable no longer takes effect; the pool sizing then errs small, see kv_sizing.)
+        self.allocator_fraction = kv_sizing.allocator_fraction_env(
+            config.gpu_memory_utilization, os.environ)
         on_gpu = jax.default_backend() == "gpu"
         log(f"allocator fraction {self.allocator_fraction:g} of device memory "
             f"(XLA_PYTHON_CLIENT_MEM_FRACTION; --gpu-memory-utilization "
@@ -107,8 +96,7 @@ class EngineCore:
         per_page = kv_bytes_per_page(mc, config.page_size, dtype)
         backend = config.attention_backend
         self.runner = ModelRunner(
-            mc, params,
-            num_pages=None, page_size=config.page_size,
+            mc, params, page_size=config.page_size,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len, kv_dtype=dtype,
@@ -129,14 +117,16 @@ class EngineCore:
             f"{'on' if config.enable_prefix_caching else 'off'}")
         self.runner.allocate_kv_cache(num_pages)
 
+        # Generation ends at the model's EOS ids (config.json / GGUF) and the tokenizer's own.
+        eos = set(mc.eos_token_ids) | {self.tokenizer.eos_token_id}
+        self.eos_token_ids = tuple(sorted(t for t in eos if t is not None))
+        self.vocab_size = mc.vocab_size
         self.scheduler = Scheduler(
             KVCacheManager(num_pages, config.page_size, config.enable_prefix_caching),
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
-            eos_token_ids=mc.eos_token_ids or tuple(
-                t for t in [self.tokenizer.eos_token_id] if t is not None
-            ),
+            eos_token_ids=self.eos_token_ids,
         )
         self.runner.compile_buckets(log)
         self._rng = random.Random(config.seed)
@@ -167,22 +157,8 @@ class EngineCore:
         return kv_sizing.num_pages_for_bytes(b.pool_bytes, per_page)
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        """Queue a tokenized request.
-
-        Raises:
-          ValueError: empty prompt, a prompt that leaves no room to generate within
-            max_model_len, or a duplicate request id.
-        """
-        n = len(request.prompt_token_ids)
-        if n == 0:
-            raise ValueError("the prompt is empty")
-        if n >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {n} tokens, but max_model_len is {self.max_model_len}: "
-                "it must leave room for at least one generated token"
-            )
-        if request.request_id in self.scheduler.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
+        """Queue a request that the InputProcessor checked (non-empty prompt in the vocabulary,
+        shorter than max_model_len; a request id not in use)."""
         seed = request.sampling_params.seed
         if seed is None:
             seed = self._rng.getrandbits(32)

@@ -159,8 +159,6 @@ class EngineCoreClient:
                 self._ready.set_exception(EngineStartError(msg.message))
             else:
                 print(f"[jaxserve] engine error: {msg.message}", flush=True)
-        elif isinstance(msg, M.Log):
-            print(msg.message, flush=True)
         else:
             self._on_message(msg)
 

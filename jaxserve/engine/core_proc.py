@@ -202,18 +202,11 @@ def run_engine_core(config: EngineConfig, conn: Connection, parent_pid: int | No
                 traceback.print_exc()
             conn.send_bytes(M.encode(M.Error([], _describe(e), kind="internal", fatal=True)))
             return
-        tok = core.tokenizer
-        mc = getattr(core, "model_config", None)
-        eos = set(getattr(core, "eos_token_ids", None) or getattr(mc, "eos_token_ids", None) or ())
-        if tok.eos_token_id is not None:
-            eos.add(tok.eos_token_id)
-        effective = getattr(core, "config", config)
         conn.send_bytes(M.encode(M.Ready(
-            model_name=str(core.model_name), max_model_len=int(core.max_model_len),
-            tokenizer_dir=tokenizer_dir, eos_token_ids=sorted(int(i) for i in eos),
-            vocab_size=int(getattr(mc, "vocab_size", None) or len(tok)),
-            config=dataclasses.asdict(effective) if dataclasses.is_dataclass(effective) else {},
-            allocator_fraction=float(getattr(core, "allocator_fraction", 0.0)),
+            model_name=str(core.model_name), max_model_len=core.max_model_len,
+            tokenizer_dir=tokenizer_dir, eos_token_ids=list(core.eos_token_ids),
+            vocab_size=core.vocab_size, config=dataclasses.asdict(core.config),
+            allocator_fraction=core.allocator_fraction,
         )))
         EngineCoreProc(core, conn).run()
     except (SystemExit, KeyboardInterrupt, BrokenPipeError, EOFError, OSError):

@@ -1,11 +1,14 @@
-"""OutputProcessor: engine outputs (token ids) -> per-request text deltas on asyncio queues.
+"""OutputProcessor: engine outputs (token ids) -> per-request text deltas (vLLM V1's name).
 
-Runs in the API process, on the event loop. For each live request it keeps an
-IncrementalDetokenizer (stop strings are matched here, not in the engine), counts tokens, and
-records request metrics. What it queues are ``jaxserve.outputs.RequestOutput`` objects used as
-deltas (vLLM's RequestOutputKind.DELTA): ``outputs[0].text`` / ``token_ids`` hold what is new since
-the previous one, ``finished`` is True on the last; the sum of the deltas' ``token_ids`` lengths
-is the number of generated tokens (EOS / stop token included).
+The one detokenize-and-stop loop, shared by the server (``AsyncLLM``, on the event loop: each
+request's deltas go to its asyncio queue) and ``jaxserve.LLM`` (no queue: the deltas are
+returned). For each live request it keeps an IncrementalDetokenizer (stop strings are matched
+here, not in the engine), counts tokens, and records request metrics when given a Metrics.
+
+Its outputs are ``jaxserve.outputs.RequestOutput`` objects used as deltas (vLLM's
+RequestOutputKind.DELTA): ``outputs[0].text`` / ``token_ids`` hold what is new since the previous
+one, ``finished`` is True on the last; the sum of the deltas' ``token_ids`` lengths is the number
+of generated tokens (EOS / stop token included; their text is not).
 """
 
 from __future__ import annotations
@@ -46,18 +49,28 @@ def merge_outputs(earlier: RequestOutput, later: RequestOutput) -> RequestOutput
 @dataclass
 class RequestState:
     request_id: str
+    prompt: str | None
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     detokenizer: IncrementalDetokenizer
-    queue: asyncio.Queue
+    queue: asyncio.Queue | None
     arrival_time: float
     first_token_time: float | None = None
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
 
 
+@dataclass
+class OutputProcessorOutput:
+    """Deltas of requests that have no queue, and ids the engine must abort (a stop string
+    matched before the engine saw a stop)."""
+
+    request_outputs: list[RequestOutput]
+    reqs_to_abort: list[str]
+
+
 class OutputProcessor:
-    """Turns EngineCoreOutputs into RequestOutputs on per-request queues.
+    """Turns EngineCoreOutputs into RequestOutput deltas.
 
     Args:
       tokenizer: the transformers tokenizer (for detokenization).
@@ -71,20 +84,22 @@ class OutputProcessor:
         self.metrics = metrics
         self.requests: dict[str, RequestState] = {}
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    sampling_params: SamplingParams, queue: asyncio.Queue) -> None:
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    sampling_params: SamplingParams, queue: asyncio.Queue | None = None) -> None:
+        """Track a request. With a ``queue`` its deltas (and errors) go there; without one
+        ``process_outputs`` returns them."""
         detok = IncrementalDetokenizer(self.tokenizer, stop=sampling_params.stop,
                                        prompt_token_ids=prompt_token_ids)
-        self.requests[request_id] = RequestState(request_id, prompt_token_ids, sampling_params,
-                                                 detok, queue, time.monotonic())
+        self.requests[request_id] = RequestState(request_id, prompt, prompt_token_ids,
+                                                 sampling_params, detok, queue, time.monotonic())
 
     def abort_request(self, request_id: str) -> bool:
         """Forget a request (the caller aborts it in the engine). True if it was live."""
         return self.requests.pop(request_id, None) is not None
 
-    def process_outputs(self, outputs: list[EngineCoreOutput]) -> list[str]:
-        """Detokenize and queue. Returns ids the engine must abort (a stop string matched)."""
-        to_abort = []
+    def process_outputs(self, outputs: list[EngineCoreOutput]) -> OutputProcessorOutput:
+        """Detokenize, check stop strings, and queue or return the deltas."""
+        to_abort, returned = [], []
         now = time.monotonic()
         for o in outputs:
             st = self.requests.get(o.request_id)
@@ -110,17 +125,20 @@ class OutputProcessor:
                 text += st.detokenizer.flush()
             finished = finish_reason is not None
             out = RequestOutput(
-                st.request_id, None, st.prompt_token_ids,
+                st.request_id, st.prompt, st.prompt_token_ids,
                 [CompletionOutput(0, text, ids, finish_reason, stop_reason)],
                 num_cached_tokens=st.num_cached_tokens, finished=finished)
-            st.queue.put_nowait(out)
+            if st.queue is None:
+                returned.append(out)
+            else:
+                st.queue.put_nowait(out)
             if finished:
                 del self.requests[o.request_id]
                 if self.metrics is not None:
                     self.metrics.record_finished(
                         finish_reason, len(st.prompt_token_ids), st.num_output_tokens,
                         (st.first_token_time or now) - st.arrival_time, now - st.arrival_time)
-        return to_abort
+        return OutputProcessorOutput(returned, to_abort)
 
     def propagate_error(self, request_ids, exc: BaseException) -> None:
         """Fail the given requests (all live ones if ``request_ids`` is None) with ``exc``."""

@@ -1,9 +1,9 @@
 """The aiohttp application: routes, API-key check, OpenAI error bodies.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET /version, GET /metrics. Every error, including unknown routes and unexpected exceptions,
-is an OpenAI error body ``{"error": {"message", "type", "param", "code"}}``; tracebacks go to
-the server log only.
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models (those three handled
+in serving.py), GET /health, GET /version, GET /metrics. Every error, including unknown routes
+and unexpected exceptions, is an OpenAI error body ``{"error": {"message", "type", "param",
+"code"}}``; tracebacks go to the server log only.
 """
 
 from __future__ import annotations
@@ -16,13 +16,11 @@ from aiohttp import web
 
 from jaxserve.engine.async_llm import AsyncLLM
 from jaxserve.entrypoints import serving
+from jaxserve.entrypoints.app_state import LLM_KEY, STATE_KEY
 from jaxserve.entrypoints.errors import APIError, error_response
 from jaxserve.metrics import CONTENT_TYPE
 
 logger = logging.getLogger("jaxserve.api")
-
-LLM_KEY = web.AppKey("llm", AsyncLLM)
-STATE_KEY = web.AppKey("state", dict)
 
 
 def _version() -> str:
@@ -74,17 +72,6 @@ async def _version_route(request: web.Request) -> web.Response:
     return web.json_response({"version": _version()})
 
 
-async def _models(request: web.Request) -> web.Response:
-    llm = request.app[LLM_KEY]
-    serving.require_ready(llm)
-    state = request.app[STATE_KEY]
-    return web.json_response({"object": "list", "data": [{
-        "id": serving.served_name(request), "object": "model", "created": state["created"],
-        "owned_by": "jaxserve", "root": llm.model_name, "parent": None,
-        "max_model_len": llm.max_model_len,
-    }]})
-
-
 async def _metrics(request: web.Request) -> web.Response:
     llm = request.app[LLM_KEY]
     if llm.metrics is None:
@@ -107,7 +94,7 @@ def build_app(llm: AsyncLLM, *, served_model_name: str | None = None,
     app[STATE_KEY] = {"served_model_name": served_model_name, "created": int(time.time())}
     app.router.add_post("/v1/completions", serving.create_completion)
     app.router.add_post("/v1/chat/completions", serving.create_chat_completion)
-    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/v1/models", serving.show_available_models)
     app.router.add_get("/health", _health)
     app.router.add_get("/version", _version_route)
     app.router.add_get("/metrics", _metrics)

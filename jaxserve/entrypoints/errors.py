@@ -1,22 +1,26 @@
-"""OpenAI error bodies: ``{"error": {"message", "type", "param", "code"}}``."""
+"""OpenAI error bodies: ``{"error": {"message", "type", "param", "code"}}`` (ErrorResponse)."""
 
 from __future__ import annotations
 
 from aiohttp import web
 
+from jaxserve.entrypoints.protocol import ErrorInfo, ErrorResponse
+from jaxserve.entrypoints.responses import json_response
+
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
           413: "invalid_request_error", 500: "server_error", 503: "server_error"}
 
 
-def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+def error_body(message: str, type_: str, param: str | None = None,
+               code: str | None = None) -> ErrorResponse:
+    return ErrorResponse(error=ErrorInfo(message=message, type=type_, param=param, code=code))
 
 
 def error_response(status: int, message: str, type_: str | None = None,
                    param: str | None = None, code: str | None = None) -> web.Response:
     """A JSON error response with the OpenAI body."""
     type_ = type_ or _TYPES.get(status, "invalid_request_error")
-    return web.json_response(error_body(message, type_, param, code), status=status)
+    return json_response(error_body(message, type_, param, code), status)
 
 
 class APIError(Exception):
@@ -38,8 +42,5 @@ class APIError(Exception):
         self.code = code
         self.type_ = type_ or _TYPES.get(status, "invalid_request_error")
 
-    def body(self) -> dict:
-        return error_body(self.message, self.type_, self.param, self.code)
-
     def response(self) -> web.Response:
-        return web.json_response(self.body(), status=self.status)
+        return error_response(self.status, self.message, self.type_, self.param, self.code)

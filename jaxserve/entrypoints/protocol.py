@@ -1,9 +1,16 @@
-"""OpenAI request bodies (pydantic 2) for /v1/completions and /v1/chat/completions.
+"""OpenAI request and response bodies (pydantic 2), as vLLM's ``entrypoints/openai/protocol.py``.
 
-Types are checked strictly (a string where a number belongs is a 400, as with OpenAI); value
-ranges are checked by SamplingParams. Fields OpenAI defines that jaxserve does not support yet
-are accepted only at their neutral value (``unsupported_field`` names the first offender); fields
-nobody defines are kept in ``model_extra`` so the server can log and ignore them.
+Requests (/v1/completions, /v1/chat/completions): types are checked strictly (a string where a
+number belongs is a 400, as with OpenAI); value ranges are checked by SamplingParams. Fields OpenAI
+defines that jaxserve does not support yet are accepted only at their neutral value
+(``unsupported_field`` names the first offender); fields nobody defines are kept in
+``model_extra`` so the server can log and ignore them.
+
+Responses: every body the server sends (completions and chat completions, their streamed chunks,
+usage, /v1/models, errors). Fields are declared in the order they go on the wire. Optional fields
+that OpenAI's format leaves out when unused (the token ids of vLLM's ``return_token_ids``, a
+chunk's ``usage``, a delta's ``role`` / ``content``) are omitted when None; the others
+(``logprobs``, ``finish_reason``, error ``param`` / ``code``) are sent as null.
 """
 
 from __future__ import annotations
@@ -111,7 +118,9 @@ class TextPart(_Base):
     text: str
 
 
-class ChatMessage(_Base):
+class ChatCompletionMessageParam(_Base):
+    """One message of a chat request."""
+
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -127,7 +136,7 @@ class ChatMessage(_Base):
 class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions: system / user / assistant messages, text content only."""
 
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatCompletionMessageParam] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
@@ -158,3 +167,156 @@ class ChatCompletionRequest(_SamplingFields):
         """Messages for the chat template ("developer" is OpenAI's new name for "system")."""
         return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                 for m in self.messages]
+
+
+# -- responses --------------------------------------------------------------------------------
+
+
+class OpenAIBaseModel(BaseModel):
+    """Base of the response bodies; an unknown field is a bug here, not a client's extension."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+def _is_none(value: Any) -> bool:
+    return value is None
+
+
+def _omitted_if_none():
+    """A field absent from the JSON when None (OpenAI's bodies leave these out, not null)."""
+    return Field(default=None, exclude_if=_is_none)
+
+
+class ErrorInfo(OpenAIBaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(OpenAIBaseModel):
+    """Every error: an HTTP error response, or an SSE event when a stream fails midway."""
+
+    error: ErrorInfo
+
+
+class PromptTokenUsageInfo(OpenAIBaseModel):
+    cached_tokens: int  # prompt tokens served from the prefix cache
+
+
+class UsageInfo(OpenAIBaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokenUsageInfo
+
+
+class CompletionResponseChoice(OpenAIBaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None  # jaxserve computes no logprobs (a request for them is a 400)
+    finish_reason: str | None = None
+    # vLLM's return_token_ids: the prompt's ids and the generated ids (EOS / stop token included).
+    prompt_token_ids: list[int] | None = _omitted_if_none()
+    token_ids: list[int] | None = _omitted_if_none()
+
+
+class CompletionResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo
+
+
+class CompletionResponseStreamChoice(OpenAIBaseModel):
+    """A streamed completion choice: the text and token ids new since the last chunk (the
+    prompt's ids ride along in the first chunk with generated ids)."""
+
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+    token_ids: list[int] | None = _omitted_if_none()
+    prompt_token_ids: list[int] | None = _omitted_if_none()
+
+
+class CompletionStreamResponse(OpenAIBaseModel):
+    """One SSE chunk of /v1/completions; the usage chunk has no choices."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionResponseStreamChoice]
+    usage: UsageInfo | None = _omitted_if_none()
+
+
+class ChatMessage(OpenAIBaseModel):
+    """The assistant's message in a non-streamed chat completion."""
+
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatCompletionResponseChoice(OpenAIBaseModel):
+    index: int = 0
+    message: ChatMessage
+    logprobs: None = None
+    finish_reason: str | None = None
+    prompt_token_ids: list[int] | None = _omitted_if_none()
+    token_ids: list[int] | None = _omitted_if_none()
+
+
+class ChatCompletionResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatCompletionResponseChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(OpenAIBaseModel):
+    """What a chat chunk adds: the role once (first chunk), then text; ``{}`` when neither."""
+
+    role: Literal["assistant"] | None = _omitted_if_none()
+    content: str | None = _omitted_if_none()
+
+
+class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
+    index: int = 0
+    delta: DeltaMessage
+    logprobs: None = None
+    finish_reason: str | None = None
+    token_ids: list[int] | None = _omitted_if_none()
+    prompt_token_ids: list[int] | None = _omitted_if_none()
+
+
+class ChatCompletionStreamResponse(OpenAIBaseModel):
+    """One SSE chunk of /v1/chat/completions; the usage chunk has no choices."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionResponseStreamChoice]
+    usage: UsageInfo | None = _omitted_if_none()
+
+
+class ModelCard(OpenAIBaseModel):
+    id: str  # the served model name
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "jaxserve"
+    root: str  # the model's own name
+    parent: None = None
+    max_model_len: int
+
+
+class ModelList(OpenAIBaseModel):
+    """GET /v1/models."""
+
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,14 +1,17 @@
-"""Handlers of POST /v1/completions and POST /v1/chat/completions (OpenAI format, SSE streaming).
+"""Handlers of POST /v1/completions, POST /v1/chat/completions (OpenAI format, SSE streaming)
+and GET /v1/models.
 
-Both parse and validate the body (pydantic, then SamplingParams), tokenize (chat template for
-chat), check the length against max_model_len, then either collect the whole output or stream
-Server-Sent Events: one ``data: {chunk}`` per text delta, an optional usage chunk, then
-``data: [DONE]``. A client that goes away mid-request (handler cancelled, or a failed write)
-closes the generator, which aborts the request in the engine.
+Both generation endpoints parse and validate the body (pydantic, then SamplingParams), tokenize
+(chat template for chat), check the length against max_model_len, then either collect the whole
+output or stream Server-Sent Events: one ``data: {chunk}`` per text delta, an optional usage
+chunk, then ``data: [DONE]``. A client that goes away mid-request (handler cancelled, or a failed
+write) closes the generator, which aborts the request in the engine. Every body is one of
+protocol.py's response models, built by the endpoint's ``_Bodies``.
 """
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import json
 import logging
@@ -19,8 +22,15 @@ import pydantic
 from aiohttp import web
 
 from jaxserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestError
+from jaxserve.entrypoints.app_state import LLM_KEY, STATE_KEY
 from jaxserve.entrypoints.errors import APIError, error_body
-from jaxserve.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
+from jaxserve.entrypoints.protocol import (
+    ChatCompletionRequest, ChatCompletionResponse, ChatCompletionResponseChoice,
+    ChatCompletionResponseStreamChoice, ChatCompletionStreamResponse, ChatMessage,
+    CompletionRequest, CompletionResponse, CompletionResponseChoice,
+    CompletionResponseStreamChoice, CompletionStreamResponse, DeltaMessage, ErrorResponse,
+    ModelCard, ModelList, OpenAIBaseModel, PromptTokenUsageInfo, UsageInfo)
+from jaxserve.entrypoints.responses import SSEStream, json_response
 from jaxserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("jaxserve.api")
@@ -29,18 +39,14 @@ _SP_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "st
 
 
 def _llm(request: web.Request) -> AsyncLLM:
-    from jaxserve.entrypoints.api_server import LLM_KEY
-
     return request.app[LLM_KEY]
 
 
-def served_name(request: web.Request) -> str:
-    from jaxserve.entrypoints.api_server import STATE_KEY
-
+def _served_name(request: web.Request) -> str:
     return request.app[STATE_KEY]["served_model_name"] or _llm(request).model_name
 
 
-def require_ready(llm: AsyncLLM) -> None:
+def _require_ready(llm: AsyncLLM) -> None:
     if not llm.ready:
         if llm.errored:
             msg = "the engine is not running (it stopped unexpectedly)"
@@ -79,7 +85,7 @@ async def _parse(request: web.Request, model_cls):
 
 
 def _check_model(request: web.Request, model: str | None) -> str:
-    name = served_name(request)
+    name = _served_name(request)
     if model is not None and model != name:
         raise APIError(404, f"The model `{model}` does not exist. This server serves `{name}`.",
                        param="model", code="model_not_found")
@@ -95,10 +101,10 @@ def _sampling_params(req, max_tokens: int | None) -> SamplingParams:
         raise APIError(400, msg, param=field) from None
 
 
-def _usage(num_prompt: int, num_output: int, num_cached: int) -> dict:
-    return {"prompt_tokens": num_prompt, "completion_tokens": num_output,
-            "total_tokens": num_prompt + num_output,
-            "prompt_tokens_details": {"cached_tokens": num_cached}}
+def _usage(num_prompt: int, num_output: int, num_cached: int) -> UsageInfo:
+    return UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_output,
+                     total_tokens=num_prompt + num_output,
+                     prompt_tokens_details=PromptTokenUsageInfo(cached_tokens=num_cached))
 
 
 def _check_prompt(llm: AsyncLLM, ids: list[int], max_tokens: int | None, field: str) -> None:
@@ -117,7 +123,7 @@ def _raise_for(e: Exception):
     raise e
 
 
-def _error_event(e: Exception) -> dict:
+def _error_event(e: Exception) -> ErrorResponse:
     if isinstance(e, EngineDeadError):
         return error_body(str(e), "server_error", None, "engine_unavailable")
     if isinstance(e, RequestError) and e.kind == "invalid_request":
@@ -125,30 +131,89 @@ def _error_event(e: Exception) -> dict:
     return error_body(str(e), "server_error")
 
 
-class _Stream:
-    """An SSE response; ``send`` returns False once the client is gone."""
+class _Bodies(abc.ABC):
+    """The OpenAI bodies of one request, whole and streamed. They share the request's id,
+    creation time and model name; subclasses say how the endpoint's choice looks.
 
-    def __init__(self, request: web.Request):
-        self.request = request
-        self.resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                                "Cache-Control": "no-cache"})
+    ``fields`` are the choice's ``finish_reason``, ``prompt_token_ids`` and ``token_ids`` (the
+    last two None, so left out, unless the request asked for ``return_token_ids``).
+    """
 
-    async def start(self) -> None:
-        await self.resp.prepare(self.request)
+    response_cls: type[OpenAIBaseModel]
+    stream_cls: type[OpenAIBaseModel]
 
-    async def send(self, obj) -> None:
-        data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)
-        await self.resp.write(f"data: {data}\n\n".encode())
+    def __init__(self, request_id: str, model: str):
+        self.request_id = request_id
+        self.created = int(time.time())
+        self.model = model
+
+    @abc.abstractmethod
+    def _choice(self, text: str, **fields) -> OpenAIBaseModel:
+        """A choice of the non-streamed body."""
+
+    @abc.abstractmethod
+    def _stream_choice(self, text: str, **fields) -> OpenAIBaseModel:
+        """A choice of a streamed chunk."""
+
+    def _body(self, cls, choices: list, usage: UsageInfo | None = None) -> OpenAIBaseModel:
+        return cls(id=self.request_id, created=self.created, model=self.model, choices=choices,
+                   usage=usage)
+
+    def response(self, text: str, usage: UsageInfo, **fields) -> OpenAIBaseModel:
+        """The non-streamed body: the whole text."""
+        return self._body(self.response_cls, [self._choice(text, **fields)], usage)
+
+    def first_chunk(self) -> OpenAIBaseModel | None:
+        """The chunk that opens the stream, before any text; None for none."""
+        return None
+
+    def chunk(self, text: str, **fields) -> OpenAIBaseModel:
+        """A streamed chunk: the text (and token ids) new since the last one."""
+        return self._body(self.stream_cls, [self._stream_choice(text, **fields)])
+
+    def usage_chunk(self, usage: UsageInfo) -> OpenAIBaseModel:
+        """The chunk with ``stream_options.include_usage``: usage, no choices, last before
+        ``[DONE]``."""
+        return self._body(self.stream_cls, [], usage)
 
 
-async def _run(request, llm: AsyncLLM, ids: list[int], sp: SamplingParams, request_id: str,
-               *, stream: bool, include_usage: bool, make_chunk, make_final,
-               return_token_ids: bool = False):
-    """Shared body of both endpoints. ``make_chunk(text, finish_reason)`` -> chunk dict;
-    ``make_final(text, finish_reason, usage)`` -> the non-streaming response dict.
-    ``return_token_ids`` adds ``prompt_token_ids`` and ``token_ids`` (generated ids, EOS / stop
-    token included; deltas when streaming) to the choice, as vLLM does."""
-    gen = llm.generate(ids, sp, request_id)
+class _CompletionBodies(_Bodies):
+    response_cls = CompletionResponse
+    stream_cls = CompletionStreamResponse
+
+    def _choice(self, text: str, **fields) -> CompletionResponseChoice:
+        return CompletionResponseChoice(text=text, **fields)
+
+    def _stream_choice(self, text: str, **fields) -> CompletionResponseStreamChoice:
+        return CompletionResponseStreamChoice(text=text, **fields)
+
+
+class _ChatBodies(_Bodies):
+    response_cls = ChatCompletionResponse
+    stream_cls = ChatCompletionStreamResponse
+
+    def _choice(self, text: str, **fields) -> ChatCompletionResponseChoice:
+        return ChatCompletionResponseChoice(message=ChatMessage(content=text), **fields)
+
+    def _stream_choice(self, text: str, **fields) -> ChatCompletionResponseStreamChoice:
+        # No new text (the finishing chunk, or token ids alone): an empty delta, {}.
+        return ChatCompletionResponseStreamChoice(delta=DeltaMessage(content=text or None),
+                                                  **fields)
+
+    def first_chunk(self) -> ChatCompletionStreamResponse:
+        """The role chunk OpenAI opens a chat stream with."""
+        choice = ChatCompletionResponseStreamChoice(
+            delta=DeltaMessage(role="assistant", content=""))
+        return self._body(self.stream_cls, [choice])
+
+
+async def _run(request, llm: AsyncLLM, ids: list[int], sp: SamplingParams, bodies: _Bodies,
+               *, stream: bool, include_usage: bool, return_token_ids: bool):
+    """Shared body of both endpoints: generates, and answers with ``bodies``' response or
+    chunks. ``return_token_ids`` adds ``prompt_token_ids`` and ``token_ids`` (generated ids,
+    EOS / stop token included; deltas when streaming) to the choice, as vLLM does."""
+    gen = llm.generate(ids, sp, bodies.request_id)
+    prompt_token_ids = list(ids) if return_token_ids else None
     if not stream:
         text, out, out_ids = [], None, []
         try:
@@ -158,16 +223,14 @@ async def _run(request, llm: AsyncLLM, ids: list[int], sp: SamplingParams, reque
                     out_ids += out.outputs[0].token_ids
         except (EngineDeadError, RequestError) as e:
             _raise_for(e)
-        c = out.outputs[0]
         usage = _usage(len(ids), len(out_ids), out.num_cached_tokens)
-        body = make_final("".join(text), c.finish_reason, usage)
-        if return_token_ids:
-            body["choices"][0].update(prompt_token_ids=list(ids), token_ids=out_ids)
-        return web.json_response(body)
+        return json_response(bodies.response(
+            "".join(text), usage, finish_reason=out.outputs[0].finish_reason,
+            prompt_token_ids=prompt_token_ids, token_ids=out_ids if return_token_ids else None))
 
-    sse = _Stream(request)
+    sse = SSEStream(request)
     await sse.start()
-    first = make_chunk(None, None)  # e.g. chat's role chunk; None for completions
+    first = bodies.first_chunk()
     try:
         if first is not None:
             await sse.send(first)
@@ -178,29 +241,26 @@ async def _run(request, llm: AsyncLLM, ids: list[int], sp: SamplingParams, reque
                     c = out.outputs[0]
                     n_out += len(c.token_ids)
                     if c.text or out.finished or (return_token_ids and c.token_ids):
-                        chunk = make_chunk(c.text, c.finish_reason)
-                        if return_token_ids:
-                            chunk["choices"][0]["token_ids"] = list(c.token_ids)
-                            if n_out == len(c.token_ids):
-                                chunk["choices"][0]["prompt_token_ids"] = list(ids)
-                        await sse.send(chunk)
+                        # The prompt's ids ride along with the first generated ids.
+                        first_ids = n_out == len(c.token_ids)
+                        await sse.send(bodies.chunk(
+                            c.text, finish_reason=c.finish_reason,
+                            prompt_token_ids=prompt_token_ids if first_ids else None,
+                            token_ids=list(c.token_ids) if return_token_ids else None))
             except (EngineDeadError, RequestError) as e:
                 await sse.send(_error_event(e))
                 out = None
         if include_usage and out is not None:
-            chunk = make_chunk("", None)
-            chunk["choices"] = []
-            chunk["usage"] = _usage(len(ids), n_out, out.num_cached_tokens)
-            await sse.send(chunk)
+            await sse.send(bodies.usage_chunk(_usage(len(ids), n_out, out.num_cached_tokens)))
         await sse.send("[DONE]")
     except ConnectionError as e:  # the client went away; gen is closed (aborted)
-        logger.info("client disconnected from %s: %s", request_id, type(e).__name__)
+        logger.info("client disconnected from %s: %s", bodies.request_id, type(e).__name__)
     return sse.resp
 
 
 async def create_completion(request: web.Request) -> web.StreamResponse:
     llm = _llm(request)
-    require_ready(llm)
+    _require_ready(llm)
     req: CompletionRequest = await _parse(request, CompletionRequest)
     model = _check_model(request, req.model)
     prompt = req.single_prompt()
@@ -210,31 +270,15 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
         ids = list(prompt)
     sp = _sampling_params(req, req.max_tokens)
     _check_prompt(llm, ids, sp.max_tokens, "prompt")
-    request_id = f"cmpl-{uuid.uuid4().hex}"
-    created = int(time.time())
-
-    def chunk(text, finish_reason):
-        if text is None:
-            return None
-        return {"id": request_id, "object": "text_completion", "created": created, "model": model,
-                "choices": [{"index": 0, "text": text, "logprobs": None,
-                             "finish_reason": finish_reason}]}
-
-    def final(text, finish_reason, usage):
-        return {"id": request_id, "object": "text_completion", "created": created, "model": model,
-                "choices": [{"index": 0, "text": text, "logprobs": None,
-                             "finish_reason": finish_reason}],
-                "usage": usage}
-
+    bodies = _CompletionBodies(f"cmpl-{uuid.uuid4().hex}", model)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return await _run(request, llm, ids, sp, request_id, stream=bool(req.stream),
-                      include_usage=include_usage, make_chunk=chunk, make_final=final,
-                      return_token_ids=req.return_token_ids)
+    return await _run(request, llm, ids, sp, bodies, stream=bool(req.stream),
+                      include_usage=include_usage, return_token_ids=req.return_token_ids)
 
 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     llm = _llm(request)
-    require_ready(llm)
+    _require_ready(llm)
     req: ChatCompletionRequest = await _parse(request, ChatCompletionRequest)
     model = _check_model(request, req.model)
     try:
@@ -247,24 +291,16 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     _check_prompt(llm, ids, sp.max_tokens, "messages" if max_tokens is None else field)
     if sp.max_tokens is None:
         sp.max_tokens = llm.max_model_len - len(ids)
-    request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    created = int(time.time())
-
-    def chunk(text, finish_reason):
-        delta = {"role": "assistant", "content": ""} if text is None else (
-            {"content": text} if text else {})
-        return {"id": request_id, "object": "chat.completion.chunk", "created": created,
-                "model": model,
-                "choices": [{"index": 0, "delta": delta, "logprobs": None,
-                             "finish_reason": finish_reason}]}
-
-    def final(text, finish_reason, usage):
-        return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                             "logprobs": None, "finish_reason": finish_reason}],
-                "usage": usage}
-
+    bodies = _ChatBodies(f"chatcmpl-{uuid.uuid4().hex}", model)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return await _run(request, llm, ids, sp, request_id, stream=bool(req.stream),
-                      include_usage=include_usage, make_chunk=chunk, make_final=final,
-                      return_token_ids=req.return_token_ids)
+    return await _run(request, llm, ids, sp, bodies, stream=bool(req.stream),
+                      include_usage=include_usage, return_token_ids=req.return_token_ids)
+
+
+async def show_available_models(request: web.Request) -> web.Response:
+    """GET /v1/models: the one model served."""
+    llm = _llm(request)
+    _require_ready(llm)
+    card = ModelCard(id=_served_name(request), created=request.app[STATE_KEY]["created"],
+                     root=llm.model_name, max_model_len=llm.max_model_len)
+    return json_response(ModelList(data=[card]))

@@ -37,9 +37,6 @@ class Checkpoint:
     def architecture(self) -> str:
         return (self.hf_config.get("architectures") or ["LlamaForCausalLM"])[0]
 
-    def num_params(self) -> int:
-        return sum(int(w.size) for w in (self.weights or {}).values())
-
 
 def log(msg: str) -> None:
     """One progress line on stderr."""

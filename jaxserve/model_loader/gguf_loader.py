@@ -15,6 +15,8 @@ import re
 
 import numpy as np
 
+from jaxserve.models.rope import rope_inv_freq
+
 from .checkpoint import Checkpoint, log
 from .llama_cpp_layout import unpermute_qk
 
@@ -78,15 +80,15 @@ def model_name(path: pathlib.Path, meta: dict) -> str:
 
 def _llama3_rope_scaling(freqs: np.ndarray, head_dim: int, theta: float) -> dict:
     """Recover HF's ``rope_type: llama3`` parameters from llama.cpp's ``rope_freqs`` tensor
-    (per-frequency divisors), checking that the Llama 3.1 defaults reproduce it."""
-    factor = float(freqs.max())
-    cand = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
+    ([head_dim // 2] divisors of the inverse frequencies), checking that the Llama 3.1 defaults
+    with its largest divisor as the factor reproduce it.
+
+    Raises:
+      ValueError: when they do not.
+    """
+    cand = {"rope_type": "llama3", "factor": float(freqs.max()), "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-    inv = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    wavelen = 2 * np.pi / inv
-    lo_wl, hi_wl = 8192 / 1.0, 8192 / 4.0
-    smooth = (8192 / wavelen - 1.0) / (4.0 - 1.0)
-    div = np.where(wavelen < hi_wl, 1.0, np.where(wavelen > lo_wl, factor, 1.0 / ((1 - smooth) / factor + smooth)))
+    div = rope_inv_freq(head_dim, theta, None) / rope_inv_freq(head_dim, theta, cand)
     if not np.allclose(div, freqs, rtol=1e-3):
         raise ValueError("GGUF rope_freqs does not match Llama-3 rope scaling defaults; unsupported")
     return cand

@@ -9,8 +9,9 @@ Layout (our own; orbax-checkpoint ``StandardCheckpointer`` for the arrays)::
 
 HF names contain dots, which orbax uses as its own path separator on disk, so the flat
 ``{"model.layers.0.self_attn.q_proj.weight": w}`` dict is stored as the nested pytree
-``{"model": {"layers": {"0": {"self_attn": {"q_proj": {"weight": w}}}}}}`` and flattened back with
-dots on restore (no HF name is a prefix of another, so this is lossless).
+``{"model": {"layers": {"0": {"self_attn": {"q_proj": {"weight": w}}}}}}``
+(``flax.traverse_util.unflatten_dict(..., sep=".")``) and flattened back with dots on restore
+(no HF name is a prefix of another, so this is lossless).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import json
 import pathlib
 
 import numpy as np
+from flax.traverse_util import flatten_dict, unflatten_dict
 
 from .checkpoint import Checkpoint, log
 
@@ -28,34 +30,6 @@ FORMAT = "jaxserve-orbax"
 
 def is_orbax_folder(path: pathlib.Path) -> bool:
     return path.is_dir() and (path / MARKER).is_file()
-
-
-def nest(flat: dict[str, np.ndarray]) -> dict:
-    """``{"a.b.c": x}`` -> ``{"a": {"b": {"c": x}}}``."""
-    tree: dict = {}
-    for key, value in flat.items():
-        node = tree
-        *parents, leaf = key.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-            if not isinstance(node, dict):
-                raise ValueError(f"tensor name {key!r} clashes with another tensor name")
-        if leaf in node:
-            raise ValueError(f"tensor name {key!r} clashes with another tensor name")
-        node[leaf] = value
-    return tree
-
-
-def flatten(tree: dict, prefix: str = "") -> dict[str, np.ndarray]:
-    """Inverse of :func:`nest`."""
-    out = {}
-    for k, v in tree.items():
-        name = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out.update(flatten(v, name + "."))
-        else:
-            out[name] = np.asarray(v)
-    return out
 
 
 def save_orbax(path: str | pathlib.Path, ckpt: Checkpoint) -> pathlib.Path:
@@ -73,7 +47,7 @@ def save_orbax(path: str | pathlib.Path, ckpt: Checkpoint) -> pathlib.Path:
     path.mkdir(parents=True, exist_ok=True)
     log(f"writing orbax checkpoint {path} ({len(ckpt.weights)} tensors)")
     with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(path / "weights", nest(ckpt.weights))
+        ckptr.save(path / "weights", unflatten_dict(ckpt.weights, sep="."))
     (path / "config.json").write_text(json.dumps(ckpt.hf_config, indent=2) + "\n")
     save_tokenizer(ckpt.tokenizer, path / "tokenizer")
     (path / MARKER).write_text(json.dumps({"format": FORMAT, "version": 1, "name": ckpt.name}) + "\n")
@@ -94,6 +68,7 @@ def load_orbax(path: str | pathlib.Path) -> Checkpoint:
     log(f"restoring orbax checkpoint {path}")
     with ocp.StandardCheckpointer() as ckptr:
         tree = ckptr.restore(path / "weights")
+    weights = {name: np.asarray(w) for name, w in flatten_dict(tree, sep=".").items()}
     return Checkpoint(name=marker.get("name") or path.name,
                       hf_config=json.loads((path / "config.json").read_text()),
-                      weights=flatten(tree), tokenizer=load_tokenizer(path / "tokenizer"))
+                      weights=weights, tokenizer=load_tokenizer(path / "tokenizer"))

@@ -1,26 +1,27 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) in Flax NNX over a paged KV pool.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3): plain functions over a params dict
+and a paged KV pool.
 
 Source: HF transformers' modeling_llama / modeling_qwen2 / modeling_qwen3 (pre-norm RMSNorm,
 rotate-half RoPE, SwiGLU MLP, grouped-query attention).
 
-The NNX module keeps the decoder layers' parameters stacked on a leading layer axis (one
-random init for dummy weights, one checkpoint layout); ``unstack_layers`` splits them once at
-start-up into per-layer arrays for the step, which loops over layers in Python. Q/K/V and
-gate/up projections are fused into one matmul each. The KV pool is one donated
-``[KV, num_pages, page_size, D]`` array per layer, written in place at ``slot_mapping``.
+Params: ``{"embed_tokens", "norm", "lm_head" (absent when tied), "layers": [one dict per
+layer]}`` of device arrays (shapes: ``_layer_from_hf``), built once, one layer at a time, in the
+target dtype: from HF tensors (``params_from_hf``) or random on the device (``random_params``).
+The step loops over the layers in Python. Q/K/V and gate/up projections are fused into one
+matmul each. The KV pool is one donated ``[KV, num_pages, page_size, D]`` array per layer,
+written in place at ``slot_mapping`` (``write_kv``).
 """
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from jaxserve.config import ModelConfig
-from pallas_kernels.reference import write_kv
+from jaxserve.models.rope import rope_inv_freq
 
 
 @dataclass(frozen=True)
@@ -49,34 +50,6 @@ jax.tree_util.register_dataclass(
 )
 
 
-def rope_inv_freq(config: ModelConfig) -> np.ndarray:
-    """[head_dim // 2] float32 inverse frequencies, with Llama-3 ("llama3") or linear scaling.
-
-    Raises:
-      ValueError: for a rope_scaling type other than llama3 or linear.
-    """
-    d = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
-    scaling = config.rope_scaling
-    if not scaling:
-        return inv_freq.astype(np.float32)
-    kind = scaling.get("rope_type", scaling.get("type"))
-    factor = scaling["factor"]
-    if kind == "linear":
-        return (inv_freq / factor).astype(np.float32)
-    if kind != "llama3":
-        raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: llama3, linear)")
-    # Llama 3.1's frequency-dependent scaling (transformers' _compute_llama3_parameters).
-    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-    old_len = scaling["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv_freq
-    scaled = np.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-    return np.where(medium, smoothed, scaled).astype(np.float32)
-
-
 def _rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
@@ -91,54 +64,29 @@ def _apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
 
 
-class LlamaDecoderLayers(nnx.Module):
-    """The decoder layers' weights, stacked on a leading layer axis of size L.
+def write_kv(
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    slot_mapping: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """Scatter this step's keys and values into their slots of the page pool (XLA scatter).
 
-    Shapes (E hidden, H/KV heads, D head_dim, I intermediate): input_layernorm,
-    post_attention_layernorm [L, E]; qkv_proj [L, E, (H + 2 KV) D]; qkv_bias [L, (H + 2 KV) D]
-    (Qwen2); q_norm, k_norm [L, D] (Qwen3); o_proj [L, H D, E]; gate_up_proj [L, E, 2 I];
-    down_proj [L, I, E].
+    Args:
+      k_pages, v_pages: [KV, num_pages, page_size, D]; donate them to update in place.
+      k, v: [T, KV, D] new keys and values.
+      slot_mapping: [T] int32, page * page_size + offset; padding tokens point into page 0.
+
+    Returns:
+      The updated (k_pages, v_pages).
     """
-
-    def __init__(self, c: ModelConfig, *, dtype, rngs: nnx.Rngs):
-        L, E, D, I = c.num_layers, c.hidden_size, c.head_dim, c.intermediate_size
-        qkv = (c.num_heads + 2 * c.num_kv_heads) * D
-        self.input_layernorm = _ones(dtype, L, E)
-        self.post_attention_layernorm = _ones(dtype, L, E)
-        self.qkv_proj = _normal(rngs, dtype, L, E, qkv)
-        if c.attention_bias:
-            self.qkv_bias = nnx.Param(jnp.zeros((L, qkv), dtype))
-        if c.qk_norm:
-            self.q_norm = _ones(dtype, L, D)
-            self.k_norm = _ones(dtype, L, D)
-        self.o_proj = _normal(rngs, dtype, L, c.num_heads * D, E)
-        self.gate_up_proj = _normal(rngs, dtype, L, E, 2 * I)
-        self.down_proj = _normal(rngs, dtype, L, I, E)
-
-
-class LlamaForCausalLM(nnx.Module):
-    """Weights of a Llama-family model; ``forward`` runs one ragged batch over the KV pool.
-
-    Shapes (V vocab, E hidden): embed_tokens [V, E]; lm_head [V, E] (absent when tied);
-    norm [E]; layers: see LlamaDecoderLayers. Random init (normal, std 0.02) serves
-    ``--load-format dummy``; real weights replace it through ``params_from_hf``.
-    """
-
-    def __init__(self, config: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
-        c = config
-        self.embed_tokens = _normal(rngs, dtype, c.vocab_size, c.hidden_size)
-        if not c.tie_word_embeddings:
-            self.lm_head = _normal(rngs, dtype, c.vocab_size, c.hidden_size)
-        self.norm = _ones(dtype, c.hidden_size)
-        self.layers = LlamaDecoderLayers(c, dtype=dtype, rngs=rngs)
-
-
-def _normal(rngs, dtype, *shape):
-    return nnx.Param(0.02 * jax.random.normal(rngs.params(), shape, dtype))
-
-
-def _ones(dtype, *shape):
-    return nnx.Param(jnp.ones(shape, dtype))
+    k_pages, v_pages, slot_mapping = map(jnp.asarray, (k_pages, v_pages, slot_mapping))
+    page_size = k_pages.shape[2]
+    pages, offsets = slot_mapping // page_size, slot_mapping % page_size
+    k_pages = k_pages.at[:, pages, offsets].set(k.transpose(1, 0, 2).astype(k_pages.dtype))
+    v_pages = v_pages.at[:, pages, offsets].set(v.transpose(1, 0, 2).astype(v_pages.dtype))
+    return k_pages, v_pages
 
 
 def forward(
@@ -162,8 +110,7 @@ def forward(
 
     Args:
       config: the model's shapes.
-      params: pure params dict with ``params["layers"]`` a list of per-layer dicts
-        (``unstack_layers`` of the NNX state).
+      params: the params dict (module docstring), ``params["layers"]`` one dict per layer.
       token_ids: [T] int32 input tokens; ids past the embedding's vocabulary read row 0.
       md: positions, slot mapping and sequence layout of this batch.
       k_cache, v_cache: lists of L arrays [KV, num_pages, page_size, D], the KV pool (donate it).
@@ -177,7 +124,7 @@ def forward(
     c = config
     H, KV, D = c.num_heads, c.num_kv_heads, c.head_dim
     num_tokens = token_ids.shape[0]
-    inv_freq = jnp.asarray(rope_inv_freq(c))
+    inv_freq = jnp.asarray(rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling))
     angles = md.positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
     cos, sin = jnp.cos(angles), jnp.sin(angles)
 
@@ -219,56 +166,122 @@ def forward(
     return logits, k_cache, v_cache
 
 
-def unstack_layers(params: dict) -> dict:
-    """Stacked ``params["layers"]`` ({name: [L, ...]}) -> a list of per-layer dicts."""
-    layers = params["layers"]
-    num_layers = next(iter(layers.values())).shape[0]
-    out = dict(params)
-    out["layers"] = [{k: v[i] for k, v in layers.items()} for i in range(num_layers)]
-    return out
+# HF names of the tensors outside the decoder layers -> param names (same layouts).
+_OUTER_NAMES = {"model.embed_tokens.weight": "embed_tokens", "model.norm.weight": "norm",
+            "lm_head.weight": "lm_head"}
+
+
+def hf_tensor_shapes(config: ModelConfig) -> tuple[dict, dict]:
+    """Shapes of the HF tensors the model reads, in torch layouts (Linear weight [out, in]).
+
+    Returns:
+      ({HF name: shape} outside the layers, {name under ``model.layers.N.``: shape} of a layer).
+    """
+    c = config
+    E, D, I = c.hidden_size, c.head_dim, c.intermediate_size
+    q, kv = c.num_heads * D, c.num_kv_heads * D
+    outer = {"model.embed_tokens.weight": (c.vocab_size, E), "model.norm.weight": (E,)}
+    if not c.tie_word_embeddings:
+        outer["lm_head.weight"] = (c.vocab_size, E)
+    layer = {
+        "input_layernorm.weight": (E,), "post_attention_layernorm.weight": (E,),
+        "self_attn.q_proj.weight": (q, E), "self_attn.k_proj.weight": (kv, E),
+        "self_attn.v_proj.weight": (kv, E), "self_attn.o_proj.weight": (E, q),
+        "mlp.gate_proj.weight": (I, E), "mlp.up_proj.weight": (I, E),
+        "mlp.down_proj.weight": (E, I),
+    }
+    if c.attention_bias:
+        layer |= {"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
+                  "self_attn.v_proj.bias": (kv,)}
+    if c.qk_norm:
+        layer |= {"self_attn.q_norm.weight": (D,), "self_attn.k_norm.weight": (D,)}
+    return outer, layer
+
+
+@partial(jax.jit, static_argnames="dtype")
+def _outer_from_hf(t: dict, dtype) -> dict:
+    """Embedding [V, E], final norm [E] and untied lm_head [V, E] (HF names) -> params in dtype."""
+    return {_OUTER_NAMES[name]: w.astype(dtype) for name, w in t.items()}
+
+
+@partial(jax.jit, static_argnames="dtype")
+def _layer_from_hf(t: dict, dtype) -> dict:
+    """One decoder layer's HF tensors (names under ``model.layers.N.``) -> its params in dtype.
+
+    Shapes (E hidden, H/KV heads, D head_dim, I intermediate): input_layernorm,
+    post_attention_layernorm [E]; qkv_proj [E, (H + 2 KV) D]; qkv_bias [(H + 2 KV) D] (Qwen2);
+    q_norm, k_norm [D] (Qwen3); o_proj [H D, E]; gate_up_proj [E, 2 I]; down_proj [I, E].
+    """
+    attn = lambda name: t["self_attn." + name]  # noqa: E731
+    # Linear weights [out, in] become [in, out]: the step computes x @ w.
+    p = {
+        "input_layernorm": t["input_layernorm.weight"],
+        "post_attention_layernorm": t["post_attention_layernorm.weight"],
+        "qkv_proj": jnp.concatenate([attn(f"{n}_proj.weight").T for n in "qkv"], axis=1),
+        "o_proj": attn("o_proj.weight").T,
+        "gate_up_proj": jnp.concatenate(
+            [t["mlp.gate_proj.weight"].T, t["mlp.up_proj.weight"].T], axis=1),
+        "down_proj": t["mlp.down_proj.weight"].T,
+    }
+    if "self_attn.q_proj.bias" in t:
+        p["qkv_bias"] = jnp.concatenate([attn(f"{n}_proj.bias") for n in "qkv"])
+    if "self_attn.q_norm.weight" in t:
+        p["q_norm"], p["k_norm"] = attn("q_norm.weight"), attn("k_norm.weight")
+    return {name: w.astype(dtype) for name, w in p.items()}
 
 
 def params_from_hf(config: ModelConfig, weights: dict[str, np.ndarray], dtype) -> dict:
-    """HF-named tensors (torch layouts, Linear weight [out, in]) -> this model's pure params dict.
+    """HF-named host tensors (torch layouts) -> params of device arrays in ``dtype``.
+
+    Built one layer at a time, so the device holds at most the params built so far plus one
+    layer's tensors as read (in the checkpoint's dtype) and as built. Values are those of the
+    tensors cast to ``dtype`` (transposes and concatenations are exact).
 
     Raises:
-      ValueError: naming the first missing tensor.
+      ValueError: naming the first missing tensor or the first one of the wrong shape.
     """
-    c = config
 
-    def get(name):
-        if name not in weights:
-            raise ValueError(f"checkpoint lacks tensor {name!r}")
-        return np.asarray(weights[name], dtype=np.float32)
+    def read(shapes: dict, prefix: str = "") -> dict:
+        out = {}
+        for name, shape in shapes.items():
+            w = weights.get(prefix + name)
+            if w is None:
+                raise ValueError(f"checkpoint lacks tensor {prefix + name!r}")
+            if tuple(w.shape) != shape:
+                raise ValueError(f"tensor {prefix + name} has shape {tuple(w.shape)}, expected {shape}")
+            out[name] = w
+        return out
 
-    def per_layer(fmt, transpose=False):
-        arrays = [get(fmt.format(i)) for i in range(c.num_layers)]
-        return np.stack([a.T if transpose else a for a in arrays])
-
-    attn = "model.layers.{}.self_attn."
-    layers = {
-        "input_layernorm": per_layer("model.layers.{}.input_layernorm.weight"),
-        "post_attention_layernorm": per_layer("model.layers.{}.post_attention_layernorm.weight"),
-        "qkv_proj": np.concatenate(
-            [per_layer(attn + f"{n}_proj.weight", transpose=True) for n in "qkv"], axis=-1
-        ),
-        "o_proj": per_layer(attn + "o_proj.weight", transpose=True),
-        "gate_up_proj": np.concatenate(
-            [per_layer(f"model.layers.{{}}.mlp.{n}_proj.weight", transpose=True) for n in ("gate", "up")],
-            axis=-1,
-        ),
-        "down_proj": per_layer("model.layers.{}.mlp.down_proj.weight", transpose=True),
-    }
-    if c.attention_bias:
-        layers["qkv_bias"] = np.concatenate(
-            [per_layer(attn + f"{n}_proj.bias") for n in "qkv"], axis=-1
-        )
-    if c.qk_norm:
-        layers["q_norm"] = per_layer(attn + "q_norm.weight")
-        layers["k_norm"] = per_layer(attn + "k_norm.weight")
-    params = {"embed_tokens": get("model.embed_tokens.weight"), "norm": get("model.norm.weight")}
-    if not c.tie_word_embeddings:
-        params["lm_head"] = get("lm_head.weight")
-    params = jax.tree.map(lambda a: jnp.asarray(a, dtype=dtype), params)
-    params["layers"] = jax.tree.map(lambda a: jnp.asarray(a, dtype=dtype), layers)
+    outer, layer = hf_tensor_shapes(config)
+    # The embedding first: its two copies (as read, as built) then meet no layer on the device.
+    params = _outer_from_hf(read(outer), dtype)
+    params["layers"] = [_layer_from_hf(read(layer, f"model.layers.{i}."), dtype)
+                        for i in range(config.num_layers)]
     return params
+
+
+def random_params(config: ModelConfig, dtype, seed: int = 0) -> dict:
+    """Random params of the model's shapes (``--load-format dummy``), drawn on the device in
+    ``dtype`` one layer at a time (nothing on the host, no float32 copy): the HF tensors are
+    normal(0, 0.02) (norm weights 1, biases 0), then built as ``params_from_hf`` builds them."""
+    outer, layer = hf_tensor_shapes(config)
+    keys = jax.random.split(jax.random.key(seed), config.num_layers + 1)
+    params = _random_from_hf(keys[0], tuple(outer.items()), dtype, _outer_from_hf)
+    params["layers"] = [_random_from_hf(k, tuple(layer.items()), dtype, _layer_from_hf)
+                        for k in keys[1:]]
+    return params
+
+
+@partial(jax.jit, static_argnums=(1, 2, 3))
+def _random_from_hf(key, shapes: tuple, dtype, build: Callable) -> dict:
+    """``build`` (``_outer_from_hf`` or ``_layer_from_hf``) of random HF tensors of ``shapes``
+    (((name, shape), ...)), in one executable."""
+    t = {}
+    for k, (name, shape) in zip(jax.random.split(key, len(shapes)), shapes):
+        if name.endswith("norm.weight"):
+            t[name] = jnp.ones(shape, dtype)
+        elif name.endswith(".bias"):
+            t[name] = jnp.zeros(shape, dtype)
+        else:
+            t[name] = 0.02 * jax.random.normal(k, shape, dtype)
+    return build(t, dtype)

@@ -52,9 +52,7 @@ class ModelRunner:
 
     Args:
       config: model shapes.
-      params: pure dict of device arrays (see ``llama.LlamaForCausalLM``).
-      num_pages: pages in the KV pool, page 0 included (the null page); None defers the pool to
-        ``allocate_kv_cache`` (the GPU path sizes it after ``profile_step_bytes``).
+      params: the model's params, one dict per layer (``jaxserve.models.llama``), on the device.
       page_size: tokens per page.
       max_num_seqs, max_num_batched_tokens, max_model_len: scheduler limits (tokens/sequences).
       kv_dtype: dtype of the KV pool.
@@ -66,7 +64,6 @@ class ModelRunner:
         config: ModelConfig,
         params: dict,
         *,
-        num_pages: int | None,
         page_size: int,
         max_num_seqs: int,
         max_num_batched_tokens: int,
@@ -75,15 +72,13 @@ class ModelRunner:
         attention_fn: Callable,
     ):
         self.config = config
-        self.params = llama.unstack_layers(params)
+        self.params = params
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
         self.token_buckets = powers_of_two_up_to(max_num_batched_tokens)
         self.max_pages_per_seq = -(-max_model_len // page_size)
         self.kv_dtype = kv_dtype
-        self.k_cache = self.v_cache = None
-        if num_pages is not None:
-            self.allocate_kv_cache(num_pages)
+        self.k_cache = self.v_cache = None  # allocate_kv_cache, once the pool is sized
         self._jitted = jax.jit(partial(_step, config, attention_fn), donate_argnums=(3, 4))
         self._compiled: dict[int, Callable] = {}
 

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from jaxserve.model_loader import load_checkpoint
-from jaxserve.model_loader.gguf_loader import hf_tensor_name
+from jaxserve.model_loader.gguf_loader import _llama3_rope_scaling, hf_tensor_name
 from jaxserve.model_loader.llama_cpp_layout import permute_qk, unpermute_qk
 
 from tiny_gguf import HEAD_DIM, N_HEAD, N_KV, VOCAB, make_tiny_gguf
@@ -45,6 +45,27 @@ def test_tensor_names():
     assert hf_tensor_name("blk.3.attn_k_norm.weight") == "model.layers.3.self_attn.k_norm.weight"
     assert hf_tensor_name("blk.3.ffn_norm.weight") == "model.layers.3.post_attention_layernorm.weight"
     assert hf_tensor_name("blk.3.mystery.weight") is None
+
+
+def _llama_cpp_rope_freqs(head_dim, theta, factor):
+    """The ``rope_freqs`` tensor llama.cpp's convert_hf_to_gguf.py writes for Llama 3.1
+    scaling (low/high frequency factors 1 and 4, original context 8192)."""
+    out = []
+    for f in 1.0 / theta ** (np.arange(0, head_dim, 2) / head_dim):
+        wavelen = 2 * np.pi / f
+        smooth = (8192 / wavelen - 1.0) / (4.0 - 1.0)
+        out.append(1.0 if wavelen < 8192 / 4 else factor if wavelen > 8192 else
+                   1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, np.float32)
+
+
+def test_llama3_rope_scaling_from_rope_freqs():
+    freqs = _llama_cpp_rope_freqs(128, 500000.0, 8.0)
+    assert _llama3_rope_scaling(freqs, 128, 500000.0) == {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192}
+    with pytest.raises(ValueError, match="rope_freqs"):
+        _llama3_rope_scaling(np.linspace(1.0, 8.0, 64, dtype=np.float32), 128, 500000.0)
 
 
 def _rope(x, pos, interleaved):

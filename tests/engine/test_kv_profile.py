@@ -15,7 +15,7 @@ TINY = {"architectures": ["LlamaForCausalLM"], "vocab_size": 256, "hidden_size":
 
 def test_profile_step_bytes_and_deferred_pool():
     config, params = build_params(TINY, None, jnp.float32, 0)
-    runner = ModelRunner(config, params, num_pages=None, page_size=16, max_num_seqs=4,
+    runner = ModelRunner(config, params, page_size=16, max_num_seqs=4,
                          max_num_batched_tokens=64, max_model_len=256, kv_dtype=jnp.float32,
                          attention_fn=attention)
     assert runner.k_cache is None

@@ -24,7 +24,7 @@ def our_prompt_logits(hf_config: dict, weights: dict, ids: list[int]) -> np.ndar
     """[len(ids), V] logits of one prompt through our model (reference attention), written into
     a paged pool with a scrambled block table."""
     config = ModelConfig.from_hf_config(hf_config)
-    params = llama.unstack_layers(llama.params_from_hf(config, weights, jnp.float32))
+    params = llama.params_from_hf(config, weights, jnp.float32)
     n = len(ids)
     pages = -(-n // PAGE)
     rng = np.random.default_rng(0)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -12,6 +11,8 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -72,15 +73,14 @@ def get(url: str, timeout: float = 10.0) -> tuple[int, str]:
 
 
 def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text -> {metric name (labels dropped): value}."""
-    out = {}
-    for line in text.splitlines():
-        if line.startswith("#") or not line.strip():
-            continue
-        m = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)", line)
-        if m:
-            out[m.group(1)] = float(m.group(3))
-    return out
+    """Prometheus text -> {sample name (labels dropped): value}.
+
+    Sample names, not family names: a counter reads ``jaxserve:num_preemptions_total``, a
+    histogram gives ``..._bucket``, ``..._count``, ``..._sum``. Of a name's several label sets
+    (histogram buckets, ``finished_reason``), the last one listed wins.
+    """
+    return {s.name: s.value for family in text_string_to_metric_families(text)
+            for s in family.samples}
 
 
 class Server:

@@ -30,6 +30,9 @@ class StubEngineCore:
         self.tokenizer = default_tokenizer()
         self.model_name = "stub-model"
         self.max_model_len = config.max_model_len or 1024
+        self.eos_token_ids = (self.tokenizer.eos_token_id,)
+        self.vocab_size = len(self.tokenizer)
+        self.allocator_fraction = 0.0  # the stub starts no JAX backend
         self.text_ids = self.tokenizer.encode(TEXT, add_special_tokens=False)
         self.reqs = {}
 

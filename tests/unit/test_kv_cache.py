@@ -49,9 +49,9 @@ def test_free_queue_order_lru_and_uncached_first():
     assert list(pool.free_queue) == [3, 2, 6, 5, 4, 1]
     # Eviction: uncached page first (no eviction), then least recently used cached pages.
     assert pool.allocate(3) == [3, 2, 6]
-    assert pool.num_evictions == 2
-    assert bytes([1]) not in pool.cached and pool.page_hash[2] is None
-    assert pool.get_cached_page(bytes([0])) == 1  # still cached while free
+    assert bytes([1]) not in pool.cached and bytes([5]) not in pool.cached  # pages 2 and 6
+    assert pool.page_hash[2] is None and pool.page_hash[6] is None
+    assert pool.cached[bytes([0])] == 1  # still cached while free
 
 
 def test_cache_page_keeps_the_first_holder_of_a_hash():

@@ -1,6 +1,6 @@
 """Pipe message schema: every message type survives encode -> decode unchanged."""
 
-import msgpack
+import msgspec
 import pytest
 
 from jaxserve.engine import EngineCoreOutput, EngineCoreRequest, SchedulerStats
@@ -11,14 +11,14 @@ MESSAGES = [
     M.AddRequest(EngineCoreRequest(
         "req-1", [1, 2, 3, 49151],
         SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, top_k=40, seed=123,
-                       stop=["\n\n", "é😀"], stop_token_ids=[2], ignore_eos=True),
-        arrival_time=1234.5)),
+                       stop=["\n\n", "é😀"], stop_token_ids=[2], ignore_eos=True))),
     M.AddRequest(EngineCoreRequest("r", [5], SamplingParams(max_tokens=None, temperature=0))),
     M.AbortRequests(["a", "b"]),
     M.AbortRequests([]),
     M.Shutdown(),
     M.Ready(model_name="SmolLM2-135M-Instruct", max_model_len=4096, tokenizer_dir="/tmp/x",
-            eos_token_ids=[2], vocab_size=49152, config={"max_num_seqs": 32, "model": None}),
+            eos_token_ids=[2], vocab_size=49152, config={"max_num_seqs": 32, "model": None},
+            allocator_fraction=0.94),
     M.Outputs([EngineCoreOutput("a", [17]),
                EngineCoreOutput("b", [2], finish_reason="stop", stop_reason=2,
                                 num_prompt_tokens=30, num_cached_tokens=16)],
@@ -26,7 +26,6 @@ MESSAGES = [
     M.Outputs([], None),
     M.Error(["a"], "prompt is too long", kind="invalid_request"),
     M.Error([], "cannot load model", fatal=True),
-    M.Log("compiling bucket 3/12"),
 ]
 
 
@@ -37,8 +36,9 @@ def test_round_trip(msg):
     assert M.decode(data) == msg
 
 
-@pytest.mark.parametrize("data", [b"", b"\xc1", msgpack.packb({"type": "nope"}),
-                                  msgpack.packb({"type": "add"}), msgpack.packb([1, 2])])
+@pytest.mark.parametrize("data", [b"", b"\xc1", msgspec.msgpack.encode({"type": "nope"}),
+                                  msgspec.msgpack.encode({"type": "add"}),
+                                  msgspec.msgpack.encode([1, 2])])
 def test_malformed_frames_raise_value_error(data):
     with pytest.raises(ValueError):
         M.decode(data)
@@ -47,3 +47,11 @@ def test_malformed_frames_raise_value_error(data):
 def test_encode_rejects_non_messages():
     with pytest.raises(ValueError):
         M.encode({"type": "add"})
+
+
+def test_decoding_checks_sampling_params():
+    """SamplingParams.__post_init__ runs on decode too: a bad value is a ValueError, not a
+    request the engine would run."""
+    bad = {"type": "add", "request": ["r", [1], {"temperature": -1.0}]}
+    with pytest.raises(ValueError, match="temperature"):
+        M.decode(msgspec.msgpack.encode(bad))

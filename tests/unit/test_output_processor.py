@@ -29,13 +29,14 @@ def _drain(q):
 def _run(tokenizer, text, sp, finish_reason, extra_last=None, stop_reason=None):
     op = OutputProcessor(tokenizer, eos_token_ids=[tokenizer.eos_token_id])
     q = asyncio.Queue()
-    op.add_request("r", [1, 2, 3], sp, q)
+    op.add_request("r", None, [1, 2, 3], sp, q)
     ids = tokenizer.encode(text, add_special_tokens=False) + ([extra_last] if extra_last else [])
     aborts = []
     for k, t in enumerate(ids):
         last = k == len(ids) - 1
         aborts += op.process_outputs([EngineCoreOutput(
-            "r", [t], finish_reason if last else None, stop_reason if last else None, 3, 0)])
+            "r", [t], finish_reason if last else None, stop_reason if last else None, 3, 0)]
+        ).reqs_to_abort
         if "r" not in op.requests:
             break
     return _drain(q), aborts, op
@@ -78,7 +79,7 @@ def test_stop_string_finishes_and_aborts(tokenizer):
 def test_errors_and_merge(tokenizer):
     op = OutputProcessor(tokenizer)
     q = asyncio.Queue()
-    op.add_request("a", [1], SamplingParams(), q)
+    op.add_request("a", None, [1], SamplingParams(), q)
     ids = tokenizer.encode("ab cd", add_special_tokens=False)
     op.process_outputs([EngineCoreOutput("a", [ids[0]])])
     op.process_outputs([EngineCoreOutput("a", ids[1:])])
@@ -89,6 +90,19 @@ def test_errors_and_merge(tokenizer):
     assert isinstance(q.get_nowait(), RequestError) and not op.requests
     op.process_outputs([EngineCoreOutput("a", [5])])  # late output of a dead request: ignored
     assert q.empty()
+
+
+def test_without_a_queue_deltas_are_returned(tokenizer):
+    """The offline LLM's way: no queue, the deltas come back from process_outputs."""
+    op = OutputProcessor(tokenizer, eos_token_ids=[tokenizer.eos_token_id])
+    op.add_request("a", "the prompt", [1], SamplingParams())
+    ids = tokenizer.encode("ab cd", add_special_tokens=False)
+    first = op.process_outputs([EngineCoreOutput("a", ids)])
+    last = op.process_outputs([EngineCoreOutput("a", [tokenizer.eos_token_id], "stop")])
+    (d1,), (d2,) = first.request_outputs, last.request_outputs
+    assert d1.prompt == "the prompt" and not d1.finished
+    assert d1.outputs[0].text + d2.outputs[0].text == "ab cd" and d2.finished
+    assert d2.outputs[0].token_ids == [tokenizer.eos_token_id] and not op.requests
 
 
 @pytest.mark.parametrize("body,field", [

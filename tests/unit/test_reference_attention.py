@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from pallas_kernels.reference import attention, paged_attention, write_kv
+from jaxserve.models.llama import write_kv
+from pallas_kernels.reference import attention, paged_attention
 
 
 def naive(q, k_pages, v_pages, qsl, seq_lens, block_tables):

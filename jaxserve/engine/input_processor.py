@@ -1,0 +1,84 @@
+"""InputProcessor: prompt -> checked token ids for an EngineCoreRequest (vLLM V1's name).
+
+The one place where prompts are tokenized and validated, shared by the server (``AsyncLLM``),
+``jaxserve.LLM`` and ``scripts/offline_batch.py``, so that the same prompt gives the same ids
+through every entry point. The engine trusts what comes out of it.
+
+Tokenization follows vLLM:
+- a text prompt is encoded *with* the tokenizer's special tokens (a BOS where the tokenizer adds
+  one, as the model saw in training);
+- a chat is rendered through the model's chat template with the assistant turn opened, and that
+  text is encoded *without* adding special tokens: the template writes its own BOS, so a prompt
+  never starts with two;
+- a prompt given as token ids is taken as it is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class InputProcessor:
+    """Args:
+      tokenizer: a transformers fast tokenizer (with a chat template for ``tokenize_chat``).
+      max_model_len: longest sequence, prompt + output, tokens.
+      vocab_size: the model's vocabulary size; prompt ids must be in [0, vocab_size).
+    """
+
+    def __init__(self, tokenizer, max_model_len: int, vocab_size: int):
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+
+    def tokenize_prompt(self, prompt: str | Sequence[int]) -> list[int]:
+        """A completion prompt (text, or token ids) -> token ids."""
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt))
+        return [int(t) for t in prompt]
+
+    def tokenize_chat(self, messages: Sequence[dict]) -> tuple[str, list[int]]:
+        """Chat messages ([{"role", "content"}, ...]) -> (the rendered template with the
+        assistant generation prompt appended, its token ids).
+
+        Raises:
+          ValueError: the tokenizer has no chat template, or the template rejected the messages
+            (e.g. roles that do not alternate).
+        """
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template; use /v1/completions")
+        try:
+            text = self.tokenizer.apply_chat_template(list(messages), tokenize=False,
+                                                      add_generation_prompt=True)
+        except Exception as e:  # jinja errors, raised by the template itself
+            raise ValueError(f"messages: the chat template rejected them: {e}") from e
+        return text, list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def check_prompt(self, prompt_token_ids: Sequence[int], max_tokens: int | None = None) -> None:
+        """Check that a prompt can run (OpenAI's wording for the length errors).
+
+        Args:
+          prompt_token_ids: the tokenized prompt.
+          max_tokens: when given, the prompt plus max_tokens must fit max_model_len (the
+            server's rule, as OpenAI's API and vLLM's server reject such requests); when None,
+            only the prompt must leave room for one generated token (the offline rule:
+            generation stops at max_model_len with finish_reason "length").
+
+        Raises:
+          ValueError: an empty prompt, an id outside the vocabulary, or a prompt that does not fit.
+        """
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("prompt: the prompt is empty (it tokenizes to no tokens)")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt: token id {bad[0]} is out of range [0, {self.vocab_size})")
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length (max_model_len) is {self.max_model_len} "
+                f"tokens. However, your prompt has {n} tokens, which leaves no room for the "
+                "completion.")
+        if max_tokens is not None and n + max_tokens > self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length (max_model_len) is {self.max_model_len} "
+                f"tokens. However, you requested {n + max_tokens} tokens ({n} in the prompt, "
+                f"{max_tokens} for the completion). Please reduce the prompt or max_tokens.")

@@ -1,0 +1,15 @@
+"""The keys of what the aiohttp app holds: the AsyncLLM and the server's settings.
+
+``api_server.build_app`` stores them and the handlers (api_server's own, serving's) read them.
+They live here, apart from both, so that serving does not import api_server, which imports it.
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from jaxserve.engine.async_llm import AsyncLLM
+
+LLM_KEY = web.AppKey("llm", AsyncLLM)
+# {"served_model_name": str | None (None: the model's own name), "created": int (unix time)}
+STATE_KEY = web.AppKey("state", dict)

@@ -1,0 +1,166 @@
+"""The OpenAI bodies on the wire (entrypoints/serving.py through protocol.py's response models),
+with a fake AsyncLLM behind the real aiohttp app: which optional fields are null and which are
+left out, the chat stream's role chunk and empty deltas, the usage chunk, token ids, errors."""
+
+import asyncio
+import json
+
+from aiohttp.test_utils import TestClient, TestServer
+
+from jaxserve.engine.async_llm import EngineDeadError
+from jaxserve.entrypoints.api_server import build_app
+from jaxserve.outputs import CompletionOutput, RequestOutput
+
+PROMPT_IDS = [5, 6, 7]
+# (text, token ids) of each output; the last adds only the EOS id, no text.
+DELTAS = [("Hel", [10]), ("lo é", [11, 12]), ("", [2])]
+USAGE = {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7,
+         "prompt_tokens_details": {"cached_tokens": 2}}
+
+
+class FakeLLM:
+    """What serving uses of AsyncLLM; ``generate`` yields DELTAS, or raises ``fail`` after the
+    first."""
+
+    ready, errored, shutting_down = True, False, False
+    model_name, max_model_len, metrics = "fake-model", 64, None
+
+    def __init__(self, fail: Exception | None = None):
+        self.fail = fail
+
+    def encode_prompt(self, prompt):
+        return list(PROMPT_IDS)
+
+    def encode_chat(self, messages):
+        return list(PROMPT_IDS)
+
+    def check_prompt(self, ids, max_tokens):
+        pass
+
+    async def generate(self, ids, sp, request_id):
+        for i, (text, token_ids) in enumerate(DELTAS):
+            if self.fail and i == 1:
+                raise self.fail
+            last = i == len(DELTAS) - 1
+            yield RequestOutput(request_id, None, ids,
+                                [CompletionOutput(0, text, token_ids, "stop" if last else None)],
+                                num_cached_tokens=2, finished=last)
+
+
+def _call(path, body=None, llm=None):
+    """(status, Content-Type, body text) of one request to the app."""
+
+    async def go():
+        async with TestClient(TestServer(build_app(llm or FakeLLM()))) as client:
+            if body is None:
+                resp = await client.get(path)
+            else:
+                resp = await client.post(path, data=json.dumps(body))
+            return resp.status, resp.headers["Content-Type"], await resp.text()
+
+    return asyncio.run(go())
+
+
+def _events(text):
+    """The SSE events as parsed JSON, ``[DONE]`` kept as is; id and created checked, then
+    dropped."""
+    out = []
+    for block in text.split("\n\n")[:-1]:
+        assert block.startswith("data: "), block
+        data = block[len("data: "):]
+        if data == "[DONE]":
+            out.append(data)
+            continue
+        event = json.loads(data)
+        if "error" not in event:
+            assert event.pop("id").startswith(("cmpl-", "chatcmpl-"))
+            assert isinstance(event.pop("created"), int)
+        out.append(event)
+    return out
+
+
+def _body(text):
+    body = json.loads(text)
+    body.pop("id"), body.pop("created")
+    return body
+
+
+def test_completion_response():
+    status, ctype, text = _call("/v1/completions", {"prompt": "hi"})
+    assert status == 200 and ctype.startswith("application/json")
+    assert _body(text) == {
+        "object": "text_completion", "model": "fake-model",
+        "choices": [{"index": 0, "text": "Hello é", "logprobs": None, "finish_reason": "stop"}],
+        "usage": USAGE}
+
+
+def test_chat_response_with_token_ids():
+    _, _, text = _call("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                "return_token_ids": True})
+    assert _body(text) == {
+        "object": "chat.completion", "model": "fake-model",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hello é"},
+                     "logprobs": None, "finish_reason": "stop",
+                     "prompt_token_ids": PROMPT_IDS, "token_ids": [10, 11, 12, 2]}],
+        "usage": USAGE}
+
+
+def test_completion_stream():
+    status, ctype, text = _call("/v1/completions", {"prompt": "hi", "stream": True})
+    assert status == 200 and ctype == "text/event-stream"
+    head = {"object": "text_completion", "model": "fake-model"}
+    # No chunk for the EOS alone until the output finishes; no usage key without include_usage.
+    assert _events(text) == [
+        {**head, "choices": [{"index": 0, "text": "Hel", "logprobs": None,
+                              "finish_reason": None}]},
+        {**head, "choices": [{"index": 0, "text": "lo é", "logprobs": None,
+                              "finish_reason": None}]},
+        {**head, "choices": [{"index": 0, "text": "", "logprobs": None,
+                              "finish_reason": "stop"}]},
+        "[DONE]"]
+
+
+def test_chat_stream_with_usage_and_token_ids():
+    _, _, text = _call("/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "hi"}], "stream": True,
+        "stream_options": {"include_usage": True}, "return_token_ids": True})
+    head = {"object": "chat.completion.chunk", "model": "fake-model"}
+
+    def choice(delta, finish_reason=None, **ids):
+        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason,
+                **ids}
+
+    assert _events(text) == [
+        {**head, "choices": [choice({"role": "assistant", "content": ""})]},
+        {**head, "choices": [choice({"content": "Hel"}, token_ids=[10],
+                                    prompt_token_ids=PROMPT_IDS)]},
+        {**head, "choices": [choice({"content": "lo é"}, token_ids=[11, 12])]},
+        {**head, "choices": [choice({}, "stop", token_ids=[2])]},
+        {**head, "choices": [], "usage": USAGE},
+        "[DONE]"]
+
+
+def test_stream_error_event():
+    _, _, text = _call("/v1/completions", {"prompt": "hi", "stream": True},
+                       FakeLLM(fail=EngineDeadError("the engine process died")))
+    events = _events(text)
+    assert events[1:] == [{"error": {"message": "the engine process died", "type": "server_error",
+                                     "param": None, "code": "engine_unavailable"}}, "[DONE]"]
+
+
+def test_models():
+    status, _, text = _call("/v1/models")
+    body = json.loads(text)
+    assert status == 200 and isinstance(body["data"][0].pop("created"), int)
+    assert body == {"object": "list", "data": [{
+        "id": "fake-model", "object": "model", "owned_by": "jaxserve", "root": "fake-model",
+        "parent": None, "max_model_len": 64}]}
+
+
+def test_error_body_quotes_a_lone_surrogate():
+    """An error message may quote the client's text; a lone surrogate in it is escaped."""
+    status, ctype, text = _call("/v1/completions", {"model": "\ud800", "prompt": "hi"})
+    assert status == 404 and ctype.startswith("application/json")
+    assert json.loads(text) == {"error": {
+        "message": "The model `\ud800` does not exist. This server serves `fake-model`.",
+        "type": "invalid_request_error", "param": "model", "code": "model_not_found"}}

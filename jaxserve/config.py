@@ -122,6 +122,9 @@ class EngineConfig:
         "valid": Valid(lambda v: 0 < v <= 1, "in (0, 1]")})
     enable_prefix_caching: bool = field(default=True, metadata={
         "help": "reuse cached KV pages across requests with a shared prefix"})
+    async_scheduling: bool = field(default=True, metadata={
+        "help": "schedule and dispatch step N+1 while the device runs step N (the host learns "
+                "sampled tokens one step late); --no-async-scheduling waits for each step"})
     attention_backend: Literal["auto", "pallas", "reference"] = field(default="auto", metadata={
         "help": "auto: Pallas kernels on GPU, the pure-JAX reference on CPU"})
     # Same range as SamplingParams.seed.

@@ -1,5 +1,6 @@
 """LLM: offline batch generation that drives the EngineCore in process (vLLM's ``LLM``)."""
 
+import sys
 from collections.abc import Sequence
 
 from tqdm import tqdm
@@ -20,6 +21,7 @@ class LLM:
       model: None for the default model (SmolLM2-135M-Instruct, fetched on first use); a GGUF
         file, an HF folder, an orbax folder, or with ``load_format="dummy"`` a preset such as
         ``"llama-3.1-8b"`` or a config.json path.
+      log: receives the start-up progress lines (default: stderr).
       **kwargs: other EngineConfig fields (``max_model_len``, ``max_num_seqs``,
         ``max_num_batched_tokens``, ``dtype``, ``kv_cache_gib``, ``load_format``, ...).
 
@@ -27,7 +29,9 @@ class LLM:
       ValueError: an unusable model or settings (see EngineCore).
     """
 
-    def __init__(self, model: str | None = None, *, log=print, **kwargs):
+    def __init__(self, model: str | None = None, *, log=None, **kwargs):
+        if log is None:  # start-up progress goes to stderr, as the server's does
+            log = lambda msg: print(f"[jaxserve] {msg}", file=sys.stderr, flush=True)  # noqa: E731
         self.engine = EngineCore(EngineConfig(model=model, **kwargs), log=log)
         self.tokenizer = self.engine.tokenizer
         self.input_processor = InputProcessor(self.tokenizer, self.engine.max_model_len,

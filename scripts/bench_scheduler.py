@@ -3,7 +3,8 @@
 
 Fills the engine with --num-requests requests (prompt --prompt-len tokens, ignore_eos, enough
 max_tokens to outlive the run), runs their prefills, then times --steps decode steps of
-``schedule()`` + ``update()``; the stub "model" returns a constant token list and costs nothing.
+``schedule()`` + ``update()``; the stub "model" samples token 7 for every request and costs
+nothing.
 Prefix caching is on (the default), so full pages are hashed and registered as decodes fill them.
 
   python scripts/bench_scheduler.py --num-requests 256 --steps 2000
@@ -13,12 +14,15 @@ import argparse
 import statistics
 import time
 
-
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.request import Request
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.engine import EngineCoreRequest
 from jaxserve.sampling_params import SamplingParams
+
+
+def stub(out) -> dict[str, int]:
+    return {rid: 7 for rid, samples in out.samples.items() if samples}
 
 
 def main():
@@ -45,17 +49,16 @@ def main():
         sched.add_request(Request(EngineCoreRequest(str(i), prompt, sp), seed=0))
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.requests.values()):
         out = sched.schedule()
-        sched.update(out, [7] * len(out.scheduled))
+        sched.update(out, stub(out))
     assert len(sched.running) == n
-    stub = [7] * n
     wall, cpu = [], []
     for _ in range(args.steps):
         t0, c0 = time.perf_counter(), time.process_time()
         out = sched.schedule()
-        sched.update(out, stub)
+        sched.update(out, stub(out))
         cpu.append(time.process_time() - c0)
         wall.append(time.perf_counter() - t0)
-        assert len(out.scheduled) == n
+        assert len(out.num_scheduled_tokens) == n
     print(f"{n} running requests, page {ps}, prefix caching "
           f"{'off' if args.no_enable_prefix_caching else 'on'}, {args.steps} decode steps "
           f"(schedule + update), per step:")

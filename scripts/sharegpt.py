@@ -22,3 +22,14 @@ def first_turns(path: str | pathlib.Path = SAMPLE) -> list[str]:
         turns = conv.get("conversations") or []
         out.append(turns[0]["value"] if turns and turns[0].get("from") == "human" else "")
     return out
+
+
+def prompt_answer_pairs(path: str | pathlib.Path = SAMPLE) -> list[tuple[str, str]]:
+    """(first human turn, first gpt answer) of each conversation of a ShareGPT-format file
+    that opens with that exchange."""
+    pairs = []
+    for conv in json.loads(pathlib.Path(path).read_text()):
+        turns = conv.get("conversations") or []
+        if len(turns) >= 2 and turns[0].get("from") == "human" and turns[1].get("from") == "gpt":
+            pairs.append((turns[0]["value"], turns[1]["value"]))
+    return pairs

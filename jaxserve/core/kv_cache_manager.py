@@ -98,8 +98,9 @@ class KVCacheManager:
         return True
 
     def cache_full_pages(self, request: Request) -> None:
-        """Register every page of request whose K/V are now all computed."""
-        n_full = request.num_computed_tokens // self.page_size
+        """Register every full page of request whose tokens are known and whose K/V are
+        computed by the steps scheduled so far (a later step that reads them runs after those)."""
+        n_full = min(request.num_computed_tokens, request.num_tokens) // self.page_size
         start = request.num_registered_pages
         if n_full <= start or not self.enable_caching:
             return

@@ -18,7 +18,10 @@ class Request:
 
     Attributes:
       all_token_ids: prompt followed by generated tokens.
-      num_computed_tokens: tokens whose K/V are in the pool (prefix-cache hits included).
+      num_computed_tokens: tokens whose K/V are in the pool once every step scheduled so far
+        has run (prefix-cache hits included).
+      num_output_placeholders: sampled tokens in flight: scheduled steps will produce them, but
+        their values are not known to the host yet (async scheduling; 0 between steps otherwise).
       block_ids: KV pages held, in sequence order.
       block_hashes: prefix-cache keys of the full pages of all_token_ids computed so far
         (kept across preemption: the tokens do not change).
@@ -35,6 +38,7 @@ class Request:
         self.seed = seed
         self.all_token_ids = list(req.prompt_token_ids)  # grows; prompt_token_ids does not
         self.num_computed_tokens = 0
+        self.num_output_placeholders = 0
         self.num_cached_tokens = 0
         self.block_ids: list[int] = []
         self.block_hashes: list[bytes] = []

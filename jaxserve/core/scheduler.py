@@ -15,19 +15,11 @@ admits no new request.
 """
 
 from collections import deque
-from dataclasses import dataclass, field
 
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.request import Request, RequestStatus
+from jaxserve.core.scheduler_output import NewRequestData, SchedulerOutput
 from jaxserve.engine import EngineCoreOutput, SchedulerStats
-
-
-@dataclass
-class SchedulerOutput:
-    """The work of one step: (request, number of new tokens) in batch order."""
-
-    scheduled: list[tuple[Request, int]] = field(default_factory=list)
-    num_tokens: int = 0
 
 
 class Scheduler:
@@ -48,6 +40,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.finished_req_ids: set[str] = set()  # left the batch since the last schedule()
         self.num_preemptions = 0
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -73,6 +66,7 @@ class Scheduler:
     def _free(self, req: Request) -> None:
         req.status = RequestStatus.FINISHED
         self.kv.free(req)
+        self.finished_req_ids.add(req.request_id)
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
@@ -81,9 +75,26 @@ class Scheduler:
         req.num_preemptions += 1
         self.waiting.appendleft(req)
         self.num_preemptions += 1
+        self.finished_req_ids.add(req.request_id)
+
+    def _finishes_in_flight(self, req: Request) -> bool:
+        """True when a token still in flight ends the request by length: scheduling it again
+        would compute a token nobody reads. (Only with async scheduling: without it no token is
+        in flight when the scheduler runs.)"""
+        n = req.num_tokens + req.num_output_placeholders
+        sp = req.sampling_params
+        return req.num_output_placeholders > 0 and (
+            n >= self.max_model_len
+            or (sp.max_tokens is not None and n - req.num_prompt_tokens >= sp.max_tokens))
 
     def schedule(self) -> SchedulerOutput:
-        scheduled = []
+        """Pick this step's work. Advances each scheduled request's ``num_computed_tokens`` by
+        its scheduled tokens (their K/V are in the pool once the step has run, and every later
+        step runs after it), and counts a token in flight (``num_output_placeholders``) for each
+        request whose step ends at its last token: under async scheduling the next schedule()
+        can come before that token is known, and the runner feeds it from the device."""
+        out = SchedulerOutput(finished_req_ids=self.finished_req_ids)
+        self.finished_req_ids = set()
         budget = self.max_num_batched_tokens
         allocate = self.kv.allocate_slots
         running = self.running
@@ -91,8 +102,12 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
-            n = len(req.all_token_ids) - req.num_computed_tokens
+            if self._finishes_in_flight(req):
+                i += 1
+                continue
+            n = req.num_tokens + req.num_output_placeholders - req.num_computed_tokens
             n = min(n, budget)
+            num_pages = len(req.block_ids)
             while not allocate(req, n):
                 victim = running.pop()  # the newest running request
                 self._preempt(victim)
@@ -100,7 +115,9 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                scheduled.append((req, n))
+                if len(req.block_ids) > num_pages:
+                    out.new_block_ids[req.request_id] = req.block_ids[num_pages:]
+                self._schedule(out, req, n)
                 budget -= n
                 i += 1
         # As vLLM does: no new admissions in a step that had to preempt.
@@ -121,26 +138,45 @@ class Scheduler:
             req.num_computed_tokens += num_cached
             req.status = RequestStatus.RUNNING
             running.append(req)
-            scheduled.append((req, n))
+            out.new_reqs.append(NewRequestData(
+                req.request_id, list(req.all_token_ids), req.num_prompt_tokens,
+                req.sampling_params, req.seed, list(req.block_ids), req.num_computed_tokens))
+            self._schedule(out, req, n)
             budget -= n
-        return SchedulerOutput(scheduled, self.max_num_batched_tokens - budget)
+        out.total_num_scheduled_tokens = self.max_num_batched_tokens - budget
+        return out
 
-    def update(self, sched: SchedulerOutput, sampled: list[int]) -> list[EngineCoreOutput]:
-        """Advance scheduled requests by their tokens; append sampled tokens where a sequence
-        reached its end this step; finish requests that stop. ``sampled[i]`` belongs to
-        ``sched.scheduled[i]``."""
+    @staticmethod
+    def _schedule(out: SchedulerOutput, req: Request, n: int) -> None:
+        samples = req.num_computed_tokens + n == req.num_tokens + req.num_output_placeholders
+        out.num_scheduled_tokens[req.request_id] = n
+        out.samples[req.request_id] = samples
+        req.num_computed_tokens += n
+        if samples:
+            req.num_output_placeholders += 1
+
+    def update(self, sched: SchedulerOutput, sampled: dict[str, int]) -> list[EngineCoreOutput]:
+        """Take the tokens a step sampled (``sampled``: req_id -> token, for the requests whose
+        ``sched.samples`` is True), register newly computed full pages in the prefix cache, and
+        finish requests that stop. Requests that finished or were aborted since the step was
+        scheduled are skipped; a preempted one still takes its token (computed from its full
+        context before the preemption)."""
         outputs = []
         finished = []
-        page_size = self.kv.page_size
-        cache_full_pages = self.kv.cache_full_pages
-        for (req, n), token in zip(sched.scheduled, sampled):
-            req.num_computed_tokens += n
-            if req.num_computed_tokens // page_size > req.num_registered_pages:
-                cache_full_pages(req)
-            if req.num_computed_tokens < len(req.all_token_ids):
-                continue  # a prompt chunk: nothing sampled yet
-            token = int(token)
+        running = RequestStatus.RUNNING
+        for rid in sched.num_scheduled_tokens:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            if not sched.samples[rid]:  # a prompt chunk: nothing sampled yet
+                if req.status == running:
+                    self.kv.cache_full_pages(req)
+                continue
+            token = int(sampled[rid])
+            req.num_output_placeholders -= 1
             req.all_token_ids.append(token)
+            if req.status == running:
+                self.kv.cache_full_pages(req)
             reason, stop_reason = self._check_stop(req, token)
             outputs.append(
                 EngineCoreOutput(
@@ -154,6 +190,8 @@ class Scheduler:
             done = set(map(id, finished))
             self.running = [r for r in self.running if id(r) not in done]
             for req in finished:
+                if req.status != running:
+                    self.waiting.remove(req)
                 del self.requests[req.request_id]
                 self._free(req)
         return outputs

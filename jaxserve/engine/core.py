@@ -130,6 +130,7 @@ class EngineCore:
         )
         self.runner.compile_buckets(log)
         self._rng = random.Random(config.seed)
+        self._in_flight = None  # (SchedulerOutput, StepHandle) dispatched, not yet updated
 
     def _gpu_num_pages(self, per_page: int, log: Callable[[str], None]) -> int:
         """Pages for the pool under --gpu-memory-utilization (see kv_sizing): the device's
@@ -168,15 +169,25 @@ class EngineCore:
         self.scheduler.abort_requests(request_ids)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
     def step(self) -> list[EngineCoreOutput]:
-        """Schedule, run one jitted step, and return the new tokens and finished requests."""
+        """Schedule and dispatch one step, and return the new tokens and finished requests.
+
+        Synchronous (``--no-async-scheduling``): wait for this step's tokens, then update. Async:
+        dispatch this step first, then wait for the previous step's tokens (the device runs
+        this step meanwhile) and update with them; a step's outputs come one call later.
+        """
         sched = self.scheduler.schedule()
-        if not sched.scheduled:
+        handle = self.runner.execute(sched)
+        if not self.config.async_scheduling:
+            if handle is None:
+                return []
+            return self.scheduler.update(sched, self.runner.get_output(handle))
+        prev, self._in_flight = self._in_flight, (sched, handle) if handle else None
+        if prev is None:
             return []
-        sampled = self.runner.execute(sched)
-        return self.scheduler.update(sched, sampled)
+        return self.scheduler.update(prev[0], self.runner.get_output(prev[1]))
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.get_stats()

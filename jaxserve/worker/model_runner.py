@@ -1,7 +1,11 @@
-"""ModelRunner: turns a SchedulerOutput into padded device inputs and runs the jitted step.
+"""ModelRunner: applies a SchedulerOutput to its persistent InputBatch, builds the step's padded
+inputs with vectorized numpy, and dispatches the compiled step.
 
 One step = one call of a compiled executable: model forward over the ragged batch, KV write into
-the donated pool, and sampling. Token counts T come from a fixed list of buckets (powers of two
+the donated pool, and sampling. ``execute`` only dispatches; ``get_output`` waits for the sampled
+tokens. Between the two the host is free (async scheduling schedules and dispatches the next
+step there): a token the host does not know yet is read by the next step straight from the
+previous step's sampled array on the device. Token counts T come from a fixed list of buckets (powers of two
 up to max_num_batched_tokens); the sequence count is S = min(T, max_num_seqs), and the block
 table always has the width P of a max_model_len sequence. Attention reads pages only as far as
 each sequence's length reaches, so its cost follows the real contexts, not P; that keeps the
@@ -12,6 +16,7 @@ tried and multiplied start-up compilation). Every bucket is compiled ahead of ti
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 
 import jax
@@ -19,8 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ModelConfig
-from jaxserve.core.scheduler import SchedulerOutput
+from jaxserve.core.scheduler_output import SchedulerOutput
 from jaxserve.models import llama
+from jaxserve.worker.input_batch import InputBatch
 from jaxserve.worker.sampler import SamplingMetadata, sample
 
 
@@ -40,11 +46,28 @@ def _bucket(buckets: list[int], n: int) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
-def _step(config, attention_fn, params, token_ids, md, k_cache, v_cache, logits_indices, sm):
+def _step(config, attention_fn, max_num_seqs, params, token_ids, prev_rows, prev_sampled, md,
+          k_cache, v_cache, logits_indices, sm):
+    """prev_rows[T]: for each input token, the row of ``prev_sampled`` (the previous step's
+    sampled tokens) that holds it, or -1 to take ``token_ids``. Returns the sampled tokens padded
+    to [max_num_seqs], so that the next step's prev_sampled has one shape in every bucket."""
+    token_ids = jnp.where(prev_rows >= 0, prev_sampled[jnp.maximum(prev_rows, 0)], token_ids)
     logits, k_cache, v_cache = llama.forward(
         config, params, token_ids, md, k_cache, v_cache, logits_indices, attention_fn=attention_fn
     )
-    return sample(logits, sm), k_cache, v_cache
+    sampled = sample(logits, sm)
+    return jnp.pad(sampled, (0, max_num_seqs - sampled.shape[0])), k_cache, v_cache
+
+
+@dataclass
+class StepHandle:
+    """A dispatched step: its counter, its sampled tokens (on the device until ``get_output``),
+    and which rows hold a request's next token."""
+
+    step: int
+    sampled: jax.Array
+    rows: np.ndarray
+    req_ids: list[str]
 
 
 class ModelRunner:
@@ -79,8 +102,12 @@ class ModelRunner:
         self.max_pages_per_seq = -(-max_model_len // page_size)
         self.kv_dtype = kv_dtype
         self.k_cache = self.v_cache = None  # allocate_kv_cache, once the pool is sized
-        self._jitted = jax.jit(partial(_step, config, attention_fn), donate_argnums=(3, 4))
+        self.input_batch = InputBatch(max_num_seqs, max_model_len, self.max_pages_per_seq)
+        self._jitted = jax.jit(partial(_step, config, attention_fn, max_num_seqs),
+                               donate_argnums=(5, 6))
         self._compiled: dict[int, Callable] = {}
+        self._prev_sampled = jnp.zeros(max_num_seqs, jnp.int32)
+        self._step_count = 0
 
     def _kv_shapes(self, num_pages: int):
         c = self.config
@@ -101,8 +128,8 @@ class ModelRunner:
         shapes = self._kv_shapes(num_pages)
         sds = lambda s: jax.ShapeDtypeStruct(s, self.kv_dtype)
         kv = [sds(s) for s in shapes]
-        token_ids, md, logits_indices, sm = self._dummy_inputs(self.token_buckets[-1])
-        compiled = self._jitted.lower(self.params, token_ids, md, kv, kv, logits_indices, sm).compile()
+        inputs = self._dummy_inputs(self.token_buckets[-1])
+        compiled = self._jitted.lower(self.params, *inputs[:4], kv, kv, *inputs[4:]).compile()
         ma = compiled.memory_analysis()
         if ma is None:
             return 0
@@ -126,68 +153,101 @@ class ModelRunner:
             temperature=np.zeros(s, np.float32), top_k=np.zeros(s, np.int32),
             top_p=np.ones(s, np.float32), seeds=np.zeros(s, np.uint32), steps=np.zeros(s, np.int32),
         )
-        return zeros_t, md, np.zeros(s, np.int32), sm
+        return (zeros_t, np.full(t, -1, np.int32), np.zeros(self.max_num_seqs, np.int32), md,
+                np.zeros(s, np.int32), sm)
 
     def compile_buckets(self, log: Callable[[str], None] = print) -> None:
         """Compile the step for every token bucket, with a progress line each."""
         start = time.perf_counter()
         for i, t in enumerate(self.token_buckets, 1):
-            token_ids, md, logits_indices, sm = self._dummy_inputs(t)
-            lowered = self._jitted.lower(
-                self.params, token_ids, md, self.k_cache, self.v_cache, logits_indices, sm
-            )
+            inputs = self._dummy_inputs(t)
+            lowered = self._jitted.lower(self.params, *inputs[:4], self.k_cache, self.v_cache,
+                                         *inputs[4:])
             self._compiled[t] = lowered.compile()
             log(
                 f"compiling buckets (or loading them from the cache): {i}/{len(self.token_buckets)} "
                 f"(tokens={t}) {time.perf_counter() - start:.1f}s"
             )
 
-    def execute(self, sched: SchedulerOutput) -> list[int]:
-        """Run one step; returns the token sampled for each scheduled request, in order (tokens
-        of requests still inside their prompt are meaningless and ignored by the scheduler)."""
-        n_tok = sched.num_tokens
-        n_seq = len(sched.scheduled)
+    def execute(self, sched: SchedulerOutput) -> StepHandle | None:
+        """Apply the step's changes to the InputBatch and dispatch the step (no wait). None if
+        nothing is scheduled.
+
+        Raises:
+          RuntimeError: the step's token bucket was not compiled at start-up, or a token the
+            host does not know is not the previous step's (a scheduling bug).
+        """
+        b = self.input_batch
+        b.update_states(sched)
+        n_tok = sched.total_num_scheduled_tokens
+        if n_tok == 0:
+            return None
+        req_ids = list(sched.num_scheduled_tokens)
+        n_seq = len(req_ids)
         t = _bucket(self.token_buckets, n_tok)
         s = self.num_seqs_for(t)
-        p = self.max_pages_per_seq
-        token_ids = np.zeros(t, np.int32)
-        positions = np.zeros(t, np.int32)
-        slots = np.zeros(t, np.int32)
-        qsl = np.full(s + 1, n_tok, np.int32)
-        seq_lens = np.zeros(s, np.int32)
-        block_tables = np.zeros((s, p), np.int32)
-        logits_indices = np.zeros(s, np.int32)
-        temperature = np.zeros(s, np.float32)
-        top_k = np.zeros(s, np.int32)
-        top_p = np.ones(s, np.float32)
-        seeds = np.zeros(s, np.uint32)
-        steps = np.zeros(s, np.int32)
         ps = self.page_size
-        off = 0
-        for i, (req, n) in enumerate(sched.scheduled):
-            c = req.num_computed_tokens
-            pos = np.arange(c, c + n, dtype=np.int32)
-            bt = np.asarray(req.block_ids, np.int32)
-            token_ids[off : off + n] = req.all_token_ids[c : c + n]
-            positions[off : off + n] = pos
-            slots[off : off + n] = bt[pos // ps] * ps + pos % ps
-            qsl[i] = off
-            seq_lens[i] = c + n
-            block_tables[i, : len(bt)] = bt
-            off += n
-            logits_indices[i] = off - 1
-            sp = req.sampling_params
-            temperature[i] = sp.temperature
-            top_k[i] = sp.top_k
-            top_p[i] = sp.top_p
-            seeds[i] = req.seed
-            steps[i] = req.num_output_tokens
-        md = llama.AttentionMetadata(positions, slots, qsl, seq_lens, block_tables)
-        sm = SamplingMetadata(temperature, top_k, top_p, seeds, steps)
+        slots = np.fromiter((b.req_index[r] for r in req_ids), np.int32, n_seq)
+        counts = np.fromiter(sched.num_scheduled_tokens.values(), np.int32, n_seq)
+        computed = b.num_computed_tokens[slots]
+        ends = np.cumsum(counts, dtype=np.int32)
+        seq_of_tok = np.repeat(np.arange(n_seq, dtype=np.int32), counts)
+        tok_slot = slots[seq_of_tok]
+        pos = computed[seq_of_tok] + np.arange(n_tok, dtype=np.int32) - (ends - counts)[seq_of_tok]
+        unknown = pos >= b.num_tokens[tok_slot]
+        if unknown.any() and (b.in_flight_step[tok_slot[unknown]] != self._step_count - 1).any():
+            raise RuntimeError("a scheduled token is neither known nor sampled by the last step")
+
+        token_ids = np.zeros(t, np.int32)
+        token_ids[:n_tok] = np.where(unknown, 0, b.token_ids[tok_slot, pos])
+        prev_rows = np.full(t, -1, np.int32)
+        prev_rows[:n_tok] = np.where(unknown, b.in_flight_row[tok_slot], -1)
+        positions = np.zeros(t, np.int32)
+        positions[:n_tok] = pos
+        slot_mapping = np.zeros(t, np.int32)  # padding writes to the null page
+        slot_mapping[:n_tok] = b.block_table[tok_slot, pos // ps] * ps + pos % ps
+        qsl = np.full(s + 1, n_tok, np.int32)
+        qsl[0] = 0
+        qsl[1 : n_seq + 1] = ends
+        seq_lens = np.zeros(s, np.int32)
+        seq_lens[:n_seq] = computed + counts
+        block_tables = np.zeros((s, self.max_pages_per_seq), np.int32)
+        block_tables[:n_seq] = b.block_table[slots]
+        logits_indices = np.zeros(s, np.int32)
+        logits_indices[:n_seq] = ends - 1
+
+        def per_seq(values, fill, dtype):
+            out = np.full(s, fill, dtype)
+            out[:n_seq] = values
+            return out
+
+        sm = SamplingMetadata(
+            temperature=per_seq(b.temperature[slots], 0, np.float32),
+            top_k=per_seq(b.top_k[slots], 0, np.int32),
+            top_p=per_seq(b.top_p[slots], 1, np.float32),
+            seeds=per_seq(b.seeds[slots], 0, np.uint32),
+            # tokens generated before the one sampled now: its position minus the prompt
+            steps=per_seq(seq_lens[:n_seq] - b.num_prompt_tokens[slots], 0, np.int32),
+        )
+        md = llama.AttentionMetadata(positions, slot_mapping, qsl, seq_lens, block_tables)
         step = self._compiled.get(t)
         if step is None:
             raise RuntimeError(f"bucket tokens={t} was not compiled at start-up")
         sampled, self.k_cache, self.v_cache = step(
-            self.params, token_ids, md, self.k_cache, self.v_cache, logits_indices, sm
-        )
-        return np.asarray(sampled)[:n_seq].tolist()
+            self.params, token_ids, prev_rows, self._prev_sampled, md, self.k_cache, self.v_cache,
+            logits_indices, sm)
+        self._prev_sampled = sampled
+        self._step_count += 1
+        b.num_computed_tokens[slots] = seq_lens[:n_seq]
+        samples = np.fromiter((sched.samples[r] for r in req_ids), bool, n_seq)
+        rows = np.flatnonzero(samples).astype(np.int32)
+        b.in_flight_row[slots[rows]] = rows
+        b.in_flight_step[slots[rows]] = self._step_count - 1
+        return StepHandle(self._step_count - 1, sampled, rows, [req_ids[i] for i in rows])
+
+    def get_output(self, handle: StepHandle) -> dict[str, int]:
+        """Wait for a dispatched step; returns req_id -> its newly sampled token, for the
+        requests whose step ended at their last token (prompt chunks sample nothing)."""
+        tokens = np.asarray(handle.sampled)[handle.rows]
+        self.input_batch.record_sampled(handle.step, handle.rows, handle.req_ids, tokens)
+        return dict(zip(handle.req_ids, tokens.tolist()))

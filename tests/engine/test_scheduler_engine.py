@@ -80,10 +80,11 @@ class Run:
     def step(self):
         engine = self.engine
         sched = engine.scheduler.schedule()
-        assert sched.scheduled, "no progress"
-        for req, n in sched.scheduled:
-            self.computed[req.request_id] += n
-        for o in engine.scheduler.update(sched, engine.runner.execute(sched)):
+        assert sched.total_num_scheduled_tokens, "no progress"
+        for rid, n in sched.num_scheduled_tokens.items():
+            self.computed[rid] += n
+        sampled = engine.runner.get_output(engine.runner.execute(sched))
+        for o in engine.scheduler.update(sched, sampled):
             self.tokens[o.request_id] += o.new_token_ids
             self.cached[o.request_id] = o.num_cached_tokens
         return sched
@@ -129,8 +130,8 @@ def test_chunked_prefill_same_output_and_decodes_advance(engine, hf_smollm):
         while long_req.num_computed_tokens < long_req.num_prompt_tokens:
             decoded = [len(shorts_run.tokens[rid]) for rid in shorts_run.ids]
             sched = long_run.step()
-            assert sched.num_tokens <= 256
-            chunks += [n for r, n in sched.scheduled if r is long_req]
+            assert sched.total_num_scheduled_tokens <= 256
+            chunks += [n for r, n in sched.num_scheduled_tokens.items() if r == long_req.request_id]
             assert [len(shorts_run.tokens[rid]) for rid in shorts_run.ids] == [d + 1 for d in decoded], \
                 "a running decode did not advance during the long prefill"
         long_run.finish()

@@ -19,36 +19,72 @@ def make_request(rid, prompt, max_tokens=4, **sp) -> Request:
 
 
 class FakeRunner:
+    """Keeps its own copy of each running request from the SchedulerOutputs alone (as the real
+    ModelRunner's InputBatch does): no Request objects."""
+
     def __init__(self, num_pages: int, page_size: int):
         self.page_size = page_size
         self.pages = [[None] * page_size for _ in range(num_pages)]
+        self.reqs: dict[str, dict] = {}
 
-    def execute(self, sched) -> list[int]:
+    def execute(self, sched) -> dict[str, int]:
         ps = self.page_size
-        out = []
-        for req, n in sched.scheduled:
-            c = req.num_computed_tokens
-            bt = req.block_ids
+        for rid in sched.finished_req_ids:
+            self.reqs.pop(rid, None)
+        for r in sched.new_reqs:
+            assert r.req_id not in self.reqs
+            self.reqs[r.req_id] = {"tokens": list(r.token_ids), "blocks": list(r.block_ids),
+                                   "computed": r.num_computed_tokens}
+        for rid, pages in sched.new_block_ids.items():
+            self.reqs[rid]["blocks"] += pages
+        assert sched.total_num_scheduled_tokens == sum(sched.num_scheduled_tokens.values())
+        out = {}
+        for rid, n in sched.num_scheduled_tokens.items():
+            st = self.reqs[rid]
+            c, bt, tokens = st["computed"], st["blocks"], st["tokens"]
             assert len(bt) * ps >= c + n, "fewer pages than tokens"
             assert 0 not in bt, "the null page was handed to a request"
+            # Like the device, this runner knows every token it sampled, even those the
+            # scheduler has not been told about yet (async scheduling).
+            assert c + n <= len(tokens), "a token nobody has sampled was scheduled"
             for pos in range(c, c + n):
-                self.pages[bt[pos // ps]][pos % ps] = req.all_token_ids[pos]
+                self.pages[bt[pos // ps]][pos % ps] = tokens[pos]
             context = [self.pages[bt[pos // ps]][pos % ps] for pos in range(c + n)]
-            assert context == req.all_token_ids[: c + n], f"request {req.request_id} read wrong K/V"
-            out.append(hash(tuple(context)) % 1000 + 10)
+            assert context == tokens[: c + n], f"request {rid} read wrong K/V"
+            st["computed"] = c + n
+            assert sched.samples[rid] == (c + n == len(tokens))
+            if sched.samples[rid]:
+                token = hash(tuple(context)) % 1000 + 10
+                tokens.append(token)
+                out[rid] = token
         return out
 
 
-def run_to_completion(scheduler, runner, max_steps=100_000, on_step=None) -> dict[str, list[int]]:
-    """Step until every request finishes; returns request id -> output tokens."""
+def run_to_completion(scheduler, runner, max_steps=100_000, on_step=None,
+                      async_scheduling=False) -> dict[str, list[int]]:
+    """Step until every request finishes; returns request id -> output tokens. With
+    ``async_scheduling`` each step is scheduled before the previous step's tokens reach the
+    scheduler, as EngineCore does."""
     outputs: dict[str, list[int]] = {}
+    in_flight = None
     for _ in range(max_steps):
-        if not scheduler.has_unfinished_requests():
+        if not scheduler.has_unfinished_requests() and in_flight is None:
             return outputs
         sched = scheduler.schedule()
         if on_step is not None:
             on_step(sched)
-        assert sched.scheduled, "no progress with unfinished requests"
-        for o in scheduler.update(sched, runner.execute(sched)):
-            outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
+        sampled = runner.execute(sched) if sched.total_num_scheduled_tokens else None
+        done = []
+        if not async_scheduling:
+            assert sched.total_num_scheduled_tokens, "no progress with unfinished requests"
+            done = [(sched, sampled)]
+        else:
+            if in_flight is not None:
+                done = [in_flight]
+            else:
+                assert sampled is not None, "no progress with unfinished requests"
+            in_flight = (sched, sampled) if sampled is not None else None
+        for s, tokens in done:
+            for o in scheduler.update(s, tokens):
+                outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
     raise AssertionError("did not finish")

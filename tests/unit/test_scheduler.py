@@ -25,10 +25,10 @@ def check_invariants(sched):
     the number of live holders, and usage counts referenced pages only."""
 
     def on_step(out):
-        assert out.num_tokens == sum(n for _, n in out.scheduled) <= sched.max_num_batched_tokens
-        assert len(out.scheduled) <= sched.max_num_seqs
+        n_tok = out.total_num_scheduled_tokens
+        assert n_tok == sum(out.num_scheduled_tokens.values()) <= sched.max_num_batched_tokens
+        assert len(out.num_scheduled_tokens) <= sched.max_num_seqs
         assert len(sched.running) <= sched.max_num_seqs
-        assert len({r.request_id for r, _ in out.scheduled}) == len(out.scheduled)
         pool = sched.kv.block_pool
         holders = [0] * pool.num_pages
         for r in sched.running:
@@ -50,12 +50,19 @@ def random_prompts(n, seed, shared_prefix=()):
             for _ in range(n)]
 
 
-def run(prompts, max_tokens=6, **kw):
+def run(prompts, max_tokens=6, async_scheduling=False, **kw):
     sched, runner = make(**kw)
     for i, p in enumerate(prompts):
         sched.add_request(make_request(i, p, max_tokens=max_tokens))
-    out = run_to_completion(sched, runner, on_step=check_invariants(sched))
+    out = run_to_completion(sched, runner, on_step=check_invariants(sched),
+                            async_scheduling=async_scheduling)
+    assert not sched.requests and not sched.running and not sched.waiting
+    assert sched.kv.block_pool.num_free_pages == sched.kv.block_pool.num_usable_pages
     return out, sched
+
+
+def pairs(out):
+    return list(out.num_scheduled_tokens.items())
 
 
 def test_budget_and_seq_cap_every_step_and_outputs_unchanged():
@@ -77,8 +84,8 @@ def test_long_prompt_is_chunked_and_decodes_keep_advancing():
     chunks = []
     while long.num_computed_tokens < long.num_prompt_tokens:
         out = sched.schedule()
-        assert out.scheduled[0] == (short, 1)  # running first: a decode token every step
-        chunks += [n for r, n in out.scheduled if r is long]
+        assert pairs(out)[0] == ("short", 1)  # running first: a decode token every step
+        chunks += [n for r, n in pairs(out) if r == "long"]
         before = short.num_output_tokens
         sched.update(out, runner.execute(out))
         assert short.num_output_tokens == before + 1
@@ -91,10 +98,10 @@ def test_waiting_requests_admitted_in_arrival_order_after_running():
     for i in range(3):
         sched.add_request(make_request(i, [1 + i] * 6, max_tokens=3))
     out = sched.schedule()
-    assert [(r.request_id, n) for r, n in out.scheduled] == [("0", 6), ("1", 4)]
+    assert pairs(out) == [("0", 6), ("1", 4)]
     sched.update(out, runner.execute(out))
     out = sched.schedule()  # seq cap 2: "2" waits
-    assert [(r.request_id, n) for r, n in out.scheduled] == [("0", 1), ("1", 2)]
+    assert pairs(out) == [("0", 1), ("1", 2)]
 
 
 def test_shared_prefix_hits_and_same_outputs_as_caching_off():
@@ -117,7 +124,7 @@ def test_num_cached_tokens_reported_and_only_the_tail_computed():
     b = make_request("b", list(range(50, 90)) + [7, 8], max_tokens=2)
     sched.add_request(b)
     out = sched.schedule()
-    assert out.scheduled == [(b, 2)] and b.num_computed_tokens == 40
+    assert pairs(out) == [("b", 2)] and out.new_reqs[0].num_computed_tokens == 40
     outs = sched.update(out, runner.execute(out))
     assert outs[0].num_cached_tokens == 40
 
@@ -141,7 +148,7 @@ def test_preempts_the_newest_running_request():
     sched.update(out, runner.execute(out))
     assert sched.kv.block_pool.num_free_pages == 0
     out = sched.schedule()  # request 0 needs a 3rd page for position 8: request 2 is preempted
-    assert [r.request_id for r, _ in out.scheduled] == ["0", "1"]
+    assert list(out.num_scheduled_tokens) == ["0", "1"]
     assert reqs[2].status == RequestStatus.PREEMPTED and reqs[2].block_ids == []
     assert reqs[2].num_computed_tokens == 0 and sched.waiting[0] is reqs[2]
     assert sched.num_preemptions == 1
@@ -149,7 +156,7 @@ def test_preempts_the_newest_running_request():
     while sched.num_preemptions == 1:  # decodes until position 12 needs a 4th page
         out = sched.schedule()
         sched.update(out, runner.execute(out))
-    assert [r.request_id for r, _ in out.scheduled] == ["0"]
+    assert list(out.num_scheduled_tokens) == ["0"]
     assert list(sched.waiting) == [reqs[1], reqs[2]]  # older first
 
 
@@ -175,3 +182,30 @@ def test_stops_on_eos_stop_token_and_max_model_len():
     assert sched._check_stop(r, 77) == ("stop", 77)
     r.all_token_ids += [5] * 9
     assert sched._check_stop(r, 5) == ("length", None)
+
+
+def test_async_scheduling_gives_the_same_outputs():
+    """Each step scheduled before the previous step's tokens reach the scheduler (EngineCore's
+    async loop): the same tokens as the synchronous loop, through chunked prefill, prefix-cache
+    hits, preemption, and stops (stop token ids end some requests while a step that includes
+    them is in flight)."""
+    prefix = list(range(300, 340))
+    prompts = random_prompts(16, seed=5, shared_prefix=prefix)
+    stop = dict(stop_token_ids=list(range(10, 60)))
+    for kw in [dict(), dict(budget=16, max_seqs=3), dict(num_pages=60, budget=64, max_seqs=16)]:
+        for caching in (False, True):
+            sync, s1 = run_with(prompts, caching=caching, **kw, **stop)
+            asyn, s2 = run_with(prompts, caching=caching, async_scheduling=True, **kw, **stop)
+            assert asyn == sync
+            assert any(len(v) < 20 for v in sync.values())  # some stopped on a stop token
+    assert s2.num_preemptions > 0
+
+
+def run_with(prompts, async_scheduling=False, stop_token_ids=(), **kw):
+    sched, runner = make(**kw)
+    for i, p in enumerate(prompts):
+        sched.add_request(make_request(i, p, max_tokens=20, stop_token_ids=list(stop_token_ids)))
+    out = run_to_completion(sched, runner, on_step=check_invariants(sched),
+                            async_scheduling=async_scheduling)
+    assert not sched.requests and sched.kv.usage() == 0
+    return out, sched

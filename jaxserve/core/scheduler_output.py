@@ -1,0 +1,56 @@
+"""SchedulerOutput: the data contract from the Scheduler to the ModelRunner (vLLM V1's shape).
+
+Plain data, no live ``Request`` objects: the runner keeps its own persistent copy of each running
+request's state (``jaxserve.worker.input_batch.InputBatch``) and applies only what changed.
+"""
+
+from dataclasses import dataclass, field
+
+from jaxserve.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request entering the batch: first admission, or again after a preemption.
+
+    Attributes:
+      req_id: the request.
+      token_ids: every token known now, prompt first (a resumed request's earlier outputs too).
+      num_prompt_tokens: length of the prompt part of token_ids.
+      sampling_params: its sampling settings.
+      seed: its RNG seed (uint32).
+      block_ids: the KV pages it holds, in sequence order.
+      num_computed_tokens: tokens whose K/V are already in the pool before this step (prefix-
+        cache hits).
+    """
+
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    seed: int
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    """The work of one step.
+
+    Attributes:
+      num_scheduled_tokens: req_id -> tokens to compute this step, in batch order.
+      samples: req_id -> whether the step ends at the request's last token, so the token sampled
+        from its row is its next output (False for a prompt chunk that does not finish it).
+      new_reqs: requests that enter the batch this step.
+      new_block_ids: req_id -> pages appended to a running request's block table this step.
+      finished_req_ids: requests that left the batch since the previous step (finished,
+        aborted or preempted); the runner drops them before adding new_reqs.
+      total_num_scheduled_tokens: sum of num_scheduled_tokens.
+    """
+
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    samples: dict[str, bool] = field(default_factory=dict)
+    new_reqs: list[NewRequestData] = field(default_factory=list)
+    new_block_ids: dict[str, list[int]] = field(default_factory=dict)
+    finished_req_ids: set[str] = field(default_factory=set)
+    total_num_scheduled_tokens: int = 0

@@ -1,0 +1,92 @@
+"""InputBatch: the model runner's persistent per-request state (vLLM V1's name).
+
+Each running request owns a slot (a row of every array below) from the step it enters the batch
+until it leaves. A step applies the scheduler's changes (``SchedulerOutput``: requests that left,
+new requests, newly allocated pages) to these arrays instead of rebuilding them, then
+``prepare_inputs`` builds the step's flat inputs with vectorized numpy.
+"""
+
+import numpy as np
+
+from jaxserve.core.scheduler_output import SchedulerOutput
+
+
+class InputBatch:
+    """Per-slot arrays for at most ``max_num_seqs`` requests.
+
+    Attributes:
+      token_ids: [max_num_seqs, max_model_len] int32, each request's known tokens.
+      num_tokens: [max_num_seqs] int32, how many of them are known to the host.
+      num_prompt_tokens: [max_num_seqs] int32.
+      num_computed_tokens: [max_num_seqs] int32, tokens whose K/V the steps dispatched so far
+        compute.
+      block_table: [max_num_seqs, max_pages_per_seq] int32 page ids (0, the null page, pads).
+      num_blocks: [max_num_seqs] int32 valid entries of each block_table row.
+      temperature, top_k, top_p, seeds: [max_num_seqs] sampling settings.
+      in_flight_row, in_flight_step: [max_num_seqs] int32, the row and the step (a counter)
+        whose sampled token is this request's newest token while the host does not know it yet
+        (async scheduling), else -1 and -1. The step after that one reads the token from the
+        device; ``record_sampled`` writes it into token_ids once it reaches the host.
+    """
+
+    def __init__(self, max_num_seqs: int, max_model_len: int, max_pages_per_seq: int):
+        n = max_num_seqs
+        self.token_ids = np.zeros((n, max_model_len), np.int32)  # untouched pages stay unmapped
+        self.num_tokens = np.zeros(n, np.int32)
+        self.num_prompt_tokens = np.zeros(n, np.int32)
+        self.num_computed_tokens = np.zeros(n, np.int32)
+        self.block_table = np.zeros((n, max_pages_per_seq), np.int32)
+        self.num_blocks = np.zeros(n, np.int32)
+        self.temperature = np.zeros(n, np.float32)
+        self.top_k = np.zeros(n, np.int32)
+        self.top_p = np.ones(n, np.float32)
+        self.seeds = np.zeros(n, np.uint32)
+        self.in_flight_row = np.full(n, -1, np.int32)
+        self.in_flight_step = np.full(n, -1, np.int64)
+        self.req_index: dict[str, int] = {}
+        self._free_slots = list(range(n - 1, -1, -1))
+
+    def update_states(self, sched: SchedulerOutput) -> None:
+        """Apply a step's changes: drop requests that left, add new ones, append new pages.
+        Ids it does not hold (a request aborted before it ever ran) are ignored."""
+        for rid in sched.finished_req_ids:
+            i = self.req_index.pop(rid, None)
+            if i is not None:
+                self._free_slots.append(i)
+        for r in sched.new_reqs:
+            i = self._free_slots.pop()
+            self.req_index[r.req_id] = i
+            n = len(r.token_ids)
+            self.token_ids[i, :n] = r.token_ids
+            self.num_tokens[i] = n
+            self.num_prompt_tokens[i] = r.num_prompt_tokens
+            self.num_computed_tokens[i] = r.num_computed_tokens
+            self.block_table[i] = 0
+            self.block_table[i, : len(r.block_ids)] = r.block_ids
+            self.num_blocks[i] = len(r.block_ids)
+            sp = r.sampling_params
+            self.temperature[i] = sp.temperature
+            self.top_k[i] = sp.top_k
+            self.top_p[i] = sp.top_p
+            self.seeds[i] = r.seed
+            self.in_flight_row[i] = self.in_flight_step[i] = -1
+        for rid, pages in sched.new_block_ids.items():
+            i = self.req_index[rid]
+            b = self.num_blocks[i]
+            self.block_table[i, b : b + len(pages)] = pages
+            self.num_blocks[i] = b + len(pages)
+
+    def record_sampled(self, step: int, rows: np.ndarray, req_ids: list[str],
+                       tokens: np.ndarray) -> None:
+        """Append the tokens that step ``step`` sampled for ``req_ids`` (at ``rows``) to the
+        requests still in the batch, and clear the in-flight mark of those whose newest token
+        that was. Tokens of one request arrive in step order, so each is its next token."""
+        for rid, row, tok in zip(req_ids, rows.tolist(), tokens.tolist()):
+            i = self.req_index.get(rid)
+            if i is None:
+                continue  # left the batch (finished, aborted or preempted) meanwhile
+            n = self.num_tokens[i]
+            self.token_ids[i, n] = tok
+            self.num_tokens[i] = n + 1
+            if self.in_flight_step[i] == step and self.in_flight_row[i] == row:
+                self.in_flight_row[i] = self.in_flight_step[i] = -1

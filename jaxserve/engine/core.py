@@ -78,11 +78,14 @@ class EngineCore:
         self.tokenizer = ckpt.tokenizer
         self.model_name = ckpt.name
         dtype = resolve_dtype(config.dtype)
+        t1 = time.perf_counter()
         self.model_config, params = build_params(ckpt.hf_config, ckpt.weights, dtype, config.seed)
         del ckpt
         mc = self.model_config
-        log(f"loaded {self.model_name} ({mc.architecture}, {np.dtype(dtype).name}) "
-            f"in {time.perf_counter() - t0:.1f}s")
+        t2 = time.perf_counter()
+        log(f"loaded {self.model_name} ({mc.architecture}, {np.dtype(dtype).name}) in "
+            f"{t2 - t0:.1f}s (checkpoint and tokenizer {t1 - t0:.1f}s, parameters on the device "
+            f"{t2 - t1:.1f}s)")
 
         limit = mc.max_position_embeddings if on_gpu else min(mc.max_position_embeddings, CPU_MAX_MODEL_LEN)
         self.max_model_len = config.max_model_len or limit

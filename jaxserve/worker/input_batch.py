@@ -3,7 +3,7 @@
 Each running request owns a slot (a row of every array below) from the step it enters the batch
 until it leaves. A step applies the scheduler's changes (``SchedulerOutput``: requests that left,
 new requests, newly allocated pages) to these arrays instead of rebuilding them, then
-``prepare_inputs`` builds the step's flat inputs with vectorized numpy.
+``ModelRunner.execute`` builds the step's flat inputs from them with vectorized numpy.
 """
 
 import numpy as np

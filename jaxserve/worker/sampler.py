@@ -1,9 +1,28 @@
-"""Token sampling from a step's logits: greedy, temperature, top-k, top-p, per-request seeds."""
+"""Token sampling from a step's logits: greedy, temperature, top-k, top-p, per-request seeds.
+
+Each row takes one of four paths, chosen from its own settings alone, so its token never depends
+on what else is in the batch; a path runs (under ``lax.cond``) only when some row takes it:
+- greedy (temperature 0): argmax.
+- plain (no top-k, top_p 1): Gumbel-max over the whole vocabulary (``jax.random.categorical``
+  on logits / temperature), no sort.
+- candidates (1 <= top_k <= K_MAX, with or without top-p): ``lax.top_k(K_MAX)`` gives the
+  candidates already sorted, top-k and top-p are cut on them, and Gumbel-max picks among those
+  kept.
+- sort (top_k > K_MAX, or top-p without top-k): the full-vocabulary sort, of those rows alone
+  when they are at most an eighth of the batch.
+"""
 
 from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+
+# Covers the top_k values clients use in practice (20, 40, 50, 100). On CPU lax.top_k(256) is a
+# partial sort (about 0.3 ms a 128,256-token row against 40 ms for the sort). On GPU, XLA has a
+# top-k kernel for k <= 16 only and lowers larger k to a sort of (value, index) pairs, about as
+# slow as the full sort (H200, 256 rows: 2.6 ms against 2.4): there this path saves only the
+# full-vocabulary softmax, cumulative sum and noise of the sort path.
+K_MAX = 256
 
 
 @dataclass(frozen=True)
@@ -31,25 +50,126 @@ jax.tree_util.register_dataclass(
 )
 
 
-def _sample(logits: jax.Array, sm: SamplingMetadata) -> jax.Array:
-    vocab = logits.shape[-1]
-    temp = jnp.where(sm.temperature > 0, sm.temperature, 1.0)
-    scaled = logits / temp[:, None]
-    sorted_logits = jnp.sort(scaled, axis=-1)[:, ::-1]
-    # top-k: keep logits >= the k-th largest.
-    k = jnp.where(sm.top_k > 0, jnp.minimum(sm.top_k, vocab), vocab)
-    kth = jnp.take_along_axis(sorted_logits, (k - 1)[:, None], axis=-1)
-    # top-p: keep the smallest prefix of sorted tokens whose mass reaches top_p.
-    probs = jax.nn.softmax(jnp.where(sorted_logits >= kth, sorted_logits, -jnp.inf), axis=-1)
+def _top_p_keep(probs: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Top-p mask over probabilities sorted in descending order.
+
+    Args:
+      probs: [S, N] float32, each row sorted in descending order.
+      top_p: [S] float32.
+
+    Returns:
+      [S, N] bool: the shortest prefix whose mass reaches top_p (all of it where top_p is 1, so
+      that rounding in the running sum never drops a tail token).
+    """
     mass_before = jnp.cumsum(probs, axis=-1) - probs
-    keep_sorted = mass_before < sm.top_p[:, None]
-    num_keep = jnp.maximum(jnp.sum(keep_sorted, axis=-1), 1)
+    return (top_p[:, None] >= 1) | (mass_before < top_p[:, None])
+
+
+def _sample_top_k(
+    scaled: jax.Array, k: jax.Array, top_p: jax.Array, keys: jax.Array, k_max: int
+) -> jax.Array:
+    """Top-k (then top-p) sampling among the k_max largest logits.
+
+    Args:
+      scaled: [S, V] float32 logits / temperature.
+      k: [S] int32 top-k, in [1, k_max] for the rows whose tokens are used.
+      top_p: [S] float32.
+      keys: [S] per-row PRNG keys.
+      k_max: static number of candidates, <= V.
+
+    Returns:
+      [S] int32 token ids.
+    """
+    vals, idx = jax.lax.top_k(scaled, k_max)  # [S, k_max], descending
+    in_k = jnp.arange(k_max)[None, :] < k[:, None]
+    probs = jax.nn.softmax(jnp.where(in_k, vals, -jnp.inf), axis=-1)
+    keep = in_k & _top_p_keep(probs, top_p)
+    # Gumbel-max among the kept candidates; noise by rank, so it needs k_max draws, not V.
+    noise = jax.vmap(lambda key: jax.random.gumbel(key, (k_max,)))(keys)
+    pick = jnp.argmax(jnp.where(keep, vals + noise, -jnp.inf), axis=-1)
+    return jnp.take_along_axis(idx, pick[:, None], axis=-1)[:, 0]
+
+
+def _sample_sorted(scaled: jax.Array, k: jax.Array, top_p: jax.Array, keys: jax.Array) -> jax.Array:
+    """Top-k then top-p over the whole vocabulary, through a full sort of each row.
+
+    Args:
+      scaled: [S, V] float32 logits / temperature.
+      k: [S] int32 top-k, 0 when off.
+      top_p: [S] float32.
+      keys: [S] per-row PRNG keys.
+
+    Returns:
+      [S] int32 token ids.
+    """
+    vocab = scaled.shape[-1]
+    sorted_logits = jnp.sort(scaled, axis=-1)[:, ::-1]
+    kth = jnp.take_along_axis(sorted_logits, (jnp.where(k > 0, k, vocab) - 1)[:, None], axis=-1)
+    probs = jax.nn.softmax(jnp.where(sorted_logits >= kth, sorted_logits, -jnp.inf), axis=-1)
+    num_keep = jnp.maximum(jnp.sum(_top_p_keep(probs, top_p), axis=-1), 1)
     threshold = jnp.take_along_axis(sorted_logits, (num_keep - 1)[:, None], axis=-1)
     threshold = jnp.maximum(threshold, kth)
     masked = jnp.where(scaled >= threshold, scaled, -jnp.inf)
+    return jax.vmap(jax.random.categorical)(keys, masked).astype(jnp.int32)
+
+
+def _sample_sorted_rows(
+    scaled: jax.Array, k: jax.Array, top_p: jax.Array, keys: jax.Array, rows: jax.Array
+) -> jax.Array:
+    """``_sample_sorted`` for the rows marked; when they are at most an eighth of the batch,
+    only those rows are sorted (a sort's cost grows with its rows).
+
+    Args:
+      scaled, k, top_p, keys: as ``_sample_sorted``, [S, V] and [S].
+      rows: [S] bool, the rows whose tokens are used.
+
+    Returns:
+      [S] int32 token ids, meaningless outside ``rows``.
+    """
+    cap = scaled.shape[0] // 8
+    if cap == 0:
+        return _sample_sorted(scaled, k, top_p, keys)
+
+    def few():
+        # Padding entries repeat row 0, so a duplicate index always writes row 0's own token.
+        (sel,) = jnp.nonzero(rows, size=cap, fill_value=0)
+        tokens = _sample_sorted(scaled[sel], k[sel], top_p[sel], keys[sel])
+        return jnp.zeros_like(k).at[sel].set(tokens)
+
+    return jax.lax.cond(jnp.sum(rows) <= cap, few, lambda: _sample_sorted(scaled, k, top_p, keys))
+
+
+def _sample(logits: jax.Array, sm: SamplingMetadata) -> jax.Array:
+    """``sample`` for a batch with at least one sampled row: [S, V] float32 -> [S] int32."""
+    vocab = logits.shape[-1]
+    sampled = sm.temperature > 0
+    temp = jnp.where(sampled, sm.temperature, 1.0)
+    scaled = logits / temp[:, None]
     keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(sm.seeds, sm.steps)
-    sampled = jax.vmap(jax.random.categorical)(keys, masked)
-    return jnp.where(sm.temperature > 0, sampled, jnp.argmax(logits, axis=-1))
+    # top_k >= V keeps everything: the same as no top-k.
+    k = jnp.where((sm.top_k > 0) & (sm.top_k < vocab), sm.top_k, 0)
+    candidates = sampled & (k > 0) & (k <= K_MAX)
+    sort = sampled & ~candidates & ((k > 0) | (sm.top_p < 1))
+    plain = sampled & ~candidates & ~sort
+    zeros = jnp.zeros(logits.shape[:1], jnp.int32)
+
+    def run_if(rows, fn):
+        return jax.lax.cond(jnp.any(rows), fn, lambda: zeros)
+
+    tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    tokens = jnp.where(
+        plain,
+        run_if(plain, lambda: jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)),
+        tokens,
+    )
+    tokens = jnp.where(
+        candidates,
+        run_if(candidates, lambda: _sample_top_k(scaled, k, sm.top_p, keys, min(K_MAX, vocab))),
+        tokens,
+    )
+    return jnp.where(
+        sort, run_if(sort, lambda: _sample_sorted_rows(scaled, k, sm.top_p, keys, sort)), tokens
+    )
 
 
 def sample(logits: jax.Array, sm: SamplingMetadata) -> jax.Array:
@@ -60,11 +180,11 @@ def sample(logits: jax.Array, sm: SamplingMetadata) -> jax.Array:
       sm: the rows' sampling settings.
 
     Returns:
-      [S] int32 token ids. Greedy rows take the argmax; when every row is greedy the sort
-      needed for top-k/top-p is skipped at run time.
+      [S] int32 token ids. Greedy rows take the argmax; when every row is greedy nothing else
+      runs. A row's token depends only on its own logits, settings, seed and step.
     """
     return jax.lax.cond(
         jnp.all(sm.temperature == 0),
         lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32),
-        lambda: _sample(logits, sm).astype(jnp.int32),
+        lambda: _sample(logits, sm),
     )

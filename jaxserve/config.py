@@ -105,11 +105,11 @@ class EngineConfig:
     max_model_len: int | None = field(default=None, metadata={"help": (
         "longest sequence, prompt + output, tokens; None: the model's max_position_embeddings "
         "on GPU, at most 4096 on CPU"), "valid": _POSITIVE})
-    max_num_seqs: int = field(default=32, metadata={
-        "help": "most sequences in one step", "valid": _POSITIVE})
-    max_num_batched_tokens: int = field(default=512, metadata={"help": (
+    max_num_seqs: int | None = field(default=None, metadata={
+        "help": "most sequences in one step; None: 32 on CPU, 256 on GPU", "valid": _POSITIVE})
+    max_num_batched_tokens: int | None = field(default=None, metadata={"help": (
         "token budget of one step, at least --max-num-seqs (chunked prefill splits longer "
-        "prompts)"), "valid": _POSITIVE})
+        "prompts); None: 512 on CPU, 8192 on GPU"), "valid": _POSITIVE})
     # The Pallas kernels tile KV pages in power-of-two blocks (docs/design.md section 3).
     page_size: int = field(default=16, metadata={
         "help": "tokens per KV page (block)",

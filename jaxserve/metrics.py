@@ -74,6 +74,10 @@ class Metrics:
         self.e2e = Histogram("jaxserve:e2e_request_latency_seconds",
                              "Time from arrival to the last token, seconds.", labels,
                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+        # Create the labelled series now, so that they read 0 (not absent) before the first
+        # request finishes: a client diffing the counters sees 0 tokens, not a missing metric.
+        for metric in (self.prompt_tokens, self.generation_tokens, self.ttft, self.e2e):
+            metric.labels(model_name)
 
     def update_stats(self, stats: SchedulerStats) -> None:
         self.stats = stats

@@ -28,9 +28,10 @@ from jaxserve.engine import messages as M
 from jaxserve.engine.core_client import EngineCoreClient, EngineDeadError, EngineStartError
 from jaxserve.engine.input_processor import InputProcessor
 from jaxserve.engine.output_processor import OutputProcessor, RequestError, merge_outputs
-from jaxserve.outputs import RequestOutput
 from jaxserve.metrics import Metrics
+from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.tokenizer_io import load_tokenizer
 
 __all__ = ["AsyncLLM", "EngineDeadError", "EngineStartError", "RequestError"]
 
@@ -72,7 +73,7 @@ class AsyncLLM:
         ready: M.Ready = await self.engine_core.start()
         loop = asyncio.get_running_loop()
         try:
-            self.tokenizer = await loop.run_in_executor(None, _load_tokenizer, ready.tokenizer_dir)
+            self.tokenizer = await loop.run_in_executor(None, load_tokenizer, ready.tokenizer_dir)
         except Exception as e:  # noqa: BLE001
             raise EngineStartError(f"cannot load the engine's tokenizer: {e}") from e
         finally:
@@ -202,9 +203,3 @@ class AsyncLLM:
         if self.output_processor is not None:
             self.output_processor.propagate_error(
                 None, EngineDeadError("the engine process died"))
-
-
-def _load_tokenizer(path: str):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)

@@ -4,6 +4,7 @@ The HTTP server runs it in its own process (core_proc); ``jaxserve.LLM`` runs it
 Token ids in, token ids out: no text here.
 """
 
+import dataclasses
 import os
 import random
 import time
@@ -28,6 +29,11 @@ from jaxserve.worker.model_runner import ModelRunner
 from pallas_kernels import get_attention_fn
 
 CPU_MAX_MODEL_LEN = 4096
+# Scheduler limits where the flags are left unset. GPU: measured on the H200 with the 8B shape
+# (docs/performance.md): 256 sequences kept decode near its best without preempting at
+# e2e-1k1k scale, and a larger token budget shortens the prefill phase.
+CPU_SCHEDULER_DEFAULTS = {"max_num_seqs": 32, "max_num_batched_tokens": 512}
+GPU_SCHEDULER_DEFAULTS = {"max_num_seqs": 256, "max_num_batched_tokens": 8192}
 
 
 def enable_compilation_cache() -> None:
@@ -38,6 +44,21 @@ def enable_compilation_cache() -> None:
     jax.config.update("jax_compilation_cache_dir", cache)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
+def resolve_scheduler_limits(config: EngineConfig, on_gpu: bool, max_model_len: int) -> EngineConfig:
+    """The configuration with ``max_model_len`` and the device's defaults for the scheduler
+    limits left unset.
+
+    Raises:
+      ValueError: ``max_num_batched_tokens`` below ``max_num_seqs``.
+    """
+    defaults = GPU_SCHEDULER_DEFAULTS if on_gpu else CPU_SCHEDULER_DEFAULTS
+    config = dataclasses.replace(config, max_model_len=max_model_len,
+                                 **{k: getattr(config, k) or v for k, v in defaults.items()})
+    if config.max_num_batched_tokens < config.max_num_seqs:
+        raise ValueError("--max-num-batched-tokens must be at least --max-num-seqs")
+    return config
 
 
 def kv_bytes_per_page(model_config, page_size: int, dtype) -> int:
@@ -94,8 +115,9 @@ class EngineCore:
                 f"--max-model-len {self.max_model_len} exceeds the model's "
                 f"max_position_embeddings {mc.max_position_embeddings}"
             )
-        if config.max_num_batched_tokens < config.max_num_seqs:
-            raise ValueError("--max-num-batched-tokens must be at least --max-num-seqs")
+        config = self.config = resolve_scheduler_limits(config, on_gpu, self.max_model_len)
+        log(f"scheduler: max_num_seqs {config.max_num_seqs}, max_num_batched_tokens "
+            f"{config.max_num_batched_tokens}, max_model_len {self.max_model_len}")
         per_page = kv_bytes_per_page(mc, config.page_size, dtype)
         backend = config.attention_backend
         self.runner = ModelRunner(
@@ -118,6 +140,10 @@ class EngineCore:
             f"({(num_pages - 1) * config.page_size} tokens, {(num_pages - 1) * per_page / 2**30:.2f} GiB; "
             f"{num_seqs} sequences of {self.max_model_len} tokens fit); prefix caching "
             f"{'on' if config.enable_prefix_caching else 'off'}")
+        if num_seqs < config.max_num_seqs:
+            log(f"note: fewer than --max-num-seqs {config.max_num_seqs} sequences of "
+                f"--max-model-len {self.max_model_len} tokens fit in the KV cache; the scheduler "
+                "admits by the pages requests really use, and preempts when they run out")
         self.runner.allocate_kv_cache(num_pages)
 
         # Generation ends at the model's EOS ids (config.json / GGUF) and the tokenizer's own.

@@ -30,6 +30,7 @@ from multiprocessing.connection import Connection
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine import messages as M
+from jaxserve.tokenizer_io import save_tokenizer
 
 # Testing hook: "module:Class" of an EngineCore stand-in with the same interface.
 ENGINE_CORE_ENV = "JAXSERVE_ENGINE_CORE"
@@ -196,7 +197,7 @@ def run_engine_core(config: EngineConfig, conn: Connection, parent_pid: int | No
         try:
             core = _engine_core_class()(config, log=_log)
             tokenizer_dir = tempfile.mkdtemp(prefix="jaxserve-tokenizer-")
-            core.tokenizer.save_pretrained(tokenizer_dir)
+            save_tokenizer(core.tokenizer, tokenizer_dir)
         except Exception as e:  # noqa: BLE001 - reported as one line by the API process
             if os.environ.get("JAXSERVE_DEBUG"):
                 traceback.print_exc()

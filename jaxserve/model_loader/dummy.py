@@ -76,7 +76,7 @@ def default_tokenizer():
     from checkpoints_tools.fetch_default import cache_dir, default_model_path
 
     from .gguf_loader import load_gguf
-    from .hf_folder import load_tokenizer, save_tokenizer
+    from jaxserve.tokenizer_io import load_tokenizer, save_tokenizer
 
     folder = cache_dir() / "tokenizers" / DEFAULT_TOKENIZER_NAME
     if (folder / "tokenizer.json").is_file():

@@ -3,7 +3,7 @@
 Source format: a ``save_pretrained`` folder: ``config.json``, weights in one ``model.safetensors``
 or shards listed by ``model.safetensors.index.json`` (``weight_map``) or any ``*.safetensors``,
 tokenizer files (``tokenizer.json`` + ``tokenizer_config.json``, read by
-``AutoTokenizer.from_pretrained(folder)``, local files only). Arrays keep the file's dtype
+``jaxserve.tokenizer_io.load_tokenizer``, local files only). Arrays keep the file's dtype
 (float32/float16, bf16 as ``ml_dtypes.bfloat16``) and torch layouts.
 """
 
@@ -13,6 +13,8 @@ import json
 import pathlib
 
 import numpy as np
+
+from jaxserve.tokenizer_io import load_tokenizer, save_tokenizer
 
 from .checkpoint import Checkpoint, log
 
@@ -32,29 +34,6 @@ def safetensors_files(folder: pathlib.Path) -> list[pathlib.Path]:
             raise ValueError(f"{folder}: shards listed in {index.name} are missing: {', '.join(missing)}")
         return files
     return sorted(folder.glob("*.safetensors"))
-
-
-def load_tokenizer(folder: pathlib.Path):
-    """``AutoTokenizer.from_pretrained(folder)`` with no Hub access."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-
-
-def save_tokenizer(tokenizer, folder: str | pathlib.Path) -> None:
-    """``tokenizer.save_pretrained(folder)``, made loadable by transformers 4.x and 5.x alike:
-    ``tokenizer_class`` is written as ``PreTrainedTokenizerFast`` (5.x writes its own
-    ``TokenizersBackend``) and the chat template also goes inline into tokenizer_config.json
-    (5.x writes only ``chat_template.jinja``)."""
-    folder = pathlib.Path(folder)
-    tokenizer.save_pretrained(str(folder))
-    cfg_path = folder / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text())
-    if cfg.get("tokenizer_class") in ("TokenizersBackend", None):
-        cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
-    if getattr(tokenizer, "chat_template", None) and "chat_template" not in cfg:
-        cfg["chat_template"] = tokenizer.chat_template
-    cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
 
 
 def load_hf_folder(folder: str | pathlib.Path) -> Checkpoint:

@@ -37,7 +37,7 @@ def save_orbax(path: str | pathlib.Path, ckpt: Checkpoint) -> pathlib.Path:
     (which must not exist or be empty)."""
     import orbax.checkpoint as ocp
 
-    from .hf_folder import save_tokenizer
+    from jaxserve.tokenizer_io import save_tokenizer
 
     if ckpt.weights is None:
         raise ValueError("cannot save a checkpoint without weights (dummy) as orbax")
@@ -59,7 +59,7 @@ def load_orbax(path: str | pathlib.Path) -> Checkpoint:
     the dtypes they were saved with."""
     import orbax.checkpoint as ocp
 
-    from .hf_folder import load_tokenizer
+    from jaxserve.tokenizer_io import load_tokenizer
 
     path = pathlib.Path(path).absolute()
     marker = json.loads((path / MARKER).read_text())

@@ -67,7 +67,15 @@ def load_or_compile(key: str, compile_fn: Callable[[], jax.stages.Compiled]):
         pass
     except Exception:  # noqa: BLE001 - a corrupt or incompatible entry is compiled again
         path.unlink(missing_ok=True)
-    compiled = compile_fn()
+    # JAX's own persistent cache must not serve this compile: an executable that JAX loaded
+    # from it serializes without all its code (on the CPU, loading ours then fails at the first
+    # call with "Function ... not found"), so the step is compiled afresh once, here.
+    previous = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        compiled = compile_fn()
+    finally:
+        jax.config.update("jax_enable_compilation_cache", previous)
     try:
         data = pickle.dumps(serialize(compiled))
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -38,7 +38,7 @@ def bos_llama(tmp_path_factory, smollm):
     import transformers
     from tokenizers import processors
 
-    from jaxserve.model_loader.hf_folder import load_tokenizer, save_tokenizer
+    from jaxserve.tokenizer_io import load_tokenizer, save_tokenizer
 
     folder = tmp_path_factory.mktemp("bos-llama")
     torch.manual_seed(0)

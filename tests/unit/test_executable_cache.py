@@ -31,3 +31,32 @@ def test_round_trip_keys_and_corrupt_entries(tmp_path, monkeypatch):
     third, hit = EC.load_or_compile(key, compile_fn)
     assert not hit and len(calls) == 2
     np.testing.assert_array_equal(np.asarray(third(a, b)[0]), np.asarray(first(a, b)[0]))
+
+
+def test_an_entry_written_where_jax_s_own_cache_holds_the_program_runs(tmp_path, monkeypatch):
+    """The failure this guards against: JAX's persistent compilation cache serves the compile
+    (a program compiled in an earlier process), the executable is serialized from that, and the
+    stored entry then fails at its first call ("Function ... not found")."""
+    monkeypatch.setenv("JAXSERVE_CACHE", str(tmp_path))
+    saved = {k: getattr(jax.config, k) for k in (
+        "jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+        "jax_persistent_cache_min_entry_size_bytes")}
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "xla"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    try:
+        table = np.random.default_rng(0).random((1000, 64), np.float32)
+        idx = np.arange(0, 1000, 7, dtype=np.int32)
+        f = jax.jit(lambda t, i: (jnp.tanh(t[i] @ t[:64]).sum(-1), jnp.take(t, i[::-1], 0).mean()))
+        want = f(table, idx)  # compiled and written to JAX's persistent cache
+        jax.clear_caches()  # the next compile of f is served from that cache
+        key = EC.cache_key({"test": "persistent-cache"})
+        EC.load_or_compile(key, lambda: f.lower(table, idx).compile())
+        loaded, hit = EC.load_or_compile(key, lambda: None)
+        assert hit
+        got = loaded(table, idx)
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6)
+    finally:
+        for k, v in saved.items():
+            jax.config.update(k, v)

@@ -14,7 +14,6 @@ tried and multiplied start-up compilation). Every bucket is compiled ahead of ti
 ``compile_buckets``; ``execute`` never compiles (it raises if asked to).
 """
 
-import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,7 +26,6 @@ import numpy as np
 from jaxserve.config import ModelConfig
 from jaxserve.core.scheduler_output import SchedulerOutput
 from jaxserve.models import llama
-from jaxserve.worker import executable_cache
 from jaxserve.worker.input_batch import InputBatch
 from jaxserve.worker.sampler import SamplingMetadata, sample
 
@@ -59,13 +57,6 @@ def _step(config, attention_fn, max_num_seqs, params, token_ids, prev_rows, prev
     )
     sampled = sample(logits, sm)
     return jnp.pad(sampled, (0, max_num_seqs - sampled.shape[0])), k_cache, v_cache
-
-
-def _function_name(fn) -> str:
-    """A stable name for a function or a functools.partial of one (no memory addresses)."""
-    if isinstance(fn, partial):
-        return f"{_function_name(fn.func)}{sorted(fn.keywords.items())}"
-    return f"{fn.__module__}.{fn.__qualname__}"
 
 
 @dataclass
@@ -112,7 +103,6 @@ class ModelRunner:
         self.kv_dtype = kv_dtype
         self.k_cache = self.v_cache = None  # allocate_kv_cache, once the pool is sized
         self.input_batch = InputBatch(max_num_seqs, max_model_len, self.max_pages_per_seq)
-        self._attention_fn = attention_fn
         self._jitted = jax.jit(partial(_step, config, attention_fn, max_num_seqs),
                                donate_argnums=(5, 6))
         self._compiled: dict[int, Callable] = {}
@@ -167,38 +157,15 @@ class ModelRunner:
                 np.zeros(s, np.int32), sm)
 
     def compile_buckets(self, log: Callable[[str], None] = print) -> None:
-        """Compile the step for every token bucket, or load it from the executable cache
-        (``executable_cache``), with a progress line each."""
+        """Compile the step for every token bucket (JAX's persistent compilation cache serves
+        the compiles of a later start), with a progress line each."""
         start = time.perf_counter()
-        described = self._describe()
-        loaded = 0
         for i, t in enumerate(self.token_buckets, 1):
             inputs = self._dummy_inputs(t)
-
-            def compile_bucket():
-                return self._jitted.lower(self.params, *inputs[:4], self.k_cache, self.v_cache,
-                                          *inputs[4:]).compile()
-
-            key = executable_cache.cache_key({**described, "tokens": t})
-            self._compiled[t], hit = executable_cache.load_or_compile(key, compile_bucket)
-            loaded += hit
-            log(f"compiling buckets: {i}/{len(self.token_buckets)} (tokens={t}"
-                f"{', from the cache' if hit else ''}) {time.perf_counter() - start:.1f}s")
-        if loaded:
-            log(f"{loaded} of {len(self.token_buckets)} compiled steps loaded from "
-                f"{executable_cache.cache_dir()}")
-
-    def _describe(self) -> dict:
-        """Everything of this runner's that shapes its compiled steps (the cache key's part)."""
-        leaves = jax.tree_util.tree_flatten_with_path(self.params)[0]
-        return {
-            "model": dataclasses.asdict(self.config),
-            "params": [(jax.tree_util.keystr(p), x.shape, str(x.dtype)) for p, x in leaves],
-            "kv": [(x.shape, str(x.dtype)) for x in self.k_cache],
-            "page_size": self.page_size, "max_num_seqs": self.max_num_seqs,
-            "max_pages_per_seq": self.max_pages_per_seq,
-            "attention": _function_name(self._attention_fn),
-        }
+            self._compiled[t] = self._jitted.lower(
+                self.params, *inputs[:4], self.k_cache, self.v_cache, *inputs[4:]).compile()
+            log(f"compiling buckets (or loading them from the cache): {i}/{len(self.token_buckets)} "
+                f"(tokens={t}) {time.perf_counter() - start:.1f}s")
 
     def execute(self, sched: SchedulerOutput) -> StepHandle | None:
         """Apply the step's changes to the InputBatch and dispatch the step (no wait). None if

@@ -50,14 +50,16 @@ def random_prompts(n, seed, shared_prefix=()):
             for _ in range(n)]
 
 
-def run(prompts, max_tokens=6, async_scheduling=False, **kw):
+def run(prompts, max_tokens=6, async_scheduling=False, stop_token_ids=(), **kw):
     sched, runner = make(**kw)
     for i, p in enumerate(prompts):
-        sched.add_request(make_request(i, p, max_tokens=max_tokens))
+        sched.add_request(make_request(i, p, max_tokens=max_tokens,
+                                       stop_token_ids=list(stop_token_ids)))
     out = run_to_completion(sched, runner, on_step=check_invariants(sched),
                             async_scheduling=async_scheduling)
     assert not sched.requests and not sched.running and not sched.waiting
     assert sched.kv.block_pool.num_free_pages == sched.kv.block_pool.num_usable_pages
+    assert sched.kv.usage() == 0
     return out, sched
 
 
@@ -194,18 +196,9 @@ def test_async_scheduling_gives_the_same_outputs():
     stop = dict(stop_token_ids=list(range(10, 60)))
     for kw in [dict(), dict(budget=16, max_seqs=3), dict(num_pages=60, budget=64, max_seqs=16)]:
         for caching in (False, True):
-            sync, s1 = run_with(prompts, caching=caching, **kw, **stop)
-            asyn, s2 = run_with(prompts, caching=caching, async_scheduling=True, **kw, **stop)
+            sync, s1 = run(prompts, max_tokens=20, caching=caching, **kw, **stop)
+            asyn, s2 = run(prompts, max_tokens=20, caching=caching, async_scheduling=True,
+                          **kw, **stop)
             assert asyn == sync
             assert any(len(v) < 20 for v in sync.values())  # some stopped on a stop token
     assert s2.num_preemptions > 0
-
-
-def run_with(prompts, async_scheduling=False, stop_token_ids=(), **kw):
-    sched, runner = make(**kw)
-    for i, p in enumerate(prompts):
-        sched.add_request(make_request(i, p, max_tokens=20, stop_token_ids=list(stop_token_ids)))
-    out = run_to_completion(sched, runner, on_step=check_invariants(sched),
-                            async_scheduling=async_scheduling)
-    assert not sched.requests and sched.kv.usage() == 0
-    return out, sched

@@ -89,6 +89,37 @@ def write_kv(
     return k_pages, v_pages
 
 
+@partial(jax.jit, static_argnames=("num_heads", "num_kv_heads", "eps", "attention_fn"))
+def _decoder_layer(hidden: jax.Array, p: dict, k_pages: jax.Array, v_pages: jax.Array,
+                   cos: jax.Array, sin: jax.Array, md: AttentionMetadata, *, num_heads: int,
+                   num_kv_heads: int, eps: float, attention_fn: Callable):
+    """One decoder layer: hidden [T, E] -> (hidden, k_pages, v_pages with this step's K/V).
+
+    A jitted function of its own so that the step traces and lowers one layer, not L: every
+    layer has the same shapes, so JAX reuses the layer's trace and its lowered function, and
+    XLA inlines the calls (same program, far less start-up time; docs/design.md section 3).
+    """
+    H, KV = num_heads, num_kv_heads
+    num_tokens, D = hidden.shape[0], k_pages.shape[-1]
+    x = _rms_norm(hidden, p["input_layernorm"], eps)
+    qkv = x @ p["qkv_proj"]
+    if "qkv_bias" in p:
+        qkv = qkv + p["qkv_bias"]
+    q = qkv[:, : H * D].reshape(num_tokens, H, D)
+    k = qkv[:, H * D : (H + KV) * D].reshape(num_tokens, KV, D)
+    v = qkv[:, (H + KV) * D :].reshape(num_tokens, KV, D)
+    if "q_norm" in p:
+        q = _rms_norm(q, p["q_norm"], eps)
+        k = _rms_norm(k, p["k_norm"], eps)
+    q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
+    k_pages, v_pages = write_kv(k_pages, v_pages, k, v, md.slot_mapping)
+    attn = attention_fn(q, k_pages, v_pages, md.query_start_loc, md.seq_lens, md.block_tables)
+    hidden = hidden + attn.reshape(num_tokens, H * D) @ p["o_proj"]
+    x = _rms_norm(hidden, p["post_attention_layernorm"], eps)
+    gate, up = jnp.split(x @ p["gate_up_proj"], 2, axis=-1)
+    return hidden + (jax.nn.silu(gate) * up) @ p["down_proj"], k_pages, v_pages
+
+
 def forward(
     config: ModelConfig,
     params: dict,
@@ -122,43 +153,17 @@ def forward(
       (logits [S, V] float32, k_cache, v_cache updated in place).
     """
     c = config
-    H, KV, D = c.num_heads, c.num_kv_heads, c.head_dim
-    num_tokens = token_ids.shape[0]
     inv_freq = jnp.asarray(rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling))
     angles = md.positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
     cos, sin = jnp.cos(angles), jnp.sin(angles)
 
     embed = params["embed_tokens"]
     hidden = embed[jnp.where(token_ids < embed.shape[0], token_ids, 0)]
-
-    def layer(hidden, p, write_and_attend):
-        x = _rms_norm(hidden, p["input_layernorm"], c.rms_norm_eps)
-        qkv = x @ p["qkv_proj"]
-        if "qkv_bias" in p:
-            qkv = qkv + p["qkv_bias"]
-        q = qkv[:, : H * D].reshape(num_tokens, H, D)
-        k = qkv[:, H * D : (H + KV) * D].reshape(num_tokens, KV, D)
-        v = qkv[:, (H + KV) * D :].reshape(num_tokens, KV, D)
-        if "q_norm" in p:
-            q = _rms_norm(q, p["q_norm"], c.rms_norm_eps)
-            k = _rms_norm(k, p["k_norm"], c.rms_norm_eps)
-        q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
-        attn = write_and_attend(q, k, v)
-        hidden = hidden + attn.reshape(num_tokens, H * D) @ p["o_proj"]
-        x = _rms_norm(hidden, p["post_attention_layernorm"], c.rms_norm_eps)
-        gate, up = jnp.split(x @ p["gate_up_proj"], 2, axis=-1)
-        return hidden + (jax.nn.silu(gate) * up) @ p["down_proj"]
-
     k_cache, v_cache = list(k_cache), list(v_cache)
     for i, p in enumerate(params["layers"]):
-
-        def write_and_attend(q, k, v, i=i):
-            k_cache[i], v_cache[i] = write_kv(k_cache[i], v_cache[i], k, v, md.slot_mapping)
-            return attention_fn(
-                q, k_cache[i], v_cache[i], md.query_start_loc, md.seq_lens, md.block_tables
-            )
-
-        hidden = layer(hidden, p, write_and_attend)
+        hidden, k_cache[i], v_cache[i] = _decoder_layer(
+            hidden, p, k_cache[i], v_cache[i], cos, sin, md, num_heads=c.num_heads,
+            num_kv_heads=c.num_kv_heads, eps=c.rms_norm_eps, attention_fn=attention_fn)
 
     hidden = _rms_norm(hidden[logits_indices], params["norm"], c.rms_norm_eps)
     lm_head = params.get("lm_head", embed)

@@ -14,8 +14,10 @@ tried and multiplied start-up compilation). Every bucket is compiled ahead of ti
 ``compile_buckets``; ``execute`` never compiles (it raises if asked to).
 """
 
+import os
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from functools import partial
 
@@ -157,15 +159,24 @@ class ModelRunner:
                 np.zeros(s, np.int32), sm)
 
     def compile_buckets(self, log: Callable[[str], None] = print) -> None:
-        """Compile the step for every token bucket (JAX's persistent compilation cache serves
-        the compiles of a later start), with a progress line each."""
+        """Compile the step for every token bucket, with a progress line each: traced and
+        lowered one after another (Python), compiled by a thread per core (XLA's compiler runs
+        outside the GIL). JAX's persistent compilation cache serves the compiles of a later
+        start."""
         start = time.perf_counter()
-        for i, t in enumerate(self.token_buckets, 1):
+        lowered = {}
+        for t in self.token_buckets:
             inputs = self._dummy_inputs(t)
-            self._compiled[t] = self._jitted.lower(
-                self.params, *inputs[:4], self.k_cache, self.v_cache, *inputs[4:]).compile()
-            log(f"compiling buckets (or loading them from the cache): {i}/{len(self.token_buckets)} "
-                f"(tokens={t}) {time.perf_counter() - start:.1f}s")
+            lowered[t] = self._jitted.lower(
+                self.params, *inputs[:4], self.k_cache, self.v_cache, *inputs[4:])
+        log(f"traced and lowered {len(lowered)} token buckets in {time.perf_counter() - start:.1f}s")
+        with ThreadPoolExecutor(min(len(lowered), os.cpu_count() or 1)) as pool:
+            futures = {pool.submit(lo.compile): t for t, lo in lowered.items()}
+            for i, done in enumerate(as_completed(futures), 1):
+                t = futures[done]
+                self._compiled[t] = done.result()
+                log(f"compiling buckets (or loading them from the cache): {i}/{len(lowered)} "
+                    f"(tokens={t}) {time.perf_counter() - start:.1f}s")
 
     def execute(self, sched: SchedulerOutput) -> StepHandle | None:
         """Apply the step's changes to the InputBatch and dispatch the step (no wait). None if

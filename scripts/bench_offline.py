@@ -1,21 +1,127 @@
 """Offline engine throughput on random token prompts (e.g. a Llama-3.1-8B-shaped dummy model on
-a GPU): start-up time split into load and compile, then output tokens/s for a batch of requests
-with fixed prompt and output lengths (ignore_eos).
+a GPU): start-up time, output tokens/s for a batch of requests with fixed prompt and output
+lengths (greedy, ignore_eos), optionally against HF transformers ``generate`` in the same run,
+decode at batch 1 against the weight-streaming floor, and the device's idle share in steady
+decode.
 
     python scripts/bench_offline.py --model llama-3.1-8b --load-format dummy \
-        --num-prompts 64 --prompt-len 512 --output-len 128 --max-model-len 2048
+        --num-prompts 64 --prompt-len 512 --output-len 128 [--hf-reference] [--batch1] \
+        [--idle-batch 256]
 
-docs/design.md section 6 gives HF transformers `generate` on the same shape (bf16, sdpa,
-batch 64, prompt 512 / 128 new tokens) as the reference: about 870 output tokens/s eager, 2,240
-with a static KV cache.
+Engine flags left out take the engine's defaults (on a GPU: 256 sequences, 8,192-token budget,
+the model's max_model_len).
+
+``--hf-reference``: before the engine starts (JAX then takes most of the GPU's memory), a child
+process builds the same shapes in HF transformers (random bf16 weights on the GPU) and times
+``generate`` with a static KV cache (``cache_implementation="static"``) on the same prompt ids,
+after one untimed warm-up run of the same shapes; the ratio is jaxserve / HF output tokens/s.
+
+``--batch1``: one request of 16 prompt tokens and 512 output tokens; the floor is the
+parameters' bytes read once per token at ``--peak-tbs`` (H200: 4.23 TB/s copy peak).
+
+``--idle-batch N``: N requests decoding together (``--idle-prompt-len`` in, enough out to stay
+in decode): the serving loop's wall time per step over ``--idle-steps`` steady decode steps,
+against the device time of one of those steps' compiled call replayed back to back with the
+same inputs (dispatched ``--idle-steps`` times, blocked once). Idle share = 1 - device / loop.
 """
 
 import argparse
+import multiprocessing as mp
 import time
 
+import jax
 import numpy as np
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.engine import EngineCoreRequest
+
+
+def hf_generate(hf_config: dict, prompts: list[list[int]], output_len: int, out: mp.Queue):
+    """Child process: HF transformers ``generate`` with a static KV cache on random bf16
+    weights of ``hf_config``'s shapes, on the GPU. Puts (output tok/s, warm-up s, versions)."""
+    import torch
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = dict(hf_config)
+    config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config).eval()
+    ids = torch.tensor(prompts, device="cuda")
+    kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=output_len,
+              min_new_tokens=output_len, cache_implementation="static", pad_token_id=0)
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        model.generate(ids, **kw)  # warm-up: same shapes (a static cache compiles for them)
+        warm = time.perf_counter() - t0
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        gen = model.generate(ids, **kw)
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+    n_out = (gen.shape[1] - ids.shape[1]) * ids.shape[0]
+    out.put((n_out / dt, warm, f"torch {torch.__version__}, transformers {transformers.__version__}"))
+
+
+def run_hf_reference(hf_config, prompts, output_len):
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=hf_generate, args=(hf_config, prompts, output_len, q))
+    p.start()
+    result = q.get()
+    p.join()
+    return result
+
+
+def time_generate(llm, prompts, sp) -> tuple[float, int]:
+    t = time.perf_counter()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    return time.perf_counter() - t, sum(len(o.outputs[0].token_ids) for o in outs)
+
+
+def measure_idle(llm: LLM, rng, vocab: int, batch: int, prompt_len: int, steps: int):
+    """(loop ms per step, device ms per step) in steady decode at ``batch`` sequences."""
+    engine, runner = llm.engine, llm.engine.runner
+    sp = SamplingParams(temperature=0, max_tokens=4 * steps + 64, ignore_eos=True)
+    for i in range(batch):
+        ids = rng.integers(10, vocab, prompt_len).tolist()
+        engine.add_request(EngineCoreRequest(f"idle-{i}", ids, sp))
+    recorded = {}
+
+    def recording(step):
+        def call(*args):
+            recorded["args"] = args
+            return step(*args)
+        return call
+
+    decode_bucket = min(b for b in runner.token_buckets if b >= batch)
+    original = runner._compiled[decode_bucket]
+    # Warm into steady decode: every request admitted, its prompt done, a few decode steps run.
+    sched = engine.scheduler
+    while len(sched.running) < batch or min(r.num_output_tokens for r in sched.running) < 8:
+        engine.step()
+    runner._compiled[decode_bucket] = recording(original)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    loop = (time.perf_counter() - t0) / steps
+    runner._compiled[decode_bucket] = original
+    engine.abort_requests([f"idle-{i}" for i in range(batch)])
+    while engine.has_unfinished_requests():
+        engine.step()
+
+    params, tok, prev_rows, prev_sampled, md, _, _, logits_idx, sm = recorded["args"]
+    k, v = runner.k_cache, runner.v_cache
+    for i in range(steps + 1):  # the first call is a warm-up
+        if i == 1:
+            jax.block_until_ready(k)
+            t0 = time.perf_counter()
+        sampled, k, v = original(params, tok, prev_rows, prev_sampled, md, k, v, logits_idx, sm)
+    jax.block_until_ready(sampled)
+    device = (time.perf_counter() - t0) / steps
+    runner.k_cache, runner.v_cache = k, v
+    return loop * 1e3, device * 1e3
 
 
 def main():
@@ -25,32 +131,72 @@ def main():
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--max-model-len", type=int, default=2048)
-    ap.add_argument("--max-num-seqs", type=int, default=64)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument("--max-num-seqs", type=int, default=None)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--hf-reference", action="store_true",
+                    help="time HF transformers generate (static cache) on the same prompts first")
+    ap.add_argument("--batch1", action="store_true", help="also time decode at batch 1")
+    ap.add_argument("--peak-tbs", type=float, default=4.23,
+                    help="memory bandwidth for the batch-1 floor, TB/s (default: H200 copy peak)")
+    ap.add_argument("--idle-batch", type=int, default=0, help="measure idle share at this batch")
+    ap.add_argument("--idle-prompt-len", type=int, default=1000)
+    ap.add_argument("--idle-steps", type=int, default=100)
     args = ap.parse_args()
+    engine_flags = {k: v for k, v in (("max_model_len", args.max_model_len),
+                                      ("max_num_seqs", args.max_num_seqs),
+                                      ("max_num_batched_tokens", args.max_num_batched_tokens))
+                    if v is not None}
+    log = lambda s: print(f"[engine] {s}", flush=True)  # noqa: E731
+
+    rng = np.random.default_rng(args.seed)
+    hf = None
+    if args.hf_reference:
+        from jaxserve.model_loader import load_checkpoint
+
+        ckpt = load_checkpoint(args.model, args.load_format)
+        vocab = min(ckpt.hf_config["vocab_size"], len(ckpt.tokenizer))
+        prompts = [rng.integers(10, vocab, args.prompt_len).tolist() for _ in range(args.num_prompts)]
+        hf = run_hf_reference(ckpt.hf_config, prompts, args.output_len)
+        print(f"HF transformers generate (static cache, {hf[2]}): {hf[0]:.0f} output tok/s "
+              f"(warm-up run {hf[1]:.1f}s)", flush=True)
 
     t0 = time.perf_counter()
-    llm = LLM(
-        args.model, load_format=args.load_format, max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        attention_backend=args.attention_backend, log=lambda s: print(f"[engine] {s}", flush=True),
-    )
+    llm = LLM(args.model, load_format=args.load_format, attention_backend=args.attention_backend,
+              log=log, **engine_flags)
     startup = time.perf_counter() - t0
     vocab = min(llm.engine.model_config.vocab_size, len(llm.tokenizer))
-    rng = np.random.default_rng(args.seed)
-    prompts = [rng.integers(10, vocab, args.prompt_len).tolist() for _ in range(args.num_prompts)]
+    if hf is None:
+        prompts = [rng.integers(10, vocab, args.prompt_len).tolist() for _ in range(args.num_prompts)]
     sp = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    llm.generate(prompts[: min(4, len(prompts))], SamplingParams(max_tokens=4), use_tqdm=False)
-    t = time.perf_counter()
-    outs = llm.generate(prompts, sp, use_tqdm=False)
-    elapsed = time.perf_counter() - t
-    out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    llm.generate(prompts, sp, use_tqdm=False)  # warm-up: same workload
+    elapsed, out_tokens = time_generate(llm, prompts, sp)
+    tok_s = out_tokens / elapsed
     print(f"start-up {startup:.1f}s; {args.num_prompts} requests x ({args.prompt_len} in, "
-          f"{args.output_len} out) in {elapsed:.2f}s: {out_tokens / elapsed:.0f} output tok/s, "
-          f"{(out_tokens + args.num_prompts * args.prompt_len) / elapsed:.0f} total tok/s")
+          f"{args.output_len} out) in {elapsed:.2f}s: {tok_s:.0f} output tok/s, "
+          f"{(out_tokens + args.num_prompts * args.prompt_len) / elapsed:.0f} total tok/s", flush=True)
+    if hf is not None:
+        print(f"jaxserve / HF static cache: {tok_s / hf[0]:.2f}x", flush=True)
+
+    if args.batch1:
+        one = [rng.integers(10, vocab, 16).tolist()]
+        sp1 = SamplingParams(temperature=0, max_tokens=512, ignore_eos=True)
+        llm.generate(one, sp1, use_tqdm=False)
+        dt, n = time_generate(llm, one, sp1)
+        weights = sum(x.nbytes for x in jax.tree.leaves(llm.engine.runner.params))
+        floor = args.peak_tbs * 1e12 / weights
+        print(f"decode batch 1 (16 in, 512 out): {n / dt:.1f} tok/s = {n / dt / floor:.0%} of the "
+              f"floor ({weights / 1e9:.2f} GB of parameters at {args.peak_tbs} TB/s = "
+              f"{floor:.0f} tok/s)", flush=True)
+
+    if args.idle_batch:
+        loop, device = measure_idle(llm, rng, vocab, args.idle_batch, args.idle_prompt_len,
+                                    args.idle_steps)
+        print(f"steady decode at batch {args.idle_batch}: serving loop {loop:.2f} ms/step, the "
+              f"same compiled step back to back {device:.2f} ms/step: device idle "
+              f"{max(0.0, 1 - device / loop):.1%}", flush=True)
 
 
 if __name__ == "__main__":

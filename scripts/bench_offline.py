@@ -31,9 +31,9 @@ import time
 
 import jax
 import numpy as np
+from profile_engine import add_requests, finish, run_until_decoding
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.engine import EngineCoreRequest
 
 
 def hf_generate(hf_config: dict, prompts: list[list[int]], output_len: int, out: mp.Queue):
@@ -49,8 +49,8 @@ def hf_generate(hf_config: dict, prompts: list[list[int]], output_len: int, out:
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(config).eval()
     ids = torch.tensor(prompts, device="cuda")
-    kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=output_len,
-              min_new_tokens=output_len, cache_implementation="static", pad_token_id=0)
+    kw = {"attention_mask": torch.ones_like(ids), "do_sample": False, "max_new_tokens": output_len,
+              "min_new_tokens": output_len, "cache_implementation": "static", "pad_token_id": 0}
     with torch.inference_mode():
         t0 = time.perf_counter()
         model.generate(ids, **kw)  # warm-up: same shapes (a static cache compiles for them)
@@ -80,13 +80,10 @@ def time_generate(llm, prompts, sp) -> tuple[float, int]:
     return time.perf_counter() - t, sum(len(o.outputs[0].token_ids) for o in outs)
 
 
-def measure_idle(llm: LLM, rng, vocab: int, batch: int, prompt_len: int, steps: int):
+def measure_idle(llm: LLM, rng, batch: int, prompt_len: int, steps: int):
     """(loop ms per step, device ms per step) in steady decode at ``batch`` sequences."""
-    engine, runner = llm.engine, llm.engine.runner
-    sp = SamplingParams(temperature=0, max_tokens=4 * steps + 64, ignore_eos=True)
-    for i in range(batch):
-        ids = rng.integers(10, vocab, prompt_len).tolist()
-        engine.add_request(EngineCoreRequest(f"idle-{i}", ids, sp))
+    runner = llm.engine.runner
+    ids = add_requests(llm, rng, batch, prompt_len, 4 * steps + 64, "idle")
     recorded = {}
 
     def recording(step):
@@ -97,19 +94,14 @@ def measure_idle(llm: LLM, rng, vocab: int, batch: int, prompt_len: int, steps: 
 
     decode_bucket = min(b for b in runner.token_buckets if b >= batch)
     original = runner._compiled[decode_bucket]
-    # Warm into steady decode: every request admitted, its prompt done, a few decode steps run.
-    sched = engine.scheduler
-    while len(sched.running) < batch or min(r.num_output_tokens for r in sched.running) < 8:
-        engine.step()
+    run_until_decoding(llm, batch)
     runner._compiled[decode_bucket] = recording(original)
     t0 = time.perf_counter()
     for _ in range(steps):
-        engine.step()
+        llm.engine.step()
     loop = (time.perf_counter() - t0) / steps
     runner._compiled[decode_bucket] = original
-    engine.abort_requests([f"idle-{i}" for i in range(batch)])
-    while engine.has_unfinished_requests():
-        engine.step()
+    finish(llm, ids)
 
     params, tok, prev_rows, prev_sampled, md, _, _, logits_idx, sm = recorded["args"]
     k, v = runner.k_cache, runner.v_cache
@@ -149,7 +141,7 @@ def main():
                                       ("max_num_seqs", args.max_num_seqs),
                                       ("max_num_batched_tokens", args.max_num_batched_tokens))
                     if v is not None}
-    log = lambda s: print(f"[engine] {s}", flush=True)  # noqa: E731
+    log = lambda s: print(f"[engine] {s}", flush=True)
 
     rng = np.random.default_rng(args.seed)
     hf = None
@@ -192,7 +184,7 @@ def main():
               f"{floor:.0f} tok/s)", flush=True)
 
     if args.idle_batch:
-        loop, device = measure_idle(llm, rng, vocab, args.idle_batch, args.idle_prompt_len,
+        loop, device = measure_idle(llm, rng, args.idle_batch, args.idle_prompt_len,
                                     args.idle_steps)
         print(f"steady decode at batch {args.idle_batch}: serving loop {loop:.2f} ms/step, the "
               f"same compiled step back to back {device:.2f} ms/step: device idle "

@@ -1,0 +1,157 @@
+"""Profile the engine's steps on the device with ``jax.profiler`` and summarise the trace.
+
+    python scripts/profile_engine.py --model llama-3.1-8b --load-format dummy \
+        --batch 256 --prompt-len 1000 --steps 50 --out /tmp/prof
+
+Runs ``--batch`` requests of ``--prompt-len`` random tokens through an in-process EngineCore
+(engine defaults unless flags are given). With ``--phase decode`` (default) it first runs until
+every request is decoding, then traces ``--steps`` engine steps; with ``--phase prefill`` it
+traces from the first step (the prompts' prefill, then decode). The trace (Perfetto JSON, written
+by ``jax.profiler.trace(create_perfetto_trace=True)`` under ``--out``) is then summarised: per
+compiled-module execution on the device (the step programs: count, median and spread of their
+durations, and the gaps between one and the next), the share of the traced window in which any
+kernel ran, and the kernels that took most of the time. On the CPU backend the trace holds no
+device tracks and only the host's time is printed.
+"""
+
+import argparse
+import collections
+import glob
+import gzip
+import itertools
+import json
+import os
+import statistics
+import time
+
+import jax
+import numpy as np
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.engine import EngineCoreRequest
+
+
+def add_requests(llm: LLM, rng, batch: int, prompt_len: int, max_tokens: int, tag: str) -> list[str]:
+    vocab = min(llm.engine.model_config.vocab_size, len(llm.tokenizer))
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    ids = [f"{tag}-{i}" for i in range(batch)]
+    for rid in ids:
+        llm.engine.add_request(EngineCoreRequest(rid, rng.integers(10, vocab, prompt_len).tolist(), sp))
+    return ids
+
+
+def run_until_decoding(llm: LLM, batch: int, min_outputs: int = 8) -> None:
+    """Step until ``batch`` requests run and each has at least ``min_outputs`` output tokens."""
+    sched = llm.engine.scheduler
+    while len(sched.running) < batch or min(r.num_output_tokens for r in sched.running) < min_outputs:
+        llm.engine.step()
+
+
+def finish(llm: LLM, ids: list[str]) -> None:
+    llm.engine.abort_requests(ids)
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+
+
+def _intervals_union(iv: list[tuple[float, float]]) -> float:
+    total, end = 0.0, -float("inf")
+    for s, e in sorted(iv):
+        if e > end:
+            total += e - max(s, end)
+            end = e
+    return total
+
+
+def summarize(trace_dir: str, top: int = 15) -> str:
+    """Text summary of the newest Perfetto trace under trace_dir (times in ms)."""
+    path = max(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True), key=os.path.getmtime)
+    with gzip.open(path) as f:
+        events = json.load(f)["traceEvents"]
+    procs = {e["pid"]: e["args"]["name"] for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    device = {pid for pid, name in procs.items() if name.startswith("/device:")}
+    lines = [f"trace: {path}"]
+    if not device:
+        return "\n".join(lines + ["no device tracks (CPU backend): nothing to summarise"])
+    by_thread = collections.defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X" and e["pid"] in device:
+            by_thread[threads.get((e["pid"], e["tid"]), str(e["tid"]))].append(e)
+    for name, evs in sorted(by_thread.items()):
+        lines.append(f"device thread {name!r}: {len(evs)} events")
+    modules = [e for name, evs in by_thread.items() if "module" in name.lower() for e in evs]
+    modules.sort(key=lambda e: e["ts"])
+    if modules:
+        durs = [e["dur"] / 1e3 for e in modules]
+        gaps = [(b["ts"] - (a["ts"] + a["dur"])) / 1e3 for a, b in itertools.pairwise(modules)]
+        lines.append(f"modules: {len(modules)}; duration ms median {statistics.median(durs):.3f} "
+                     f"min {min(durs):.3f} max {max(durs):.3f}; first five "
+                     + ", ".join(f"{e['name']} {e['dur'] / 1e3:.3f}" for e in modules[:5]))
+        if gaps:
+            lines.append(f"gaps between modules ms: median {statistics.median(gaps):.3f} "
+                         f"mean {statistics.mean(gaps):.3f} max {max(gaps):.3f}; window "
+                         f"{(modules[-1]['ts'] + modules[-1]['dur'] - modules[0]['ts']) / 1e3:.1f}, "
+                         f"modules busy {sum(durs) / 1e3 * 1e3:.1f}")
+    kernels = [e for name, evs in by_thread.items() if "module" not in name.lower()
+               and "step" not in name.lower() for e in evs]
+    if kernels:
+        start = min(e["ts"] for e in kernels)
+        end = max(e["ts"] + e["dur"] for e in kernels)
+        busy = _intervals_union([(e["ts"], e["ts"] + e["dur"]) for e in kernels])
+        lines.append(f"kernels: {len(kernels)} over {(end - start) / 1e3:.1f} ms, any kernel "
+                     f"running {busy / (end - start):.1%} of it")
+        per = collections.Counter()
+        count = collections.Counter()
+        for e in kernels:
+            per[e["name"][:90]] += e["dur"]
+            count[e["name"][:90]] += 1
+        total = sum(per.values())
+        for name, d in per.most_common(top):
+            lines.append(f"  {d / 1e3:9.2f} ms {d / total:6.1%} x{count[name]:<6} {name}")
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--load-format", default="auto")
+    ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument("--max-num-seqs", type=int, default=None)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--phase", choices=("decode", "prefill"), default="decode")
+    ap.add_argument("--out", default="/tmp/jaxserve_profile")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    flags = {k: v for k, v in (("max_model_len", args.max_model_len),
+                               ("max_num_seqs", args.max_num_seqs),
+                               ("max_num_batched_tokens", args.max_num_batched_tokens))
+             if v is not None}
+    llm = LLM(args.model, load_format=args.load_format,
+              log=lambda s: print(f"[engine] {s}", flush=True), **flags)
+    rng = np.random.default_rng(args.seed)
+    add_requests(llm, rng, args.batch, args.prompt_len, 16, "warm")
+    while llm.engine.has_unfinished_requests():  # warm-up: the same shapes once
+        llm.engine.step()
+    ids = add_requests(llm, rng, args.batch, args.prompt_len, args.steps + 64, "prof")
+    if args.phase == "decode":
+        run_until_decoding(llm, args.batch)
+    jax.block_until_ready(llm.engine.runner.k_cache)
+    t0 = time.perf_counter()
+    with jax.profiler.trace(args.out, create_perfetto_trace=True):
+        for _ in range(args.steps):
+            llm.engine.step()
+        jax.block_until_ready(llm.engine.runner.k_cache)
+    wall = (time.perf_counter() - t0) * 1e3
+    finish(llm, ids)
+    print(f"{args.steps} steps ({args.phase}, batch {args.batch}, prompt {args.prompt_len}): "
+          f"{wall:.1f} ms wall under the profiler, {wall / args.steps:.2f} ms per step")
+    print(summarize(args.out))
+
+
+if __name__ == "__main__":
+    main()

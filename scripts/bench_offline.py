@@ -109,7 +109,7 @@ def measure_idle(llm: LLM, rng, batch: int, prompt_len: int, steps: int):
         if i == 1:
             jax.block_until_ready(k)
             t0 = time.perf_counter()
-        sampled, k, v = original(params, tok, prev_rows, prev_sampled, md, k, v, logits_idx, sm)
+        sampled, _, k, v = original(params, tok, prev_rows, prev_sampled, md, k, v, logits_idx, sm)
     jax.block_until_ready(sampled)
     device = (time.perf_counter() - t0) / steps
     runner.k_cache, runner.v_cache = k, v

@@ -29,7 +29,12 @@ from jaxserve.config import ModelConfig
 from jaxserve.core.scheduler_output import SchedulerOutput
 from jaxserve.models import llama
 from jaxserve.worker.input_batch import InputBatch
-from jaxserve.worker.sampler import SamplingMetadata, sample
+from jaxserve.worker.sampler import (
+    SamplingMetadata,
+    filtered_rows,
+    sample_filtered,
+    sample_unfiltered,
+)
 
 
 def powers_of_two_up_to(limit: int, start: int = 1) -> list[int]:
@@ -51,14 +56,23 @@ def _bucket(buckets: list[int], n: int) -> int:
 def _step(config, attention_fn, max_num_seqs, params, token_ids, prev_rows, prev_sampled, md,
           k_cache, v_cache, logits_indices, sm):
     """prev_rows[T]: for each input token, the row of ``prev_sampled`` (the previous step's
-    sampled tokens) that holds it, or -1 to take ``token_ids``. Returns the sampled tokens padded
-    to [max_num_seqs], so that the next step's prev_sampled has one shape in every bucket."""
+    sampled tokens) that holds it, or -1 to take ``token_ids``. Returns the greedy and plain
+    rows' tokens padded to [max_num_seqs] (so that the next step's prev_sampled has one shape
+    in every bucket), the logits [S, V] for ``_filter`` and the updated KV pool. No control
+    flow: see the sampler's module docstring."""
     token_ids = jnp.where(prev_rows >= 0, prev_sampled[jnp.maximum(prev_rows, 0)], token_ids)
     logits, k_cache, v_cache = llama.forward(
         config, params, token_ids, md, k_cache, v_cache, logits_indices, attention_fn=attention_fn
     )
-    sampled = sample(logits, sm)
-    return jnp.pad(sampled, (0, max_num_seqs - sampled.shape[0])), k_cache, v_cache
+    sampled = sample_unfiltered(logits, sm)
+    return jnp.pad(sampled, (0, max_num_seqs - sampled.shape[0])), logits, k_cache, v_cache
+
+
+def _filter(logits, sampled, sm):
+    """The step's tokens ([max_num_seqs]) with its top-k / top-p rows drawn (a step's S rows
+    come first)."""
+    s = logits.shape[0]
+    return sampled.at[:s].set(sample_filtered(logits, sampled[:s], sm))
 
 
 @dataclass
@@ -107,7 +121,9 @@ class ModelRunner:
         self.input_batch = InputBatch(max_num_seqs, max_model_len, self.max_pages_per_seq)
         self._jitted = jax.jit(partial(_step, config, attention_fn, max_num_seqs),
                                donate_argnums=(5, 6))
+        self._filter_jitted = jax.jit(_filter)
         self._compiled: dict[int, Callable] = {}
+        self._filter_compiled: dict[int, Callable] = {}  # by S
         self._prev_sampled = jnp.zeros(max_num_seqs, jnp.int32)
         self._step_count = 0
 
@@ -159,24 +175,32 @@ class ModelRunner:
                 np.zeros(s, np.int32), sm)
 
     def compile_buckets(self, log: Callable[[str], None] = print) -> None:
-        """Compile the step for every token bucket, with a progress line each: traced and
-        lowered one after another (Python), compiled by a thread per core (XLA's compiler runs
-        outside the GIL). JAX's persistent compilation cache serves the compiles of a later
-        start."""
+        """Compile the step for every token bucket and the top-k/top-p sampler for every
+        sequence count, with a progress line each: traced and lowered one after another
+        (Python), compiled by a thread per core (XLA's compiler runs outside the GIL). JAX's
+        persistent compilation cache serves the compiles of a later start."""
         start = time.perf_counter()
         lowered = {}
         for t in self.token_buckets:
             inputs = self._dummy_inputs(t)
-            lowered[t] = self._jitted.lower(
+            lowered["step", t] = self._jitted.lower(
                 self.params, *inputs[:4], self.k_cache, self.v_cache, *inputs[4:])
-        log(f"traced and lowered {len(lowered)} token buckets in {time.perf_counter() - start:.1f}s")
+        vocab = self.config.vocab_size
+        for s in sorted({self.num_seqs_for(t) for t in self.token_buckets}):
+            sm = self._dummy_inputs(s)[5]
+            logits = jax.ShapeDtypeStruct((s, vocab), jnp.float32)
+            lowered["filter", s] = self._filter_jitted.lower(logits, self._prev_sampled, sm)
+        log(f"traced and lowered {len(lowered)} programs ({len(self.token_buckets)} token buckets, "
+            f"{len(lowered) - len(self.token_buckets)} samplers) in "
+            f"{time.perf_counter() - start:.1f}s")
         with ThreadPoolExecutor(min(len(lowered), os.cpu_count() or 1)) as pool:
-            futures = {pool.submit(lo.compile): t for t, lo in lowered.items()}
+            futures = {pool.submit(lo.compile): key for key, lo in lowered.items()}
             for i, done in enumerate(as_completed(futures), 1):
-                t = futures[done]
-                self._compiled[t] = done.result()
-                log(f"compiling buckets (or loading them from the cache): {i}/{len(lowered)} "
-                    f"(tokens={t}) {time.perf_counter() - start:.1f}s")
+                (kind, n) = futures[done]
+                (self._compiled if kind == "step" else self._filter_compiled)[n] = done.result()
+                log(f"compiling (or loading from the cache): {i}/{len(lowered)} "
+                    f"({kind} {'tokens' if kind == 'step' else 'seqs'}={n}) "
+                    f"{time.perf_counter() - start:.1f}s")
 
     def execute(self, sched: SchedulerOutput) -> StepHandle | None:
         """Apply the step's changes to the InputBatch and dispatch the step (no wait). None if
@@ -242,9 +266,11 @@ class ModelRunner:
         step = self._compiled.get(t)
         if step is None:
             raise RuntimeError(f"bucket tokens={t} was not compiled at start-up")
-        sampled, self.k_cache, self.v_cache = step(
+        sampled, logits, self.k_cache, self.v_cache = step(
             self.params, token_ids, prev_rows, self._prev_sampled, md, self.k_cache, self.v_cache,
             logits_indices, sm)
+        if filtered_rows(sm, self.config.vocab_size).any():
+            sampled = self._filter_compiled[s](logits, sampled, sm)
         self._prev_sampled = sampled
         self._step_count += 1
         b.num_computed_tokens[slots] = seq_lens[:n_seq]

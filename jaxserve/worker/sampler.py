@@ -1,7 +1,7 @@
 """Token sampling from a step's logits: greedy, temperature, top-k, top-p, per-request seeds.
 
 Each row takes one of four paths, chosen from its own settings alone, so its token never depends
-on what else is in the batch; a path runs (under ``lax.cond``) only when some row takes it:
+on what else is in the batch:
 - greedy (temperature 0): argmax.
 - plain (no top-k, top_p 1): Gumbel-max over the whole vocabulary (``jax.random.categorical``
   on logits / temperature), no sort.
@@ -10,6 +10,14 @@ on what else is in the batch; a path runs (under ``lax.cond``) only when some ro
   kept.
 - sort (top_k > K_MAX, or top-p without top-k): the full-vocabulary sort, of those rows alone
   when they are at most an eighth of the batch.
+
+Two functions split the work so that the model step never holds control flow: on the GPU an
+XLA conditional copies its predicate to the host and blocks the dispatching thread until the
+device reaches it, which stalled async scheduling (docs/performance.md). ``sample_unfiltered``
+(greedy and plain, branch-free) runs inside every step; ``sample_filtered`` (candidates and
+sort, each under a ``lax.cond`` so that it runs only when some row takes it) is a separate
+executable that the runner dispatches only in steps where ``filtered_rows`` marks a row.
+``sample`` is the two in a row.
 """
 
 from dataclasses import dataclass
@@ -139,29 +147,42 @@ def _sample_sorted_rows(
     return jax.lax.cond(jnp.sum(rows) <= cap, few, lambda: _sample_sorted(scaled, k, top_p, keys))
 
 
-def _sample(logits: jax.Array, sm: SamplingMetadata) -> jax.Array:
-    """``sample`` for a batch with at least one sampled row: [S, V] float32 -> [S] int32."""
-    vocab = logits.shape[-1]
-    sampled = sm.temperature > 0
-    temp = jnp.where(sampled, sm.temperature, 1.0)
-    scaled = logits / temp[:, None]
+def filtered_rows(sm: SamplingMetadata, vocab: int):
+    """[S] bool: rows that sample with top-k or top-p (the ``sample_filtered`` paths). Works on
+    numpy arrays (the runner's check) and jax arrays alike. top_k >= vocab keeps everything,
+    the same as no top-k."""
+    return (sm.temperature > 0) & (((sm.top_k > 0) & (sm.top_k < vocab)) | (sm.top_p < 1))
+
+
+def _scaled_and_keys(logits: jax.Array, sm: SamplingMetadata):
+    """logits / temperature (greedy rows divided by 1) and each row's PRNG key."""
+    temp = jnp.where(sm.temperature > 0, sm.temperature, 1.0)
     keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(sm.seeds, sm.steps)
-    # top_k >= V keeps everything: the same as no top-k.
+    return logits / temp[:, None], keys
+
+
+def sample_unfiltered(logits: jax.Array, sm: SamplingMetadata) -> jax.Array:
+    """Greedy and plain rows, without control flow: [S, V] float32 -> [S] int32. The tokens
+    of ``filtered_rows`` are meaningless here (``sample_filtered`` replaces them)."""
+    scaled, keys = _scaled_and_keys(logits, sm)
+    drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
+    return jnp.where(sm.temperature > 0, drawn, jnp.argmax(logits, axis=-1).astype(jnp.int32))
+
+
+def sample_filtered(logits: jax.Array, tokens: jax.Array, sm: SamplingMetadata) -> jax.Array:
+    """``tokens`` ([S] int32, from ``sample_unfiltered``) with the top-k and top-p rows'
+    tokens drawn: [S, V] float32 logits -> [S] int32."""
+    vocab = logits.shape[-1]
+    scaled, keys = _scaled_and_keys(logits, sm)
     k = jnp.where((sm.top_k > 0) & (sm.top_k < vocab), sm.top_k, 0)
-    candidates = sampled & (k > 0) & (k <= K_MAX)
-    sort = sampled & ~candidates & ((k > 0) | (sm.top_p < 1))
-    plain = sampled & ~candidates & ~sort
+    filtered = filtered_rows(sm, vocab)
+    candidates = filtered & (k > 0) & (k <= K_MAX)
+    sort = filtered & ~candidates
     zeros = jnp.zeros(logits.shape[:1], jnp.int32)
 
     def run_if(rows, fn):
         return jax.lax.cond(jnp.any(rows), fn, lambda: zeros)
 
-    tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    tokens = jnp.where(
-        plain,
-        run_if(plain, lambda: jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)),
-        tokens,
-    )
     tokens = jnp.where(
         candidates,
         run_if(candidates, lambda: _sample_top_k(scaled, k, sm.top_p, keys, min(K_MAX, vocab))),
@@ -173,18 +194,14 @@ def _sample(logits: jax.Array, sm: SamplingMetadata) -> jax.Array:
 
 
 def sample(logits: jax.Array, sm: SamplingMetadata) -> jax.Array:
-    """Pick one token per row.
+    """Pick one token per row (``sample_unfiltered`` then ``sample_filtered``).
 
     Args:
       logits: [S, V] float32.
       sm: the rows' sampling settings.
 
     Returns:
-      [S] int32 token ids. Greedy rows take the argmax; when every row is greedy nothing else
-      runs. A row's token depends only on its own logits, settings, seed and step.
+      [S] int32 token ids. Greedy rows take the argmax. A row's token depends only on its own
+      logits, settings, seed and step.
     """
-    return jax.lax.cond(
-        jnp.all(sm.temperature == 0),
-        lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32),
-        lambda: _sample(logits, sm),
-    )
+    return sample_filtered(logits, sample_unfiltered(logits, sm), sm)

@@ -31,7 +31,8 @@ from pallas_kernels import get_attention_fn
 CPU_MAX_MODEL_LEN = 4096
 # Scheduler limits where the flags are left unset. GPU: measured on the H200 with the 8B shape
 # (docs/performance.md): 256 sequences kept decode near its best without preempting at
-# e2e-1k1k scale, and a larger token budget shortens the prefill phase.
+# e2e-1k1k scale (512 was no faster and preempted), and a larger token budget shortens the
+# prefill phase.
 CPU_SCHEDULER_DEFAULTS = {"max_num_seqs": 32, "max_num_batched_tokens": 512}
 GPU_SCHEDULER_DEFAULTS = {"max_num_seqs": 256, "max_num_batched_tokens": 8192}
 

@@ -25,13 +25,13 @@ class Checkpoint:
         float32, or ``ml_dtypes.bfloat16`` where a safetensors/orbax source stores bf16.
         ``lm_head.weight`` is absent when ``tie_word_embeddings`` is true. ``None`` for dummy.
       tokenizer: a ``transformers.PreTrainedTokenizerFast`` with ``chat_template`` set when the
-        source has one.
+        source has one (None when loaded ``with_tokenizer=False``).
     """
 
     name: str
     hf_config: dict
     weights: dict[str, np.ndarray] | None
-    tokenizer: object  # transformers.PreTrainedTokenizerFast
+    tokenizer: object | None  # transformers.PreTrainedTokenizerFast
 
     @property
     def architecture(self) -> str:

@@ -89,8 +89,9 @@ def default_tokenizer():
     return tok
 
 
-def load_dummy(model: str) -> Checkpoint:
-    """A preset name (case-insensitive) or a path to an HF ``config.json`` (or its folder)."""
+def load_dummy(model: str, *, with_tokenizer: bool = True) -> Checkpoint:
+    """A preset name (case-insensitive) or a path to an HF ``config.json`` (or its folder);
+    ``with_tokenizer=False`` leaves the tokenizer None."""
     key = model.lower()
     if key in PRESETS:
         name, cfg = model, copy.deepcopy(PRESETS[key])
@@ -105,4 +106,5 @@ def load_dummy(model: str) -> Checkpoint:
         name = path.parent.name if path.name == "config.json" else path.stem
     log(f"dummy model {name}: {cfg.get('architectures', ['?'])[0]}, "
         f"{cfg.get('num_hidden_layers')} layers, hidden {cfg.get('hidden_size')}, no weights")
-    return Checkpoint(name=name, hf_config=cfg, weights=None, tokenizer=default_tokenizer())
+    return Checkpoint(name=name, hf_config=cfg, weights=None,
+                      tokenizer=default_tokenizer() if with_tokenizer else None)

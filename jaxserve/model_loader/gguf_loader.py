@@ -143,12 +143,14 @@ def build_hf_config(meta: dict, tensor_names: set[str], tensors: dict) -> dict:
     return cfg
 
 
-def load_gguf(path: str | pathlib.Path, *, with_weights: bool = True) -> Checkpoint:
+def load_gguf(path: str | pathlib.Path, *, with_weights: bool = True,
+              with_tokenizer: bool = True) -> Checkpoint:
     """Load a GGUF file.
 
     Args:
       path: the ``.gguf`` file.
       with_weights: False reads only metadata + tokenizer (``weights`` is None), fast.
+      with_tokenizer: False leaves ``tokenizer`` None.
     Returns:
       :class:`Checkpoint` with float32 weights ``[out, in]`` under HF names.
     """
@@ -168,7 +170,9 @@ def load_gguf(path: str | pathlib.Path, *, with_weights: bool = True) -> Checkpo
         t = by_name["rope_freqs.weight"]
         raw["rope_freqs.weight"] = dequantize(t.data, t.tensor_type).astype(np.float32)
     cfg = build_hf_config(meta, set(by_name), raw)
-    tokenizer = build_tokenizer({k: v for k, v in meta.items() if k.startswith("tokenizer.")})
+    tokenizer = None
+    if with_tokenizer:
+        tokenizer = build_tokenizer({k: v for k, v in meta.items() if k.startswith("tokenizer.")})
     weights = None
     if with_weights:
         log(f"dequantizing {len(by_name)} tensors ({arch}, {cfg['num_hidden_layers']} layers)")

@@ -36,8 +36,9 @@ def safetensors_files(folder: pathlib.Path) -> list[pathlib.Path]:
     return sorted(folder.glob("*.safetensors"))
 
 
-def load_hf_folder(folder: str | pathlib.Path) -> Checkpoint:
-    """Load config.json, all safetensors weights and the tokenizer of an HF folder."""
+def load_hf_folder(folder: str | pathlib.Path, *, with_tokenizer: bool = True) -> Checkpoint:
+    """Load config.json, all safetensors weights and (unless ``with_tokenizer`` is False) the
+    tokenizer of an HF folder."""
     from safetensors import safe_open
 
     folder = pathlib.Path(folder)
@@ -52,7 +53,7 @@ def load_hf_folder(folder: str | pathlib.Path) -> Checkpoint:
             for k in sf.keys():
                 weights[k] = sf.get_tensor(k)
     return Checkpoint(name=folder.resolve().name, hf_config=cfg, weights=weights,
-                      tokenizer=load_tokenizer(folder))
+                      tokenizer=load_tokenizer(folder) if with_tokenizer else None)
 
 
 def save_hf_folder(folder: str | pathlib.Path, ckpt: Checkpoint) -> pathlib.Path:

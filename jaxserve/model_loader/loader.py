@@ -5,7 +5,7 @@ from __future__ import annotations
 import pathlib
 
 from .checkpoint import Checkpoint
-from .dummy import PRESETS, load_dummy
+from .dummy import PRESETS, default_tokenizer, load_dummy
 from .gguf_loader import is_gguf, load_gguf
 from .hf_folder import is_hf_folder, load_hf_folder
 from .orbax_io import MARKER, is_orbax_folder, load_orbax
@@ -28,29 +28,24 @@ def detect_format(path: pathlib.Path) -> str:
                      f"*.safetensors) or a jaxserve orbax folder ({MARKER})")
 
 
-def load_checkpoint(model: str | None, load_format: str = "auto") -> Checkpoint:
-    """Load a checkpoint.
+def resolve_model(model: str | None, load_format: str = "auto") -> tuple[str, str]:
+    """The model source and its format, checked: ``(path or dummy preset/config, format)``.
+    ``model=None`` is the default model (its GGUF, fetched if missing; with ``dummy``, the
+    SmolLM2 preset).
 
-    Args:
-      model: None for the default model (SmolLM2-135M-Instruct GGUF, fetched if missing); a
-        ``.gguf`` file; an HF folder; a jaxserve orbax folder; with ``load_format="dummy"`` a
-        preset name (:data:`PRESETS`) or a ``config.json`` path.
-      load_format: ``auto`` (detect), ``gguf``, ``safetensors``, ``orbax`` or ``dummy``.
-    Returns:
-      :class:`Checkpoint`.
     Raises:
       ValueError: unknown ``load_format`` or a path that does not hold what that format needs.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format {load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
     if model is None:
+        if load_format == "dummy":
+            return "smollm2-135m", "dummy"
         from checkpoints_tools.fetch_default import default_model_path
 
-        if load_format == "dummy":
-            return load_dummy("smollm2-135m")
         model, load_format = str(default_model_path()), "gguf" if load_format == "auto" else load_format
     if load_format == "dummy":
-        return load_dummy(str(model))
+        return str(model), "dummy"
     path = pathlib.Path(model).expanduser()
     if load_format == "auto":
         if not path.exists() and str(model).lower() in PRESETS:
@@ -62,4 +57,38 @@ def load_checkpoint(model: str | None, load_format: str = "auto") -> Checkpoint:
     ok, expected = checks[load_format]
     if not ok(path):
         raise ValueError(f"model path {str(path)!r} is not {expected} (load_format={load_format!r})")
-    return {"gguf": load_gguf, "safetensors": load_hf_folder, "orbax": load_orbax}[load_format](path)
+    return str(path), load_format
+
+
+def load_checkpoint(model: str | None, load_format: str = "auto", *,
+                    with_tokenizer: bool = True) -> Checkpoint:
+    """Load a checkpoint.
+
+    Args:
+      model: None for the default model (SmolLM2-135M-Instruct GGUF, fetched if missing); a
+        ``.gguf`` file; an HF folder; a jaxserve orbax folder; with ``load_format="dummy"`` a
+        preset name (:data:`PRESETS`) or a ``config.json`` path.
+      load_format: ``auto`` (detect), ``gguf``, ``safetensors``, ``orbax`` or ``dummy``.
+      with_tokenizer: False leaves ``tokenizer`` None (``load_tokenizer_of`` loads it apart).
+    Returns:
+      :class:`Checkpoint`.
+    Raises:
+      ValueError: as ``resolve_model``.
+    """
+    source, fmt = resolve_model(model, load_format)
+    loader = {"dummy": load_dummy, "gguf": load_gguf, "safetensors": load_hf_folder,
+              "orbax": load_orbax}[fmt]
+    return loader(source, with_tokenizer=with_tokenizer)
+
+
+def load_tokenizer_of(model: str | None, load_format: str = "auto"):
+    """The tokenizer of the checkpoint ``load_checkpoint`` would load (same arguments), alone:
+    the engine loads it on a thread while the parameters are built and compiled."""
+    source, fmt = resolve_model(model, load_format)
+    if fmt == "dummy":
+        return default_tokenizer()
+    if fmt == "gguf":
+        return load_gguf(source, with_weights=False).tokenizer
+    from jaxserve.tokenizer_io import load_tokenizer
+
+    return load_tokenizer(pathlib.Path(source) / "tokenizer" if fmt == "orbax" else source)

@@ -54,9 +54,9 @@ def save_orbax(path: str | pathlib.Path, ckpt: Checkpoint) -> pathlib.Path:
     return path
 
 
-def load_orbax(path: str | pathlib.Path) -> Checkpoint:
+def load_orbax(path: str | pathlib.Path, *, with_tokenizer: bool = True) -> Checkpoint:
     """Restore a folder written by :func:`save_orbax`; weights come back as numpy arrays with
-    the dtypes they were saved with."""
+    the dtypes they were saved with (the tokenizer None if ``with_tokenizer`` is False)."""
     import orbax.checkpoint as ocp
 
     from jaxserve.tokenizer_io import load_tokenizer
@@ -71,4 +71,5 @@ def load_orbax(path: str | pathlib.Path) -> Checkpoint:
     weights = {name: np.asarray(w) for name, w in flatten_dict(tree, sep=".").items()}
     return Checkpoint(name=marker.get("name") or path.name,
                       hf_config=json.loads((path / "config.json").read_text()),
-                      weights=weights, tokenizer=load_tokenizer(path / "tokenizer"))
+                      weights=weights,
+                      tokenizer=load_tokenizer(path / "tokenizer") if with_tokenizer else None)

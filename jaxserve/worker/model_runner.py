@@ -176,29 +176,33 @@ class ModelRunner:
 
     def compile_buckets(self, log: Callable[[str], None] = print) -> None:
         """Compile the step for every token bucket and the top-k/top-p sampler for every
-        sequence count, with a progress line each: traced and lowered one after another
-        (Python), compiled by a thread per core (XLA's compiler runs outside the GIL). JAX's
-        persistent compilation cache serves the compiles of a later start."""
+        sequence count, with a progress line each. Tracing and lowering (Python) go one program
+        after another on this thread; each lowered program is compiled at once by a pool of a
+        thread per core (XLA's compiler runs outside the GIL), so compiling overlaps the
+        lowering of the next. JAX's persistent compilation cache serves the compiles of a later
+        start."""
         start = time.perf_counter()
-        lowered = {}
-        for t in self.token_buckets:
-            inputs = self._dummy_inputs(t)
-            lowered["step", t] = self._jitted.lower(
-                self.params, *inputs[:4], self.k_cache, self.v_cache, *inputs[4:])
         vocab = self.config.vocab_size
-        for s in sorted({self.num_seqs_for(t) for t in self.token_buckets}):
-            sm = self._dummy_inputs(s)[5]
-            logits = jax.ShapeDtypeStruct((s, vocab), jnp.float32)
-            lowered["filter", s] = self._filter_jitted.lower(logits, self._prev_sampled, sm)
-        log(f"traced and lowered {len(lowered)} programs ({len(self.token_buckets)} token buckets, "
-            f"{len(lowered) - len(self.token_buckets)} samplers) in "
-            f"{time.perf_counter() - start:.1f}s")
-        with ThreadPoolExecutor(min(len(lowered), os.cpu_count() or 1)) as pool:
-            futures = {pool.submit(lo.compile): key for key, lo in lowered.items()}
+        seq_counts = sorted({self.num_seqs_for(t) for t in self.token_buckets})
+        total = len(self.token_buckets) + len(seq_counts)
+        with ThreadPoolExecutor(min(total, os.cpu_count() or 1)) as pool:
+            futures = {}
+            for t in self.token_buckets:
+                inputs = self._dummy_inputs(t)
+                lowered = self._jitted.lower(
+                    self.params, *inputs[:4], self.k_cache, self.v_cache, *inputs[4:])
+                futures[pool.submit(lowered.compile)] = ("step", t)
+            for s in seq_counts:
+                logits = jax.ShapeDtypeStruct((s, vocab), jnp.float32)
+                lowered = self._filter_jitted.lower(logits, self._prev_sampled,
+                                                    self._dummy_inputs(s)[5])
+                futures[pool.submit(lowered.compile)] = ("filter", s)
+            log(f"traced and lowered {total} programs ({len(self.token_buckets)} token buckets, "
+                f"{len(seq_counts)} samplers) in {time.perf_counter() - start:.1f}s")
             for i, done in enumerate(as_completed(futures), 1):
-                (kind, n) = futures[done]
+                kind, n = futures[done]
                 (self._compiled if kind == "step" else self._filter_compiled)[n] = done.result()
-                log(f"compiling (or loading from the cache): {i}/{len(lowered)} "
+                log(f"compiling (or loading from the cache): {i}/{total} "
                     f"({kind} {'tokens' if kind == 'step' else 'seqs'}={n}) "
                     f"{time.perf_counter() - start:.1f}s")
 

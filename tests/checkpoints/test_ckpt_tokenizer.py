@@ -65,3 +65,19 @@ def test_chat_template(smollm):
     assert ids == tok.encode(text) and ids.count(1) == 3 and ids[0] == 1
     sys_msgs = [{"role": "system", "content": "Be brief."}, *msgs]
     assert tok.apply_chat_template(sys_msgs, tokenize=False).startswith("<|im_start|>system\nBe brief.<|im_end|>\n")
+
+
+def test_tokenizer_loads_apart_from_the_checkpoint(default_gguf, smollm, smollm_hf_folder, tmp_path):
+    """load_tokenizer_of (what the engine loads on a thread) gives the tokenizer load_checkpoint
+    would have attached, for every format; with_tokenizer=False attaches none."""
+    from jaxserve.model_loader import load_checkpoint, load_tokenizer_of, save_orbax
+
+    save_orbax(tmp_path / "ob", smollm)
+    for model, fmt in ((str(default_gguf), "auto"), (str(smollm_hf_folder), "safetensors"),
+                       (str(tmp_path / "ob"), "auto"), ("llama-3.1-8b", "dummy")):
+        apart = load_tokenizer_of(model, fmt)
+        assert load_checkpoint(model, fmt, with_tokenizer=False).tokenizer is None
+        attached = load_checkpoint(model, fmt).tokenizer
+        assert apart.get_vocab() == attached.get_vocab(), model
+        assert apart.encode(TEXTS[1]) == attached.encode(TEXTS[1]), model
+        assert apart.chat_template == attached.chat_template, model

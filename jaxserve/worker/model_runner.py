@@ -1,16 +1,18 @@
 """ModelRunner: applies a SchedulerOutput to its persistent InputBatch, builds the step's padded
 inputs with vectorized numpy, and dispatches the compiled step.
 
-One step = one call of a compiled executable: model forward over the ragged batch, KV write into
-the donated pool, and sampling. ``execute`` only dispatches; ``get_output`` waits for the sampled
-tokens. Between the two the host is free (async scheduling schedules and dispatches the next
+One step = one call of a compiled executable without control flow (an XLA conditional would
+block the dispatching thread on the GPU): model forward over the ragged batch, KV write into the
+donated pool, and greedy or plain-temperature sampling; in steps with top-k/top-p rows a second
+executable (one per sequence count S) draws those rows. ``execute`` only dispatches;
+``get_output`` waits for the sampled tokens. Between the two the host is free (async scheduling schedules and dispatches the next
 step there): a token the host does not know yet is read by the next step straight from the
 previous step's sampled array on the device. Token counts T come from a fixed list of buckets (powers of two
 up to max_num_batched_tokens); the sequence count is S = min(T, max_num_seqs), and the block
 table always has the width P of a max_model_len sequence. Attention reads pages only as far as
 each sequence's length reaches, so its cost follows the real contexts, not P; that keeps the
 number of compiled shapes to the token buckets alone (docs/design.md section 3; P buckets were
-tried and multiplied start-up compilation). Every bucket is compiled ahead of time by
+tried and multiplied start-up compilation). Every program is compiled ahead of time by
 ``compile_buckets``; ``execute`` never compiles (it raises if asked to).
 """
 

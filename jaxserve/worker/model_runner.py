@@ -1,8 +1,8 @@
 """ModelRunner: applies a SchedulerOutput to its persistent InputBatch, builds the step's padded
 inputs with vectorized numpy, and dispatches the compiled step.
 
-One step = one call of a compiled executable without control flow (an XLA conditional would
-block the dispatching thread on the GPU): model forward over the ragged batch, KV write into the
+One step = one call of a compiled executable, without control flow on the GPU (an XLA
+conditional there blocks the dispatching thread): model forward over the ragged batch, KV write into the
 donated pool, and greedy or plain-temperature sampling; in steps with top-k/top-p rows a second
 executable (one per sequence count S) draws those rows. ``execute`` only dispatches;
 ``get_output`` waits for the sampled tokens. Between the two the host is free (async scheduling schedules and dispatches the next
@@ -55,18 +55,18 @@ def _bucket(buckets: list[int], n: int) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
-def _step(config, attention_fn, max_num_seqs, params, token_ids, prev_rows, prev_sampled, md,
-          k_cache, v_cache, logits_indices, sm):
+def _step(config, attention_fn, max_num_seqs, branch_free, params, token_ids, prev_rows,
+          prev_sampled, md, k_cache, v_cache, logits_indices, sm):
     """prev_rows[T]: for each input token, the row of ``prev_sampled`` (the previous step's
     sampled tokens) that holds it, or -1 to take ``token_ids``. Returns the greedy and plain
     rows' tokens padded to [max_num_seqs] (so that the next step's prev_sampled has one shape
-    in every bucket), the logits [S, V] for ``_filter`` and the updated KV pool. No control
-    flow: see the sampler's module docstring."""
+    in every bucket), the logits [S, V] for ``_filter`` and the updated KV pool.
+    ``branch_free``: no control flow (the GPU; see the sampler's module docstring)."""
     token_ids = jnp.where(prev_rows >= 0, prev_sampled[jnp.maximum(prev_rows, 0)], token_ids)
     logits, k_cache, v_cache = llama.forward(
         config, params, token_ids, md, k_cache, v_cache, logits_indices, attention_fn=attention_fn
     )
-    sampled = sample_unfiltered(logits, sm)
+    sampled = sample_unfiltered(logits, sm, branch_free=branch_free)
     return jnp.pad(sampled, (0, max_num_seqs - sampled.shape[0])), logits, k_cache, v_cache
 
 
@@ -98,6 +98,8 @@ class ModelRunner:
       max_num_seqs, max_num_batched_tokens, max_model_len: scheduler limits (tokens/sequences).
       kv_dtype: dtype of the KV pool.
       attention_fn: pallas_kernels attention entry point.
+      branch_free: compile the step without control flow; default: on any backend but the CPU
+        (a GPU conditional blocks the dispatching thread; the module docstring says more).
     """
 
     def __init__(
@@ -111,6 +113,7 @@ class ModelRunner:
         max_model_len: int,
         kv_dtype,
         attention_fn: Callable,
+        branch_free: bool | None = None,
     ):
         self.config = config
         self.params = params
@@ -121,7 +124,9 @@ class ModelRunner:
         self.kv_dtype = kv_dtype
         self.k_cache = self.v_cache = None  # allocate_kv_cache, once the pool is sized
         self.input_batch = InputBatch(max_num_seqs, max_model_len, self.max_pages_per_seq)
-        self._jitted = jax.jit(partial(_step, config, attention_fn, max_num_seqs),
+        if branch_free is None:
+            branch_free = jax.default_backend() != "cpu"
+        self._jitted = jax.jit(partial(_step, config, attention_fn, max_num_seqs, branch_free),
                                donate_argnums=(5, 6))
         self._filter_jitted = jax.jit(_filter)
         self._compiled: dict[int, Callable] = {}

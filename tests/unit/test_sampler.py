@@ -166,3 +166,17 @@ def test_a_rows_token_does_not_depend_on_the_rest_of_the_batch():
     assert alone[0] == alone[2] == PEAKED.argmax()
     # Seeds matter: other seeds move at least one of the sampled rows.
     assert sample_rows(rows, [s + 1 for s in seeds], steps) != alone
+
+
+@pytest.mark.parametrize("temperatures", [(0.0, 0.0, 0.0), (0.0, 0.7, 1.3)])
+def test_branch_free_draws_equal_the_branching_ones(temperatures):
+    # The GPU's step (branch_free) and the CPU's must give the same tokens.
+    from jaxserve.worker.sampler import sample_unfiltered
+
+    n = len(temperatures)
+    m = meta(n, seed=3, step=5)
+    m = SamplingMetadata(jnp.asarray(temperatures, jnp.float32), m.top_k, m.top_p, m.seeds, m.steps)
+    logits = jnp.tile(LOGITS, (n, 1))
+    a = sample_unfiltered(logits, m, branch_free=True)
+    b = sample_unfiltered(logits, m, branch_free=False)
+    assert np.asarray(a).tolist() == np.asarray(b).tolist()

@@ -1,6 +1,6 @@
-"""The compiled model step holds no data-dependent control flow (docs/architecture.md, "One engine
-step"): on the GPU an XLA conditional or while loop copies its predicate to the host and blocks
-the dispatching thread, which stalls async scheduling. Attention is stubbed (the GPU's Pallas
+"""The model step as compiled for the GPU (``branch_free``) holds no data-dependent control flow
+(docs/architecture.md, "One engine step"): there an XLA conditional or while loop copies its
+predicate to the host and blocks the dispatching thread, which stalls async scheduling. Attention is stubbed (the GPU's Pallas
 kernels are custom calls; the CPU reference has loops of its own), everything else is the real
 step. The one loop allowed is JAX's threefry PRNG (5 rounds, a constant trip count, which XLA
 unrolls on the GPU: the H200 measured 0% idle at batch 256 with it in every step)."""
@@ -34,7 +34,7 @@ def test_step_lowers_without_control_flow():
     config = tiny_config()
     runner = ModelRunner(config, llama.random_params(config, np.float32), page_size=16,
                          max_num_seqs=4, max_num_batched_tokens=8, max_model_len=64,
-                         kv_dtype=np.float32, attention_fn=attention_stub)
+                         kv_dtype=np.float32, attention_fn=attention_stub, branch_free=True)
     runner.allocate_kv_cache(8)
     inputs = runner._dummy_inputs(8)
     text = runner._jitted.lower(runner.params, *inputs[:4], runner.k_cache, runner.v_cache,

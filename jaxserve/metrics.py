@@ -87,13 +87,15 @@ class Metrics:
                              "Time from arrival to the last token, seconds.", labels,
                              buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.rejected = Counter(
-            "jaxserve:request_rejected", "Requests refused before they ran: overloaded (503, "
-            "past --max-waiting-requests) or timeout (--request-timeout).",
+            "jaxserve:request_rejected", "Requests refused or cut short by a limit: overloaded "
+            "(503 past --max-waiting-requests) or timeout (--request-timeout).",
             labels + ["reason"], registry=self.registry)
         # Create the labelled series now, so that they read 0 (not absent) before the first
         # request finishes: a client diffing the counters sees 0 tokens, not a missing metric.
         for metric in (self.prompt_tokens, self.generation_tokens, self.ttft, self.e2e):
             metric.labels(model_name)
+        for reason in ("overloaded", "timeout"):
+            self.rejected.labels(model_name, reason)
 
     def update_stats(self, stats: SchedulerStats) -> None:
         self.stats = stats

@@ -156,7 +156,8 @@ async def serve(args, sock: socket.socket) -> int:
                     limits=limits)
     runner = web.AppRunner(app, handle_signals=False, access_log=None, handler_cancellation=True,
                            shutdown_timeout=args.shutdown_timeout,
-                           keepalive_timeout=limits.keepalive_timeout_s)
+                           keepalive_timeout=limits.keepalive_timeout_s,
+                           lingering_time=limits.lingering_s)
     stop = asyncio.Event()
 
     def on_signal():

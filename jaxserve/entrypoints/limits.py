@@ -34,6 +34,10 @@ class ServerLimits:
       request_timeout_s: seconds a generation request may run, None for no limit (504, or an
         SSE error event once a stream has started).
       retry_after_s: the ``Retry-After`` of an overload 503, seconds.
+      lingering_s: after an error answered before the whole body arrived (408, 413), seconds
+        aiohttp goes on reading and dropping the body, so the client can read the answer
+        before the connection closes (aiohttp's default, 10 s, holds a stalled connection 5
+        times longer).
     """
 
     max_waiting_requests: int = 1024
@@ -43,6 +47,7 @@ class ServerLimits:
     keepalive_timeout_s: float = 30.0
     request_timeout_s: float | None = None
     retry_after_s: int = 1
+    lingering_s: float = 2.0
 
 
 class _Refused(asyncio.Protocol):

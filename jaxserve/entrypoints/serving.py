@@ -45,6 +45,7 @@ logger = logging.getLogger("jaxserve.api")
 # Longest first: an error about "stop_token_ids" also starts with "stop".
 _SP_FIELDS = ("stop_token_ids", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
 _MAX_LOGGED_FIELDS = 10  # unknown field names quoted in one warning
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict"}  # pydantic's union member tags
 
 
 def _llm(request: web.Request) -> AsyncLLM:
@@ -80,7 +81,7 @@ def _admitted(request: web.Request):
       APIError: 503 with Retry-After when ``max_num_seqs + max_waiting_requests`` are in flight.
     """
     state, llm, limits = request.app[STATE_KEY], _llm(request), _limits(request)
-    cap = llm.engine_config.get("max_num_seqs", 0) + limits.max_waiting_requests
+    cap = (llm.engine_config.get("max_num_seqs") or 0) + limits.max_waiting_requests
     if state["in_flight"] >= cap:
         llm.metrics.record_rejected("overloaded")
         raise APIError(503, f"the server is overloaded ({state['in_flight']} requests in "
@@ -136,9 +137,13 @@ async def _parse(request: web.Request, model_cls):
     try:
         req = model_cls.model_validate(body)
     except pydantic.ValidationError as e:
-        err = e.errors()[0]
-        loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith("function-"))
-        # Union members add their type names to the location; keep the field path only.
+        # A union reports one error per member; the deepest is the one about the value
+        # (``stop: ["\ud800"]``: the list item's encoding, not "stop is not a string").
+        err = max(e.errors(), key=lambda err: len(err["loc"]))
+        # Union members add their type names to the location ("str", "list[...]",
+        # "function-after[...]"); keep the field names and item indices only.
+        loc = ".".join(str(p) for p in err["loc"]
+                       if isinstance(p, int) or (p.isidentifier() and p not in _TYPE_TAGS))
         field = str(err["loc"][0]) if err["loc"] else None
         msg = err["msg"]
         if err["type"] == "missing":

@@ -91,7 +91,9 @@ def _cap_generation(body: dict, max_tokens: int, rng: random.Random) -> dict:
         v = body.get(key)
         if isinstance(v, int) and not isinstance(v, bool) and 1 <= v:
             body[key] = rng.randint(1, max_tokens)
-    if "max_completion_tokens" not in body and not isinstance(body.get("max_tokens"), int):
+    # Both absent or null means "up to the context" (OpenAI's and vLLM's meaning): thousands of
+    # tokens, minutes on a CPU. Cap it too.
+    if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
         body["max_tokens"] = rng.randint(1, max_tokens)
     return body
 

@@ -41,6 +41,7 @@ class FakeLLM:
         pass
 
     async def generate(self, ids, sp, request_id):
+        self.last_sampling_params = sp
         for i, (text, token_ids) in enumerate(DELTAS):
             if self.fail and i == 1:
                 raise self.fail
@@ -149,6 +150,23 @@ def test_stream_error_event():
     events = _events(text)
     assert events[1:] == [{"error": {"message": "the engine process died", "type": "server_error",
                                      "param": None, "code": "engine_unavailable"}}, "[DONE]"]
+
+
+def test_unexpected_stream_error_is_an_event_then_done():
+    """Any error after the headers (here a bug's RuntimeError) ends the stream with one error
+    event and [DONE], never a second HTTP response; its details stay in the log."""
+    _, _, text = _call("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                "stream": True}, FakeLLM(fail=RuntimeError("x")))
+    events = _events(text)
+    assert events[-2:] == [{"error": {"message": "internal server error", "type": "server_error",
+                                      "param": None, "code": None}}, "[DONE]"]
+
+
+def test_chat_without_max_tokens_runs_to_the_context():
+    """OpenAI's and vLLM's meaning, kept: up to max_model_len minus the prompt."""
+    llm = FakeLLM()
+    _call("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, llm)
+    assert llm.last_sampling_params.max_tokens == llm.max_model_len - len(PROMPT_IDS)
 
 
 def test_models():

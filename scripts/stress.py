@@ -31,8 +31,9 @@ The other scenarios print one JSON line with their measurements and ``ok``:
   10 ms from another thread) answering within 100 ms meanwhile, the server's RSS growing by less
   than 200 MB (sampled every 10 ms).
 - ``overload``: ``--num-streams`` requests at once against a server whose
-  ``--max-waiting-requests`` they exceed: the refused ones get 503 with ``Retry-After``, the
-  admitted ones complete, RSS stays bounded, and a request after the burst is served.
+  ``--max-waiting-requests`` they exceed: the refused ones get 503 with ``Retry-After`` (or, past
+  ``--max-connections``, a closed connection), the admitted ones complete, RSS stays bounded,
+  and a request after the burst is served.
 - ``engine-kill``: SIGKILL the engine process (the child of ``--server-pid``) while
   ``--num-streams`` streams run: every stream must end with an error within 5 s; then the server
   must come back (``/health`` 200, ``jaxserve:engine_restarts_total`` one more, a request served)
@@ -325,9 +326,12 @@ async def scenario_overload(session, args) -> dict:
     async def one(i):
         body = {"prompt": f"Question {i}: why is the sky blue?", "max_tokens": args.max_tokens,
                 "ignore_eos": True}
-        async with _post_json(session, args.url, body, headers) as r:
-            await r.read()
-            return r.status, r.headers.get("Retry-After")
+        try:
+            async with _post_json(session, args.url, body, headers) as r:
+                await r.read()
+                return r.status, r.headers.get("Retry-After")
+        except aiohttp.ClientError:  # closed past --max-connections
+            return "closed", None
 
     t0 = time.monotonic()
     results = await asyncio.gather(*(one(i) for i in range(args.num_streams)))
@@ -337,12 +341,15 @@ async def scenario_overload(session, args) -> dict:
     peak = max(rss.stop())
     refused = [r for r in results if r[0] == 503]
     served = [r for r in results if r[0] == 200]
+    closed = [r for r in results if r[0] == "closed"]
     return {"requests": len(results), "served": len(served), "refused_503": len(refused),
             "refused_with_retry_after": sum(1 for r in refused if r[1]),
-            "other": len(results) - len(served) - len(refused), "duration_s": round(duration, 1),
-            "rss_before_mb": rss0, "rss_peak_mb": peak, "status_after": after,
+            "connection_closed": len(closed),
+            "other": len(results) - len(served) - len(refused) - len(closed),
+            "duration_s": round(duration, 1), "rss_before_mb": rss0, "rss_peak_mb": peak,
+            "status_after": after,
             "ok": bool(refused) and all(r[1] for r in refused) and after == 200
-            and len(served) + len(refused) == len(results)}
+            and len(served) + len(refused) + len(closed) == len(results)}
 
 
 def _engine_pid(server_pid: int) -> int:

@@ -28,7 +28,10 @@ class ServerLimits:
         ``max_num_seqs``; past that a request gets 503 with ``Retry-After`` at once.
       max_connections: open client connections; a connection beyond it is closed as soon as it
         is accepted.
-      max_body_bytes: largest request body, bytes (413 beyond it).
+      max_body_bytes: largest request body, bytes (413 beyond it). It also bounds the time one
+        body holds the event loop: JSON parsing and pydantic validation keep the GIL, and an
+        adversarial 2 MiB body (hundreds of thousands of tiny nested lists or unknown keys)
+        costs about 0.2 s of it. 2 MiB holds a 131,072-token prompt as token ids (~0.9 MB).
       body_timeout_s: seconds a request body may take to arrive (408 after).
       keepalive_timeout_s: seconds a connection may stay open without a complete request.
       request_timeout_s: seconds a generation request may run, None for no limit (504, or an
@@ -42,7 +45,7 @@ class ServerLimits:
 
     max_waiting_requests: int = 1024
     max_connections: int = 2048
-    max_body_bytes: int = 8 * 2**20
+    max_body_bytes: int = 2 * 2**20
     body_timeout_s: float = 30.0
     keepalive_timeout_s: float = 30.0
     request_timeout_s: float | None = None

@@ -18,6 +18,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import time
@@ -139,7 +140,8 @@ async def _parse(request: web.Request, model_cls):
     except pydantic.ValidationError as e:
         # A union reports one error per member; the deepest is the one about the value
         # (``stop: ["\ud800"]``: the list item's encoding, not "stop is not a string").
-        err = max(e.errors(), key=lambda err: len(err["loc"]))
+        err = max(e.errors(include_url=False, include_input=False),
+                  key=lambda err: len(err["loc"]))
         # Union members add their type names to the location ("str", "list[...]",
         # "function-after[...]"); keep the field names and item indices only.
         loc = ".".join(str(p) for p in err["loc"]
@@ -150,11 +152,10 @@ async def _parse(request: web.Request, model_cls):
             msg = "field required"
         raise APIError(400, f"{loc or field}: {msg}", param=field) from None
     if req.model_extra:
-        names = sorted(req.model_extra)
-        more = len(names) - _MAX_LOGGED_FIELDS
+        names = itertools.islice(req.model_extra, _MAX_LOGGED_FIELDS)  # in body order
+        more = len(req.model_extra) - _MAX_LOGGED_FIELDS
         logger.warning("ignoring unknown fields in %s request: %s%s", request.path,
-                       ", ".join(clip(n) for n in names[:_MAX_LOGGED_FIELDS]),
-                       f" and {more} more" if more > 0 else "")
+                       ", ".join(clip(n) for n in names), f" and {more} more" if more > 0 else "")
     bad = req.unsupported_field()
     if bad:
         raise APIError(400, f"{bad}: this value is not supported by jaxserve yet", param=bad)

@@ -35,7 +35,8 @@ from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 from hypothesis_jsonschema import from_schema
 
-ENDPOINTS = {"/v1/completions": "CompletionRequest", "/v1/chat/completions": "ChatCompletionRequest"}
+ENDPOINTS = {"/v1/completions": "CompletionRequest",
+             "/v1/chat/completions": "ChatCompletionRequest"}
 GREEDY_BODY = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
 ERROR_KEYS = {"message", "type", "param", "code"}
 

@@ -2,10 +2,11 @@
 disconnects, slow readers, then a check that nothing was lost and that the server is back to
 idle; and the hostile scenarios of issue 11's acceptance (``--scenario``).
 
-``--scenario streams`` (the default): one round sends ``--num-streams`` streaming ``/v1/completions`` requests at once (ShareGPT
-prompts, ``ignore_eos``, 1..``--max-tokens`` tokens each). A ``--disconnect-frac`` share of the
-clients hang up after a random number of chunks (before the end), a ``--slow-frac`` share read
-each chunk with a pause (``--slow-read-s``). Every other stream must end with ``[DONE]`` after
+``--scenario streams`` (the default): one round sends ``--num-streams`` streaming
+``/v1/completions`` requests at once (ShareGPT prompts, ``ignore_eos``, 1..``--max-tokens``
+tokens each). A ``--disconnect-frac`` share of the clients hang up after a random number of
+chunks (before the end), a ``--slow-frac`` share read each chunk with a pause
+(``--slow-read-s``). Every other stream must end with ``[DONE]`` after
 exactly its ``max_tokens`` tokens (its usage chunk says so): a missing token, an error event or a
 cut stream is a lost answer. After the round, ``/metrics`` must come back to no running and no
 waiting request and a KV usage of 0 (no leaked pages) within ``--settle-s`` seconds.

@@ -3,9 +3,10 @@
 Requests (/v1/completions, /v1/chat/completions): types are checked strictly (a string where a
 number belongs is a 400, as with OpenAI), and bounded here so that no value can overflow what it
 is later packed into: integers fit int32 (``seed``: int64), floats are finite, and every string
-can be encoded as UTF-8 (JSON's ``"\ud800"`` escape gives a lone surrogate, which no encoder
-downstream accepts). Semantic ranges (temperature in [0, 2], ...) are SamplingParams' checks. Fields OpenAI
-defines that jaxserve does not support yet are accepted only at their neutral value
+can be encoded as UTF-8 (JSON's ``"\\ud800"`` escape gives a lone surrogate, which no encoder
+downstream accepts); lists stop at their first bad item. Semantic ranges (temperature in
+[0, 2], ...) are SamplingParams' checks. Fields OpenAI defines that jaxserve does not support
+yet are accepted only at their neutral value
 (``unsupported_field`` names the first offender); fields nobody defines are kept in
 ``model_extra`` so the server can log and ignore them.
 

@@ -307,7 +307,8 @@ class _ChatBodies(_Bodies):
 
 
 async def _run(request, llm: AsyncLLM, ids: list[int], sp: SamplingParams, bodies: _Bodies,
-               *, stream: bool, include_usage: bool, return_token_ids: bool, deadline: float | None):
+               *, stream: bool, include_usage: bool, return_token_ids: bool,
+               deadline: float | None):
     """Shared body of both endpoints: generates, and answers with ``bodies``' response or
     chunks. ``return_token_ids`` adds ``prompt_token_ids`` and ``token_ids`` (generated ids,
     EOS / stop token included; deltas when streaming) to the choice, as vLLM does. ``deadline``

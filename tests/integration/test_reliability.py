@@ -248,7 +248,8 @@ def test_idle_and_slow_header_connections_are_closed(server):
 def test_connection_cap(server):
     """Connections past --max-connections are closed when accepted; when they go, the server
     serves again."""
-    socks = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(MAX_CONNECTIONS + 8)]
+    socks = [socket.create_connection(("127.0.0.1", server.port))
+             for _ in range(MAX_CONNECTIONS + 8)]
     try:
         time.sleep(0.5)
         closed = 0

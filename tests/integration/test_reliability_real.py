@@ -15,7 +15,8 @@ from server_utils import Server
 pytestmark = pytest.mark.slow
 
 # The engine flags of test_server.py, so the compiled steps come from the same cache entries.
-ENGINE_FLAGS = ("--max-model-len", "1024", "--max-num-seqs", "32", "--max-num-batched-tokens", "256")
+ENGINE_FLAGS = ("--max-model-len", "1024", "--max-num-seqs", "32",
+                "--max-num-batched-tokens", "256")
 MAX_WAITING = 64
 
 

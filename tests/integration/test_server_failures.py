@@ -19,7 +19,7 @@ import time
 import openai
 import pytest
 
-from server_utils import REPO, Server, alive, descendants, free_port, get, wait_gone
+from server_utils import REPO, Server, descendants, free_port, get, wait_gone
 from stub_engine import ADD_CRASH_ID, STEP_CRASH_ID
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -17,7 +17,8 @@ Before and after, one greedy request must give the same text. Exit code 1 on any
     python scripts/fuzz_api.py --url http://127.0.0.1:8000 --num-bodies 2000 --seed 0
 
 Prints one JSON summary line: ``bodies``, ``by_status``, ``failures`` (the first 20, each with
-the case and what was wrong), ``max_latency_s``, ``duration_s``, ``greedy_same``.
+the case and what was wrong), ``max_latency_s`` and the ``slowest`` case, ``duration_s``,
+``greedy_same``.
 """
 
 from __future__ import annotations
@@ -196,6 +197,7 @@ class Report:
     by_status: dict = dataclasses.field(default_factory=dict)
     failures: list = dataclasses.field(default_factory=list)
     max_latency_s: float = 0.0
+    slowest: str = ""  # the case that took max_latency_s
 
 
 async def _send(session, url: str, case: Case, api_key: str | None, timeout: float, report: Report):
@@ -217,7 +219,8 @@ async def _send(session, url: str, case: Case, api_key: str | None, timeout: flo
         status, problem = "hang", f"no complete answer within {timeout} s"
     except (aiohttp.ClientError, ValueError, UnicodeDecodeError) as e:
         status, problem = "broken", f"{type(e).__name__}: {e}"
-    report.max_latency_s = max(report.max_latency_s, time.monotonic() - t0)
+    if time.monotonic() - t0 > report.max_latency_s:
+        report.max_latency_s, report.slowest = time.monotonic() - t0, case.describe()
     report.bodies += 1
     report.by_status[str(status)] = report.by_status.get(str(status), 0) + 1
     if problem:

@@ -3,6 +3,10 @@
 Engine gauges come from the latest SchedulerStats the engine sent over the pipe (it sends them
 with every step and whenever they change while idle); request counters and histograms are
 recorded by the API process's OutputProcessor. Each Metrics object has its own registry.
+
+When the engine process dies its gauges drop to 0 (nothing runs any more) and
+``jaxserve:engine_alive`` reads 0 until a restarted engine is ready; the engine's cumulative
+counters (preemptions, prefix cache) carry the dead engine's totals over, so they never go back.
 """
 
 from __future__ import annotations
@@ -43,12 +47,17 @@ class _EngineStatsCollector:
         yield gauge("jaxserve:kv_cache_usage_perc",
                     "Fraction of usable KV pages referenced by live requests (0..1).",
                     s.kv_cache_usage)
+        base = self.metrics.dead_engines_totals
         yield counter("jaxserve:num_preemptions", "Requests preempted (recompute).",
-                      s.num_preemptions_total)
+                      base.num_preemptions_total + s.num_preemptions_total)
         yield counter("jaxserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                      s.prefix_cache_queries)
+                      base.prefix_cache_queries + s.prefix_cache_queries)
         yield counter("jaxserve:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                      s.prefix_cache_hits)
+                      base.prefix_cache_hits + s.prefix_cache_hits)
+        yield gauge("jaxserve:engine_alive", "1 while the engine process serves, 0 after it died "
+                    "(until a restarted one is ready).", 1 if self.metrics.engine_alive else 0)
+        yield counter("jaxserve:engine_restarts", "Times the engine process was restarted after "
+                      "it died.", self.metrics.engine_restarts)
 
 
 class Metrics:
@@ -57,6 +66,9 @@ class Metrics:
     def __init__(self, model_name: str):
         self.model_name = model_name
         self.stats = SchedulerStats()
+        self.dead_engines_totals = SchedulerStats()  # cumulative counters of engines that died
+        self.engine_alive = True
+        self.engine_restarts = 0
         self.registry = CollectorRegistry()
         self.registry.register(_EngineStatsCollector(self))
         labels = ["model_name"]
@@ -74,13 +86,37 @@ class Metrics:
         self.e2e = Histogram("jaxserve:e2e_request_latency_seconds",
                              "Time from arrival to the last token, seconds.", labels,
                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.rejected = Counter(
+            "jaxserve:request_rejected", "Requests refused or cut short by a limit: overloaded "
+            "(503 past --max-waiting-requests) or timeout (--request-timeout).",
+            labels + ["reason"], registry=self.registry)
         # Create the labelled series now, so that they read 0 (not absent) before the first
         # request finishes: a client diffing the counters sees 0 tokens, not a missing metric.
         for metric in (self.prompt_tokens, self.generation_tokens, self.ttft, self.e2e):
             metric.labels(model_name)
+        for reason in ("overloaded", "timeout"):
+            self.rejected.labels(model_name, reason)
 
     def update_stats(self, stats: SchedulerStats) -> None:
         self.stats = stats
+
+    def engine_down(self) -> None:
+        """The engine process died: nothing runs, waits or holds KV pages any more."""
+        s, b = self.stats, self.dead_engines_totals
+        self.dead_engines_totals = SchedulerStats(
+            num_preemptions_total=b.num_preemptions_total + s.num_preemptions_total,
+            prefix_cache_queries=b.prefix_cache_queries + s.prefix_cache_queries,
+            prefix_cache_hits=b.prefix_cache_hits + s.prefix_cache_hits)
+        self.stats = SchedulerStats()
+        self.engine_alive = False
+
+    def engine_up(self, restarts: int) -> None:
+        """A restarted engine is serving; ``restarts`` counts restarts so far."""
+        self.engine_alive = True
+        self.engine_restarts = restarts
+
+    def record_rejected(self, reason: str) -> None:
+        self.rejected.labels(self.model_name, reason).inc()
 
     def record_finished(self, finish_reason: str, prompt_tokens: int, output_tokens: int,
                         ttft_s: float, e2e_s: float) -> None:

@@ -3,11 +3,13 @@
 Parses the CLI flags, binds the port (so a busy port fails at once), starts the aiohttp app
 (every endpoint but /health, /version and /metrics answers 503 until the engine is ready), spawns
 the engine process, and serves until SIGINT/SIGTERM. Shutdown stops accepting connections, lets
-in-flight requests finish for a few seconds, ends the rest with an error, and waits for the
-engine process to exit.
+in-flight requests finish for ``--shutdown-timeout`` seconds, ends the rest with an error, and
+waits for the engine process to exit. An engine process that dies is restarted up to
+``--max-engine-restarts`` times (docs/reliability.md); after that the server exits with code 3.
 
 Exit codes: 0 after a clean shutdown, 2 for a bad flag or a model the engine cannot load (one
-line on stderr naming it, no traceback), 1 for anything else unexpected.
+line on stderr naming it, no traceback), 3 when the engine died and could not be restarted, 1 for
+anything else unexpected.
 """
 
 from __future__ import annotations
@@ -16,14 +18,18 @@ import argparse
 import asyncio
 import logging
 import os
+import resource
 import signal
 import socket
 import sys
 
 from jaxserve.engine.arg_utils import HelpFormatter, add_cli_args, bounded, from_cli_args
+from jaxserve.entrypoints.limits import ServerLimits
 
 PROG = "python -m jaxserve.serve"
-SHUTDOWN_GRACE_S = 5.0  # in-flight requests get this long to finish after SIGINT/SIGTERM
+EXIT_ENGINE_FAILED = 3
+# File descriptors kept beyond --max-connections (the pipe, the tokenizer's files, logs).
+_SPARE_FDS = 256
 
 
 class UsageError(Exception):
@@ -36,6 +42,10 @@ class _Parser(argparse.ArgumentParser):
 
 
 _port = bounded(int, lambda v: 0 <= v <= 65535, "in 0..65535")
+_count = bounded(int, lambda v: v >= 0, "non-negative")
+_positive_int = bounded(int, lambda v: v > 0, "positive")
+_positive = bounded(float, lambda v: v > 0, "positive")
+_grace = bounded(float, lambda v: v >= 0, "non-negative")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,9 +55,55 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=_port, default=8000, help="port to listen on (0: any free port)")
     p.add_argument("--served-model-name", default=None,
                    help="the name clients send as `model` (None: the model's own name)")
-    p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1/* (None: $JAXSERVE_API_KEY)")
+    p.add_argument("--api-key", default=None, help=(
+        "require 'Authorization: Bearer KEY' on /v1/* (/health, /version and /metrics stay "
+        "open); prefer the environment variable JAXSERVE_API_KEY, used when this flag is not "
+        "given: a flag's value shows in `ps` to every user of the machine"))
+    d = ServerLimits()
+    g = p.add_argument_group("limits", "bounds on what clients may ask (docs/reliability.md)")
+    g.add_argument("--max-waiting-requests", type=_count, default=d.max_waiting_requests, help=(
+        "generation requests in flight beyond the engine's --max-num-seqs; past it a request "
+        "gets 503 with Retry-After"))
+    g.add_argument("--max-connections", type=_positive_int, default=d.max_connections,
+                   help="open client connections; one past it is closed when accepted")
+    g.add_argument("--max-request-body-mib", type=_positive, default=d.max_body_bytes / 2**20,
+                   help="largest request body, MiB (413 beyond it)")
+    g.add_argument("--body-timeout", type=_positive, default=d.body_timeout_s,
+                   help="seconds a request body may take to arrive (408 after)")
+    g.add_argument("--keepalive-timeout", type=_positive, default=d.keepalive_timeout_s, help=(
+        "seconds a connection may stay open without sending a complete request (idle "
+        "keep-alive, or headers that never end)"))
+    g.add_argument("--request-timeout", type=_positive, default=d.request_timeout_s, help=(
+        "seconds a generation request may run (504, or an error event in a stream); None: no "
+        "limit"))
+    g.add_argument("--shutdown-timeout", type=_grace, default=5.0, help=(
+        "seconds in-flight requests get to finish after SIGINT/SIGTERM"))
+    g.add_argument("--max-engine-restarts", type=_count, default=3, help=(
+        "times a dead engine process is started again (in-flight requests fail, new ones get "
+        "503 until it is back); after that the server exits with code 3 (0: exit at once, for "
+        "a supervisor to restart)"))
     return add_cli_args(p)
+
+
+def server_limits(args) -> ServerLimits:
+    """The ServerLimits of parsed flags."""
+    return ServerLimits(
+        max_waiting_requests=args.max_waiting_requests, max_connections=args.max_connections,
+        max_body_bytes=int(args.max_request_body_mib * 2**20), body_timeout_s=args.body_timeout,
+        keepalive_timeout_s=args.keepalive_timeout, request_timeout_s=args.request_timeout)
+
+
+def _raise_fd_limit(needed: int) -> None:
+    """Raise the soft open-files limit towards ``needed`` (as vLLM does): a default of 1,024
+    would fail accepts well below --max-connections."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        except (ValueError, OSError) as e:
+            _say(f"cannot raise the open-files limit to {want} ({e}); --max-connections "
+                 f"{needed - _SPARE_FDS} may not be reachable")
 
 
 def parse_args(argv=None):
@@ -90,12 +146,18 @@ async def serve(args, sock: socket.socket) -> int:
 
     from jaxserve.engine.async_llm import AsyncLLM, EngineStartError
     from jaxserve.entrypoints.api_server import build_app
+    from jaxserve.entrypoints.limits import CappedSockSite
 
     loop = asyncio.get_running_loop()
-    llm = AsyncLLM(from_cli_args(args))
-    app = build_app(llm, served_model_name=args.served_model_name, api_key=args.api_key)
+    limits = server_limits(args)
+    _raise_fd_limit(limits.max_connections + _SPARE_FDS)
+    llm = AsyncLLM(from_cli_args(args), max_engine_restarts=args.max_engine_restarts)
+    app = build_app(llm, served_model_name=args.served_model_name, api_key=args.api_key,
+                    limits=limits)
     runner = web.AppRunner(app, handle_signals=False, access_log=None, handler_cancellation=True,
-                           shutdown_timeout=SHUTDOWN_GRACE_S)
+                           shutdown_timeout=args.shutdown_timeout,
+                           keepalive_timeout=limits.keepalive_timeout_s,
+                           lingering_time=limits.lingering_s)
     stop = asyncio.Event()
 
     def on_signal():
@@ -107,7 +169,7 @@ async def serve(args, sock: socket.socket) -> int:
         loop.add_signal_handler(sig, on_signal)
 
     await runner.setup()
-    site = web.SockSite(runner, sock)
+    site = CappedSockSite(runner, sock, limits.max_connections)
     await site.start()
     host, port = sock.getsockname()[:2]
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
@@ -116,13 +178,19 @@ async def serve(args, sock: socket.socket) -> int:
     code = 0
     start = asyncio.ensure_future(llm.start())
     stopper = asyncio.ensure_future(stop.wait())
+    failed = asyncio.ensure_future(llm.failed.wait())
     try:
         await asyncio.wait({start, stopper}, return_when=asyncio.FIRST_COMPLETED)
         if start.done() and start.exception() is None:
             name = args.served_model_name or llm.model_name
             _say(f"ready: serving {name!r} (max_model_len {llm.max_model_len}, allocator "
                  f"fraction {llm.allocator_fraction:g} of device memory) at {url}/v1")
-            await stopper
+            await asyncio.wait({stopper, failed}, return_when=asyncio.FIRST_COMPLETED)
+            if failed.done() and not stopper.done():
+                print(f"{PROG}: error: the engine process died and was not restarted "
+                      f"(--max-engine-restarts {args.max_engine_restarts})", file=sys.stderr,
+                      flush=True)
+                code = EXIT_ENGINE_FAILED
         elif start.done():
             e = start.exception()
             msg = str(e) if isinstance(e, EngineStartError) else f"{type(e).__name__}: {e}"
@@ -134,8 +202,9 @@ async def serve(args, sock: socket.socket) -> int:
         _say("shutting down")
     finally:
         stopper.cancel()
+        failed.cancel()
         await site.stop()
-        await llm.shutdown(grace_s=SHUTDOWN_GRACE_S if code == 0 else 0.0)
+        await llm.shutdown(grace_s=args.shutdown_timeout if code == 0 else 0.0)
         await runner.cleanup()
         llm.engine_core.kill()
     if code == 0:
@@ -144,7 +213,11 @@ async def serve(args, sock: socket.socket) -> int:
 
 
 def main(argv=None) -> int:
-    logging.basicConfig(level=logging.INFO, format="[jaxserve] %(levelname)s %(name)s: %(message)s")
+    from jaxserve.entrypoints.safe_log import SafeFormatter
+
+    handler = logging.StreamHandler()
+    handler.setFormatter(SafeFormatter("[jaxserve] %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=logging.INFO, handlers=[handler])
     try:
         args = parse_args(argv)
         sock = bind_socket(args.host, args.port)

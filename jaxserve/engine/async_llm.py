@@ -9,15 +9,27 @@ Usage (inside an event loop)::
 
     llm = AsyncLLM(EngineConfig(...))
     await llm.start()
-    ids = llm.encode_chat([{"role": "user", "content": "Hi"}])
+    ids = await llm.encode_chat([{"role": "user", "content": "Hi"}])
     async for out in llm.generate(ids, SamplingParams(max_tokens=16), "req-1"):
         print(out.outputs[0].text, end="")
     await llm.shutdown()
+
+Tokenization and chat templating run on one worker thread, never on the event loop (a long
+prompt would stall every stream for as long as it takes), and text is measured before it is
+tokenized (``InputProcessor.check_text_size``). One thread, because a transformers fast tokenizer
+must not be driven from two threads at once.
+
+Engine death (docs/reliability.md): every live request fails at once with EngineDeadError; then
+the engine process is started again, up to ``max_engine_restarts`` times in the server's life
+(new requests get 503 meanwhile). Past that, or when a restart fails, ``failed`` is set and the
+server exits non-zero for its supervisor.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import logging
 import shutil
 import time
 from collections.abc import AsyncIterator
@@ -35,6 +47,8 @@ from jaxserve.tokenizer_io import load_tokenizer
 
 __all__ = ["AsyncLLM", "EngineDeadError", "EngineStartError", "RequestError"]
 
+logger = logging.getLogger("jaxserve.engine")
+
 
 class AsyncLLM:
     """Async generation against the engine process.
@@ -45,11 +59,23 @@ class AsyncLLM:
       max_model_len: longest sequence, prompt + output, tokens.
       metrics: the Metrics behind ``GET /metrics``.
       allocator_fraction: XLA_PYTHON_CLIENT_MEM_FRACTION the engine process runs with.
-      ready: True once the engine is serving; False before, and after it died or shut down.
+      ready: True once the engine is serving; False before, while it restarts, and after it
+        died or shut down.
+      failed: set when the engine is gone for good (restarts used up, or a restart failed).
+
+    Args:
+      config: the engine configuration.
+      max_engine_restarts: how many times a dead engine process is started again (0: never).
     """
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, max_engine_restarts: int = 0):
         self.config = config
+        self.max_engine_restarts = max_engine_restarts
+        self.engine_restarts = 0
+        self.failed = asyncio.Event()
+        self._restart_task: asyncio.Task | None = None
+        self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="jaxserve-tokenize")
         self.engine_core = EngineCoreClient(config, self._on_message, self._on_engine_dead)
         self.tokenizer = None
         self.model_name: str | None = None
@@ -74,6 +100,8 @@ class AsyncLLM:
         loop = asyncio.get_running_loop()
         try:
             self.tokenizer = await loop.run_in_executor(None, load_tokenizer, ready.tokenizer_dir)
+            self.input_processor = await loop.run_in_executor(
+                None, InputProcessor, self.tokenizer, ready.max_model_len, ready.vocab_size)
         except Exception as e:  # noqa: BLE001
             raise EngineStartError(f"cannot load the engine's tokenizer: {e}") from e
         finally:
@@ -84,23 +112,39 @@ class AsyncLLM:
         self.engine_config = ready.config
         self.allocator_fraction = ready.allocator_fraction
         self.metrics = Metrics(ready.model_name)
-        self.input_processor = InputProcessor(self.tokenizer, ready.max_model_len, ready.vocab_size)
         self.output_processor = OutputProcessor(self.tokenizer, ready.eos_token_ids, self.metrics)
         self.ready = True
 
     # -- prompts -------------------------------------------------------------------------------
 
-    def encode_prompt(self, prompt: str) -> list[int]:
-        """Text prompt -> token ids (InputProcessor.tokenize_prompt)."""
-        return self.input_processor.tokenize_prompt(prompt)
+    async def _tokenize(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        """Chat messages -> token ids (InputProcessor.tokenize_chat). Raises ValueError."""
-        return self.input_processor.tokenize_chat(messages)[1]
+    async def encode_prompt(self, prompt: str) -> list[int]:
+        """Text prompt -> token ids (InputProcessor.tokenize_prompt), off the event loop.
 
-    def check_prompt(self, prompt_token_ids: list[int], max_tokens: int | None) -> None:
-        """InputProcessor.check_prompt with the server's rule. Raises ValueError."""
-        self.input_processor.check_prompt(prompt_token_ids, max_tokens)
+        Raises:
+          ValueError: naming ``prompt``, when the text is too long to fit max_model_len.
+        """
+        self.input_processor.check_text_size(len(prompt.encode("utf-8")), "prompt")
+        return await self._tokenize(self.input_processor.tokenize_prompt, prompt)
+
+    async def encode_chat(self, messages: list[dict]) -> list[int]:
+        """Chat messages -> token ids (InputProcessor.tokenize_chat), off the event loop.
+
+        Raises:
+          ValueError: naming ``messages``: too long to fit max_model_len, or the template
+            rejected them.
+        """
+        size = sum(len(m["content"].encode("utf-8")) for m in messages)
+        self.input_processor.check_text_size(size, "messages")
+        return (await self._tokenize(self.input_processor.tokenize_chat, messages))[1]
+
+    def check_request(self, prompt_token_ids: list[int], sp: SamplingParams) -> None:
+        """InputProcessor.check_prompt with the server's rule, and the stop token ids against
+        the vocabulary. Raises ValueError whose message starts with the field at fault."""
+        self.input_processor.check_stop_token_ids(sp.stop_token_ids)
+        self.input_processor.check_prompt(prompt_token_ids, sp.max_tokens)
 
     # -- generation ----------------------------------------------------------------------------
 
@@ -154,6 +198,11 @@ class AsyncLLM:
                     pass
 
     @property
+    def restarting(self) -> bool:
+        """True while a dead engine is being started again."""
+        return self._restart_task is not None and not self._restart_task.done()
+
+    @property
     def num_live_requests(self) -> int:
         return 0 if self.output_processor is None else len(self.output_processor.requests)
 
@@ -173,12 +222,15 @@ class AsyncLLM:
         """Stop: let live requests finish for up to ``grace_s`` seconds, fail the rest, and stop
         the engine process (waits for it to exit)."""
         self.shutting_down = True
+        if self._restart_task is not None:
+            self._restart_task.cancel()
         deadline = time.monotonic() + grace_s
         while self.num_live_requests and time.monotonic() < deadline and not self.engine_core.dead:
             await asyncio.sleep(0.05)
         self.fail_all("the server is shutting down")
         self.ready = False
         await self.engine_core.shutdown()
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     # -- pipe callbacks (event loop) -----------------------------------------------------------
 
@@ -199,7 +251,37 @@ class AsyncLLM:
     def _on_engine_dead(self) -> None:
         self.ready = False
         self.errored = True
-        print("[jaxserve] the engine process died; failing all requests", flush=True)
         if self.output_processor is not None:
             self.output_processor.propagate_error(
                 None, EngineDeadError("the engine process died"))
+        if self.metrics is not None:
+            self.metrics.engine_down()
+        if self.shutting_down:
+            return
+        if self.engine_restarts < self.max_engine_restarts:
+            self.engine_restarts += 1
+            logger.warning("the engine process died; failed all requests; restarting it "
+                           "(%d of %d)", self.engine_restarts, self.max_engine_restarts)
+            self._restart_task = asyncio.get_running_loop().create_task(self._restart())
+        else:
+            logger.warning("the engine process died; failed all requests; no restart left "
+                           "(--max-engine-restarts %d)", self.max_engine_restarts)
+            self.failed.set()
+
+    async def _restart(self) -> None:
+        """Start a new engine process with the same configuration; the tokenizer, processors
+        and metrics are kept (same model)."""
+        old = self.engine_core
+        await asyncio.get_running_loop().run_in_executor(None, old.kill)  # reap it
+        self.engine_core = EngineCoreClient(self.config, self._on_message, self._on_engine_dead)
+        try:
+            ready = await self.engine_core.start()
+        except EngineStartError as e:
+            logger.warning("the engine could not be restarted: %s", e)
+            self.failed.set()
+            return
+        shutil.rmtree(ready.tokenizer_dir, ignore_errors=True)
+        self.metrics.engine_up(self.engine_restarts)
+        self.errored = False
+        self.ready = True
+        logger.warning("the engine process is back; serving")

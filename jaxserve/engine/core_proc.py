@@ -10,9 +10,13 @@
 
 A request that the core rejects gets an ``Error`` for that request only; a step that raises gets
 an ``Error`` for the requests that were live (they are aborted) and the loop goes on: the engine
-never dies of a bad request. ``Shutdown``, the API process going away (EOF on the pipe, or the
-parent process dying) and SIGTERM end the process cleanly; SIGINT is ignored here because the API
-process, which gets the same Ctrl-C, coordinates the shutdown.
+never dies of a bad request. A step cannot tell which of its requests broke it, so no request
+value may be able to: every ``add`` is checked here before the core sees it (SamplingParams'
+bounds run when the frame is decoded; ``check_engine_request`` adds the prompt's length and
+every token id against the model's vocabulary), so a bad value fails its own request, not the
+step. ``Shutdown``, the API process going away (EOF on the pipe, or the parent process dying)
+and SIGTERM end the process cleanly; SIGINT is ignored here because the API process, which gets
+the same Ctrl-C, coordinates the shutdown.
 """
 
 from __future__ import annotations
@@ -29,7 +33,9 @@ import traceback
 from multiprocessing.connection import Connection
 
 from jaxserve.config import EngineConfig
+from jaxserve.engine import EngineCoreRequest
 from jaxserve.engine import messages as M
+from jaxserve.engine.input_processor import check_token_ids
 from jaxserve.tokenizer_io import save_tokenizer
 
 # Testing hook: "module:Class" of an EngineCore stand-in with the same interface.
@@ -67,6 +73,15 @@ def _describe(e: BaseException) -> str:
 
 class _Exit(Exception):
     pass
+
+
+def check_engine_request(req: EngineCoreRequest, vocab_size: int, max_model_len: int) -> None:
+    """What the model runner's arrays need of a request. Raises ValueError naming the field."""
+    n = len(req.prompt_token_ids)
+    if not 0 < n < max_model_len:
+        raise ValueError(f"prompt: {n} tokens; a prompt needs 1 to {max_model_len - 1}")
+    check_token_ids(req.prompt_token_ids, vocab_size, "prompt")
+    check_token_ids(req.sampling_params.stop_token_ids, vocab_size, "stop_token_ids")
 
 
 class EngineCoreProc:
@@ -107,6 +122,7 @@ class EngineCoreProc:
                                   kind="invalid_request"))
                 return
             try:
+                check_engine_request(req, self.core.vocab_size, self.core.max_model_len)
                 self.core.add_request(req)
             except ValueError as e:
                 self.send(M.Error([req.request_id], _describe(e), kind="invalid_request"))

@@ -98,47 +98,70 @@ class OutputProcessor:
         return self.requests.pop(request_id, None) is not None
 
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> OutputProcessorOutput:
-        """Detokenize, check stop strings, and queue or return the deltas."""
+        """Detokenize, check stop strings, and queue or return the deltas.
+
+        An error while handling one request's output (a queued request: the server) fails that
+        request alone with a RequestError, and it is aborted in the engine; the others go on.
+        Without a queue (offline) the error is raised.
+        """
         to_abort, returned = [], []
         now = time.monotonic()
         for o in outputs:
             st = self.requests.get(o.request_id)
             if st is None:
                 continue  # aborted meanwhile
-            if st.first_token_time is None and o.new_token_ids:
-                st.first_token_time = now
-            st.num_output_tokens += len(o.new_token_ids)
-            st.num_cached_tokens = o.num_cached_tokens
-            ids = list(o.new_token_ids)
-            text_ids = ids
-            if o.finish_reason == "stop" and ids:
-                stoppers = self.eos_token_ids | set(st.sampling_params.stop_token_ids)
-                if ids[-1] in stoppers:
-                    text_ids = ids[:-1]  # the EOS / stop token is not part of the text
-            text = st.detokenizer.update(text_ids)
-            finish_reason, stop_reason = o.finish_reason, o.stop_reason
-            if st.detokenizer.stop_matched is not None:
-                finish_reason, stop_reason = "stop", st.detokenizer.stop_matched
-                if not o.finished:
-                    to_abort.append(o.request_id)
-            elif finish_reason is not None:
-                text += st.detokenizer.flush()
-            finished = finish_reason is not None
-            out = RequestOutput(
-                st.request_id, st.prompt, st.prompt_token_ids,
-                [CompletionOutput(0, text, ids, finish_reason, stop_reason)],
-                num_cached_tokens=st.num_cached_tokens, finished=finished)
+            try:
+                out, abort = self._process_one(st, o, now)
+            except Exception as e:
+                if st.queue is None:
+                    raise
+                self.requests.pop(o.request_id, None)
+                st.queue.put_nowait(RequestError(
+                    f"cannot process the engine's output: {type(e).__name__}: {e}"))
+                to_abort.append(o.request_id)
+                continue
+            if abort:
+                to_abort.append(o.request_id)
             if st.queue is None:
                 returned.append(out)
             else:
                 st.queue.put_nowait(out)
-            if finished:
-                del self.requests[o.request_id]
-                if self.metrics is not None:
-                    self.metrics.record_finished(
-                        finish_reason, len(st.prompt_token_ids), st.num_output_tokens,
-                        (st.first_token_time or now) - st.arrival_time, now - st.arrival_time)
         return OutputProcessorOutput(returned, to_abort)
+
+    def _process_one(self, st: RequestState, o: EngineCoreOutput,
+                     now: float) -> tuple[RequestOutput, bool]:
+        """One request's delta, and whether the engine must abort it (a stop string matched
+        before the engine saw a stop). Forgets the request and records metrics when it ends."""
+        if st.first_token_time is None and o.new_token_ids:
+            st.first_token_time = now
+        st.num_output_tokens += len(o.new_token_ids)
+        st.num_cached_tokens = o.num_cached_tokens
+        ids = list(o.new_token_ids)
+        text_ids = ids
+        if o.finish_reason == "stop" and ids:
+            stoppers = self.eos_token_ids | set(st.sampling_params.stop_token_ids)
+            if ids[-1] in stoppers:
+                text_ids = ids[:-1]  # the EOS / stop token is not part of the text
+        text = st.detokenizer.update(text_ids)
+        finish_reason, stop_reason = o.finish_reason, o.stop_reason
+        abort = False
+        if st.detokenizer.stop_matched is not None:
+            finish_reason, stop_reason = "stop", st.detokenizer.stop_matched
+            abort = not o.finished
+        elif finish_reason is not None:
+            text += st.detokenizer.flush()
+        finished = finish_reason is not None
+        out = RequestOutput(
+            st.request_id, st.prompt, st.prompt_token_ids,
+            [CompletionOutput(0, text, ids, finish_reason, stop_reason)],
+            num_cached_tokens=st.num_cached_tokens, finished=finished)
+        if finished:
+            del self.requests[o.request_id]
+            if self.metrics is not None:
+                self.metrics.record_finished(
+                    finish_reason, len(st.prompt_token_ids), st.num_output_tokens,
+                    (st.first_token_time or now) - st.arrival_time, now - st.arrival_time)
+        return out, abort
 
     def propagate_error(self, request_ids, exc: BaseException) -> None:
         """Fail the given requests (all live ones if ``request_ids`` is None) with ``exc``."""

@@ -4,6 +4,10 @@ Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models (those t
 in serving.py), GET /health, GET /version, GET /metrics. Every error, including unknown routes
 and unexpected exceptions, is an OpenAI error body ``{"error": {"message", "type", "param",
 "code"}}``; tracebacks go to the server log only.
+
+``/health``, ``/version`` and ``/metrics`` need no API key, as in vLLM: Prometheus scrapers
+seldom send one, and the metrics hold counts, no request content (docs/reliability.md: restrict
+them at a reverse proxy if that matters).
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from jaxserve.engine.async_llm import AsyncLLM
 from jaxserve.entrypoints import serving
 from jaxserve.entrypoints.app_state import LLM_KEY, STATE_KEY
 from jaxserve.entrypoints.errors import APIError, error_response
+from jaxserve.entrypoints.limits import ServerLimits
+from jaxserve.entrypoints.safe_log import clip
 from jaxserve.metrics import CONTENT_TYPE
 
 logger = logging.getLogger("jaxserve.api")
@@ -43,7 +49,7 @@ async def _errors_middleware(request: web.Request, handler):
             raise
         return error_response(e.status, e.reason or "error", "invalid_request_error")
     except Exception:  # noqa: BLE001 - never a traceback in a response
-        logger.exception("unhandled error in %s %s", request.method, request.path)
+        logger.exception("unhandled error in %s %s", request.method, clip(request.path))
         return error_response(500, "internal server error", "server_error")
 
 
@@ -51,8 +57,11 @@ def _auth_middleware(api_key: str | None):
     @web.middleware
     async def check(request: web.Request, handler):
         if api_key and request.path.startswith("/v1"):
-            got = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(got.encode(), f"Bearer {api_key}".encode()):
+            # aiohttp decodes header bytes as UTF-8 with surrogateescape: encode them back the
+            # same way, so any bytes a client sends compare (and never raise).
+            got = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+            want = f"Bearer {api_key}".encode("utf-8", "surrogateescape")
+            if not hmac.compare_digest(got, want):
                 raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer KEY')",
                                code="invalid_api_key")
         return await handler(request)
@@ -80,18 +89,21 @@ async def _metrics(request: web.Request) -> web.Response:
 
 
 def build_app(llm: AsyncLLM, *, served_model_name: str | None = None,
-              api_key: str | None = None) -> web.Application:
+              api_key: str | None = None, limits: ServerLimits | None = None) -> web.Application:
     """The aiohttp app serving ``llm``.
 
     Args:
       llm: an AsyncLLM (it may still be starting: endpoints answer 503 until it is ready).
       served_model_name: the name clients use in ``model``; None = the model's own name.
       api_key: if set, /v1/* requires ``Authorization: Bearer <api_key>`` (else 401).
+      limits: the server's bounds (ServerLimits' defaults if None).
     """
+    limits = limits or ServerLimits()
     app = web.Application(middlewares=[_errors_middleware, _auth_middleware(api_key)],
-                          client_max_size=64 * 1024 * 1024)
+                          client_max_size=limits.max_body_bytes)
     app[LLM_KEY] = llm
-    app[STATE_KEY] = {"served_model_name": served_model_name, "created": int(time.time())}
+    app[STATE_KEY] = {"served_model_name": served_model_name, "created": int(time.time()),
+                      "limits": limits, "in_flight": 0}
     app.router.add_post("/v1/completions", serving.create_completion)
     app.router.add_post("/v1/chat/completions", serving.create_chat_completion)
     app.router.add_get("/v1/models", serving.show_available_models)

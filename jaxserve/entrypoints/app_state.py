@@ -11,5 +11,6 @@ from aiohttp import web
 from jaxserve.engine.async_llm import AsyncLLM
 
 LLM_KEY = web.AppKey("llm", AsyncLLM)
-# {"served_model_name": str | None (None: the model's own name), "created": int (unix time)}
+# {"served_model_name": str | None (None: the model's own name), "created": int (unix time),
+#  "limits": ServerLimits, "in_flight": int (generation requests admitted and not yet answered)}
 STATE_KEY = web.AppKey("state", dict)

@@ -1,8 +1,12 @@
 """OpenAI request and response bodies (pydantic 2), as vLLM's ``entrypoints/openai/protocol.py``.
 
 Requests (/v1/completions, /v1/chat/completions): types are checked strictly (a string where a
-number belongs is a 400, as with OpenAI); value ranges are checked by SamplingParams. Fields OpenAI
-defines that jaxserve does not support yet are accepted only at their neutral value
+number belongs is a 400, as with OpenAI), and bounded here so that no value can overflow what it
+is later packed into: integers fit int32 (``seed``: int64), floats are finite, and every string
+can be encoded as UTF-8 (JSON's ``"\\ud800"`` escape gives a lone surrogate, which no encoder
+downstream accepts); lists stop at their first bad item. Semantic ranges (temperature in
+[0, 2], ...) are SamplingParams' checks. Fields OpenAI defines that jaxserve does not support
+yet are accepted only at their neutral value
 (``unsupported_field`` names the first offender); fields nobody defines are kept in
 ``model_extra`` so the server can log and ignore them.
 
@@ -15,15 +19,38 @@ chunk's ``usage``, a delta's ``role`` / ``content``) are omitted when None; the 
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import INT32_MAX, SamplingParams
+
+
+def _utf8(s: str) -> str:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("the string holds a lone UTF-16 surrogate (e.g. \\ud800); it cannot "
+                         "be encoded as UTF-8") from None
+    return s
+
+
+Text = Annotated[str, AfterValidator(_utf8)]
+Int32 = Annotated[int, Field(ge=-INT32_MAX - 1, le=INT32_MAX)]
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]  # the vocabulary check comes later
+
+
+def Items(item: Any) -> Any:
+    """``list[item]`` that stops at its first bad item: by default pydantic reports every one,
+    and a body of a million bad token ids took a minute to validate and report, on the event
+    loop."""
+    return Annotated[list[item], Field(fail_fast=True)]
 
 
 class _Base(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+    # allow_inf_nan=False: JSON has no NaN / Infinity, and 1e400 parses to inf; both are 400s.
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Base):
@@ -34,22 +61,22 @@ class StreamOptions(_Base):
 class _SamplingFields(_Base):
     """Fields shared by both endpoints (OpenAI's, plus vLLM's top_k / stop_token_ids / ignore_eos)."""
 
-    model: str | None = None
+    model: Text | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    top_k: Int32 | None = None
+    seed: Int64 | None = None
+    stop: Text | Items(Text) | None = None
+    stop_token_ids: Items(TokenId) | None = None
     ignore_eos: bool = False
     return_token_ids: bool = False  # vLLM's extension: token ids in each choice
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: int | None = 1
+    n: Int32 | None = 1
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    logit_bias: dict[str, Any] | None = None  # unsupported: any non-empty value is a 400
+    user: Text | None = None
 
     def _unsupported_common(self) -> str | None:
         if self.n not in (None, 1):
@@ -85,12 +112,12 @@ class CompletionRequest(_SamplingFields):
     """POST /v1/completions. ``prompt`` is a string, a list of token ids, or a list holding one
     of those (one prompt per request: batched prompts are not supported yet)."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    prompt: Text | Items(TokenId) | Items(Text) | Items(Items(TokenId))
+    max_tokens: Int32 | None = 16
+    logprobs: Int32 | None = None
     echo: bool | None = False
-    best_of: int | None = None
-    suffix: str | None = None
+    best_of: Int32 | None = None
+    suffix: Text | None = None
 
     def unsupported_field(self) -> str | None:
         """The first OpenAI field set to a value jaxserve does not support, or None."""
@@ -115,15 +142,15 @@ class CompletionRequest(_SamplingFields):
 
 class TextPart(_Base):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatCompletionMessageParam(_Base):
     """One message of a chat request."""
 
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    content: Text | Items(TextPart) | None = None
+    name: Text | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -136,11 +163,11 @@ class ChatCompletionMessageParam(_Base):
 class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions: system / user / assistant messages, text content only."""
 
-    messages: list[ChatCompletionMessageParam] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    messages: Annotated[list[ChatCompletionMessageParam], Field(min_length=1, fail_fast=True)]
+    max_tokens: Int32 | None = None
+    max_completion_tokens: Int32 | None = None
     logprobs: bool | None = False
-    top_logprobs: int | None = None
+    top_logprobs: Int32 | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None

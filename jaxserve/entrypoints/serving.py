@@ -1,18 +1,24 @@
 """Handlers of POST /v1/completions, POST /v1/chat/completions (OpenAI format, SSE streaming)
 and GET /v1/models.
 
-Both generation endpoints parse and validate the body (pydantic, then SamplingParams), tokenize
-(chat template for chat), check the length against max_model_len, then either collect the whole
+Both generation endpoints admit the request (503 with ``Retry-After`` past
+``--max-waiting-requests``), read the body within ``--body-timeout`` (408) and the size limit
+(413), parse and validate it (JSON, pydantic, then SamplingParams), tokenize (chat template for
+chat) off the event loop, check the length against max_model_len, then either collect the whole
 output or stream Server-Sent Events: one ``data: {chunk}`` per text delta, an optional usage
-chunk, then ``data: [DONE]``. A client that goes away mid-request (handler cancelled, or a failed
-write) closes the generator, which aborts the request in the engine. Every body is one of
-protocol.py's response models, built by the endpoint's ``_Bodies``.
+chunk, then ``data: [DONE]``. Once a stream's headers are sent, any error (the engine's, a
+``--request-timeout``, a bug) becomes one SSE error event followed by ``[DONE]``, never a second
+HTTP response. A client that goes away mid-request (handler cancelled, or a failed write) closes
+the generator, which aborts the request in the engine. Every body is one of protocol.py's
+response models, built by the endpoint's ``_Bodies``.
 """
 
 from __future__ import annotations
 
 import abc
+import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import time
@@ -30,12 +36,17 @@ from jaxserve.entrypoints.protocol import (
     CompletionRequest, CompletionResponse, CompletionResponseChoice,
     CompletionResponseStreamChoice, CompletionStreamResponse, DeltaMessage, ErrorResponse,
     ModelCard, ModelList, OpenAIBaseModel, PromptTokenUsageInfo, UsageInfo)
+from jaxserve.entrypoints.limits import ServerLimits
 from jaxserve.entrypoints.responses import SSEStream, json_response
+from jaxserve.entrypoints.safe_log import clip
 from jaxserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("jaxserve.api")
 
-_SP_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids")
+# Longest first: an error about "stop_token_ids" also starts with "stop".
+_SP_FIELDS = ("stop_token_ids", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+_MAX_LOGGED_FIELDS = 10  # unknown field names quoted in one warning
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict"}  # pydantic's union member tags
 
 
 def _llm(request: web.Request) -> AsyncLLM:
@@ -48,36 +59,103 @@ def _served_name(request: web.Request) -> str:
 
 def _require_ready(llm: AsyncLLM) -> None:
     if not llm.ready:
-        if llm.errored:
-            msg = "the engine is not running (it stopped unexpectedly)"
-        elif llm.shutting_down:
+        if llm.shutting_down:
             msg = "the server is shutting down"
+        elif llm.restarting:
+            msg = "the engine process died and is restarting; retry when GET /health answers 200"
+        elif llm.errored:
+            msg = "the engine is not running (it stopped unexpectedly)"
         else:
             msg = "the engine is still starting; retry when GET /health answers 200"
         raise APIError(503, msg, code="engine_unavailable")
 
 
-async def _parse(request: web.Request, model_cls):
+def _limits(request: web.Request) -> ServerLimits:
+    return request.app[STATE_KEY]["limits"]
+
+
+@contextlib.contextmanager
+def _admitted(request: web.Request):
+    """Counts a generation request in flight for as long as the block runs.
+
+    Raises:
+      APIError: 503 with Retry-After when ``max_num_seqs + max_waiting_requests`` are in flight.
+    """
+    state, llm, limits = request.app[STATE_KEY], _llm(request), _limits(request)
+    cap = (llm.engine_config.get("max_num_seqs") or 0) + limits.max_waiting_requests
+    if state["in_flight"] >= cap:
+        llm.metrics.record_rejected("overloaded")
+        raise APIError(503, f"the server is overloaded ({state['in_flight']} requests in "
+                       "flight); retry later", code="overloaded",
+                       headers={"Retry-After": str(limits.retry_after_s)})
+    state["in_flight"] += 1
     try:
-        body = await request.json(loads=json.loads)
-    except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as e:
+        yield
+    finally:
+        state["in_flight"] -= 1
+
+
+async def _read_body(request: web.Request) -> bytes:
+    """The whole body, within the size limit (413) and the body timeout (408). Either error
+    closes the connection: the rest of the body is not read."""
+    limits = _limits(request)
+    if request.content_length is not None and request.content_length > limits.max_body_bytes:
+        raise APIError(413, f"the request body ({request.content_length} bytes) exceeds the "
+                       f"limit of {limits.max_body_bytes} bytes", close=True)
+    try:
+        async with asyncio.timeout(limits.body_timeout_s):
+            return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise APIError(413, f"the request body exceeds the limit of {limits.max_body_bytes} "
+                       "bytes", close=True) from None
+    except TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {limits.body_timeout_s:g} s",
+                       code="request_timeout", close=True) from None
+
+
+def _no_constants(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _loads(body: bytes):
+    """JSON text (RFC 8259: UTF-8, whatever the Content-Type's charset says) -> Python value.
+    Nesting is bounded by Python's recursion limit (about 1,000 levels)."""
+    try:
+        return json.loads(body.decode("utf-8"), parse_constant=_no_constants)
+    except UnicodeDecodeError as e:
+        raise APIError(400, f"the request body is not valid UTF-8: {e.reason} at byte "
+                       f"{e.start}") from None
+    except RecursionError:
+        raise APIError(400, "the request body is not valid JSON: nested too deeply") from None
+    except ValueError as e:
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
+
+
+async def _parse(request: web.Request, model_cls):
+    body = _loads(await _read_body(request))
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     try:
         req = model_cls.model_validate(body)
     except pydantic.ValidationError as e:
-        err = e.errors()[0]
-        loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith("function-"))
-        # Union members add their type names to the location; keep the field path only.
+        # A union reports one error per member; the deepest is the one about the value
+        # (``stop: ["\ud800"]``: the list item's encoding, not "stop is not a string").
+        err = max(e.errors(include_url=False, include_input=False),
+                  key=lambda err: len(err["loc"]))
+        # Union members add their type names to the location ("str", "list[...]",
+        # "function-after[...]"); keep the field names and item indices only.
+        loc = ".".join(str(p) for p in err["loc"]
+                       if isinstance(p, int) or (p.isidentifier() and p not in _TYPE_TAGS))
         field = str(err["loc"][0]) if err["loc"] else None
         msg = err["msg"]
         if err["type"] == "missing":
             msg = "field required"
         raise APIError(400, f"{loc or field}: {msg}", param=field) from None
     if req.model_extra:
-        logger.warning("ignoring unknown fields in %s request: %s", request.path,
-                       ", ".join(sorted(req.model_extra)))
+        names = itertools.islice(req.model_extra, _MAX_LOGGED_FIELDS)  # in body order
+        more = len(req.model_extra) - _MAX_LOGGED_FIELDS
+        logger.warning("ignoring unknown fields in %s request: %s%s", request.path,
+                       ", ".join(clip(n) for n in names), f" and {more} more" if more > 0 else "")
     bad = req.unsupported_field()
     if bad:
         raise APIError(400, f"{bad}: this value is not supported by jaxserve yet", param=bad)
@@ -107,9 +185,21 @@ def _usage(num_prompt: int, num_output: int, num_cached: int) -> UsageInfo:
                      prompt_tokens_details=PromptTokenUsageInfo(cached_tokens=num_cached))
 
 
-def _check_prompt(llm: AsyncLLM, ids: list[int], max_tokens: int | None, field: str) -> None:
+def _check_request(llm: AsyncLLM, ids: list[int], sp: SamplingParams, field: str) -> None:
+    """AsyncLLM.check_request; a 400 names ``stop_token_ids`` or else ``field`` (the prompt's
+    field, or the max_tokens field that made the request too long)."""
     try:
-        llm.check_prompt(ids, max_tokens)
+        llm.check_request(ids, sp)
+    except ValueError as e:
+        msg = str(e)
+        raise APIError(400, msg, param="stop_token_ids" if msg.startswith("stop_token_ids")
+                       else field) from None
+
+
+async def _encode(coro, field: str) -> list[int]:
+    """Awaits a tokenization; its ValueError (too long, template error) is a 400 on ``field``."""
+    try:
+        return await coro
     except ValueError as e:
         raise APIError(400, str(e), param=field) from None
 
@@ -123,12 +213,21 @@ def _raise_for(e: Exception):
     raise e
 
 
-def _error_event(e: Exception) -> ErrorResponse:
+def _timeout_message(request: web.Request) -> str:
+    return f"the request ran past --request-timeout ({_limits(request).request_timeout_s:g} s)"
+
+
+def _error_event(request: web.Request, e: Exception) -> ErrorResponse:
+    """The SSE error event of a stream that failed after its headers were sent."""
     if isinstance(e, EngineDeadError):
         return error_body(str(e), "server_error", None, "engine_unavailable")
-    if isinstance(e, RequestError) and e.kind == "invalid_request":
-        return error_body(str(e), "invalid_request_error")
-    return error_body(str(e), "server_error")
+    if isinstance(e, RequestError):
+        kind = "invalid_request_error" if e.kind == "invalid_request" else "server_error"
+        return error_body(str(e), kind)
+    if isinstance(e, TimeoutError):
+        return error_body(_timeout_message(request), "server_error", None, "request_timeout")
+    logger.error("error in the stream of %s %s", request.method, request.path, exc_info=e)
+    return error_body("internal server error", "server_error")
 
 
 class _Bodies(abc.ABC):
@@ -208,21 +307,26 @@ class _ChatBodies(_Bodies):
 
 
 async def _run(request, llm: AsyncLLM, ids: list[int], sp: SamplingParams, bodies: _Bodies,
-               *, stream: bool, include_usage: bool, return_token_ids: bool):
+               *, stream: bool, include_usage: bool, return_token_ids: bool,
+               deadline: float | None):
     """Shared body of both endpoints: generates, and answers with ``bodies``' response or
     chunks. ``return_token_ids`` adds ``prompt_token_ids`` and ``token_ids`` (generated ids,
-    EOS / stop token included; deltas when streaming) to the choice, as vLLM does."""
+    EOS / stop token included; deltas when streaming) to the choice, as vLLM does. ``deadline``
+    (event loop time, None for none) ends the request: 504, or an error event in a stream."""
     gen = llm.generate(ids, sp, bodies.request_id)
     prompt_token_ids = list(ids) if return_token_ids else None
     if not stream:
         text, out, out_ids = [], None, []
         try:
-            async with contextlib.aclosing(gen):
+            async with contextlib.aclosing(gen), asyncio.timeout_at(deadline):
                 async for out in gen:
                     text.append(out.outputs[0].text)
                     out_ids += out.outputs[0].token_ids
         except (EngineDeadError, RequestError) as e:
             _raise_for(e)
+        except TimeoutError:
+            llm.metrics.record_rejected("timeout")
+            raise APIError(504, _timeout_message(request), code="request_timeout") from None
         usage = _usage(len(ids), len(out_ids), out.num_cached_tokens)
         return json_response(bodies.response(
             "".join(text), usage, finish_reason=out.outputs[0].finish_reason,
@@ -230,13 +334,13 @@ async def _run(request, llm: AsyncLLM, ids: list[int], sp: SamplingParams, bodie
 
     sse = SSEStream(request)
     await sse.start()
-    first = bodies.first_chunk()
     try:
-        if first is not None:
-            await sse.send(first)
-        out, n_out = None, 0
-        async with contextlib.aclosing(gen):
-            try:
+        try:
+            async with contextlib.aclosing(gen), asyncio.timeout_at(deadline):
+                first = bodies.first_chunk()
+                if first is not None:
+                    await sse.send(first)
+                out, n_out = None, 0
                 async for out in gen:
                     c = out.outputs[0]
                     n_out += len(c.token_ids)
@@ -247,54 +351,66 @@ async def _run(request, llm: AsyncLLM, ids: list[int], sp: SamplingParams, bodie
                             c.text, finish_reason=c.finish_reason,
                             prompt_token_ids=prompt_token_ids if first_ids else None,
                             token_ids=list(c.token_ids) if return_token_ids else None))
-            except (EngineDeadError, RequestError) as e:
-                await sse.send(_error_event(e))
-                out = None
-        if include_usage and out is not None:
-            await sse.send(bodies.usage_chunk(_usage(len(ids), n_out, out.num_cached_tokens)))
+            if include_usage and out is not None:
+                await sse.send(bodies.usage_chunk(_usage(len(ids), n_out, out.num_cached_tokens)))
+        except ConnectionError:
+            raise
+        except Exception as e:  # noqa: BLE001 - headers are out: the error goes in the stream
+            if isinstance(e, TimeoutError):
+                llm.metrics.record_rejected("timeout")
+            await sse.send(_error_event(request, e))
         await sse.send("[DONE]")
     except ConnectionError as e:  # the client went away; gen is closed (aborted)
         logger.info("client disconnected from %s: %s", bodies.request_id, type(e).__name__)
     return sse.resp
 
 
+def _deadline(request: web.Request) -> float | None:
+    """When a request that arrives now must be done (event loop time), or None."""
+    timeout = _limits(request).request_timeout_s
+    return None if timeout is None else asyncio.get_running_loop().time() + timeout
+
+
 async def create_completion(request: web.Request) -> web.StreamResponse:
     llm = _llm(request)
     _require_ready(llm)
-    req: CompletionRequest = await _parse(request, CompletionRequest)
-    model = _check_model(request, req.model)
-    prompt = req.single_prompt()
-    if isinstance(prompt, str):
-        ids = llm.encode_prompt(prompt)
-    else:
-        ids = list(prompt)
-    sp = _sampling_params(req, req.max_tokens)
-    _check_prompt(llm, ids, sp.max_tokens, "prompt")
-    bodies = _CompletionBodies(f"cmpl-{uuid.uuid4().hex}", model)
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return await _run(request, llm, ids, sp, bodies, stream=bool(req.stream),
-                      include_usage=include_usage, return_token_ids=req.return_token_ids)
+    deadline = _deadline(request)
+    with _admitted(request):
+        req: CompletionRequest = await _parse(request, CompletionRequest)
+        model = _check_model(request, req.model)
+        sp = _sampling_params(req, req.max_tokens)
+        prompt = req.single_prompt()
+        if isinstance(prompt, str):
+            ids = await _encode(llm.encode_prompt(prompt), "prompt")
+        else:
+            ids = list(prompt)
+        _check_request(llm, ids, sp, "prompt")
+        bodies = _CompletionBodies(f"cmpl-{uuid.uuid4().hex}", model)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return await _run(request, llm, ids, sp, bodies, stream=bool(req.stream),
+                          include_usage=include_usage, return_token_ids=req.return_token_ids,
+                          deadline=deadline)
 
 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     llm = _llm(request)
     _require_ready(llm)
-    req: ChatCompletionRequest = await _parse(request, ChatCompletionRequest)
-    model = _check_model(request, req.model)
-    try:
-        ids = llm.encode_chat(req.template_messages())
-    except ValueError as e:
-        raise APIError(400, str(e), param="messages") from None
-    max_tokens = req.requested_max_tokens()
-    field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    sp = _sampling_params(req, max_tokens)
-    _check_prompt(llm, ids, sp.max_tokens, "messages" if max_tokens is None else field)
-    if sp.max_tokens is None:
-        sp.max_tokens = llm.max_model_len - len(ids)
-    bodies = _ChatBodies(f"chatcmpl-{uuid.uuid4().hex}", model)
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return await _run(request, llm, ids, sp, bodies, stream=bool(req.stream),
-                      include_usage=include_usage, return_token_ids=req.return_token_ids)
+    deadline = _deadline(request)
+    with _admitted(request):
+        req: ChatCompletionRequest = await _parse(request, ChatCompletionRequest)
+        model = _check_model(request, req.model)
+        max_tokens = req.requested_max_tokens()
+        field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        sp = _sampling_params(req, max_tokens)
+        ids = await _encode(llm.encode_chat(req.template_messages()), "messages")
+        _check_request(llm, ids, sp, "messages" if max_tokens is None else field)
+        if sp.max_tokens is None:  # OpenAI's and vLLM's meaning: up to the context
+            sp.max_tokens = llm.max_model_len - len(ids)
+        bodies = _ChatBodies(f"chatcmpl-{uuid.uuid4().hex}", model)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return await _run(request, llm, ids, sp, bodies, stream=bool(req.stream),
+                          include_usage=include_usage, return_token_ids=req.return_token_ids,
+                          deadline=deadline)
 
 
 async def show_available_models(request: web.Request) -> web.Response:

@@ -19,7 +19,7 @@ import time
 import openai
 import pytest
 
-from server_utils import REPO, Server, alive, descendants, free_port, get, wait_gone
+from server_utils import REPO, Server, descendants, free_port, get, wait_gone
 from stub_engine import ADD_CRASH_ID, STEP_CRASH_ID
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -138,22 +138,7 @@ def test_request_that_crashes_step_gets_error_and_engine_lives(stub_server):
     assert get(f"{stub_server.url}/health")[0] == 200
 
 
-def test_engine_death_gives_503_and_clean_exit(stub_server):
-    c = _client(stub_server)
-    result = {}
-
-    def stream():
-        try:
-            for _ in c.completions.create(model="stub-model", prompt="hi", max_tokens=100000,
-                                          stream=True):
-                pass
-            result["ended"] = "normally"
-        except Exception as e:  # noqa: BLE001
-            result["ended"] = type(e).__name__
-
-    t = threading.Thread(target=stream)
-    t.start()
-    time.sleep(1.0)
+def _engine_pids(srv) -> list[int]:
     def cmdline(pid):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -161,23 +146,60 @@ def test_engine_death_gives_503_and_clean_exit(stub_server):
         except OSError:
             return ""
 
-    engine = [p for p in stub_server.engine_pids if alive(p) and "spawn_main" in cmdline(p)]
-    assert len(engine) == 1
+    return [p for p in descendants(srv.proc.pid) if "spawn_main" in cmdline(p)]
+
+
+def test_engine_death_fails_in_flight_then_restarts(stub_server):
+    """Issue 11's policy: in-flight requests fail at once, /metrics says the engine is down, a
+    new engine process is started (--max-engine-restarts, default 3) and serves new requests."""
+    c = _client(stub_server)
+    result = {}
+
+    def stream():
+        try:
+            for _ in c.completions.create(model="stub-model", prompt="hi", max_tokens=500,
+                                          stream=True):
+                pass
+            result["ended"] = "normally"
+        except Exception as e:  # noqa: BLE001
+            result["ended"] = type(e).__name__
+        result["t"] = time.monotonic()
+
+    t = threading.Thread(target=stream)
+    t.start()
+    time.sleep(1.0)
+    (engine,) = _engine_pids(stub_server)
     log_before = len(stub_server.output())
-    for p in engine:
-        os.kill(p, signal.SIGKILL)
+    killed = time.monotonic()
+    os.kill(engine, signal.SIGKILL)
     t.join(20)
     assert not t.is_alive(), "the in-flight stream hung after the engine died"
-    assert result["ended"] != "normally"
-    deadline = time.monotonic() + 10
-    while get(f"{stub_server.url}/health")[0] != 503 and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert get(f"{stub_server.url}/health")[0] == 503
-    with pytest.raises(openai.APIStatusError) as e:
-        c.completions.create(model="stub-model", prompt="hi", max_tokens=3)
-    assert e.value.status_code == 503
-    body = e.value.response.json()
-    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert result["ended"] != "normally" and result["t"] - killed < 5
+    deadline = time.monotonic() + 60
+    while get(f"{stub_server.url}/health")[0] != 200 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert get(f"{stub_server.url}/health")[0] == 200
+    m = stub_server.metrics()
+    assert m["jaxserve:engine_restarts_total"] == 1 and m["jaxserve:engine_alive"] == 1
+    assert c.completions.create(model="stub-model", prompt="hi", max_tokens=3).usage.completion_tokens == 3
+    (new_engine,) = _engine_pids(stub_server)
+    assert new_engine != engine
     assert stub_server.stop(signal.SIGTERM, timeout=30) == 0
     assert "Traceback" not in stub_server.output()[log_before:]  # (earlier tests log on purpose)
-    assert not wait_gone(stub_server.engine_pids)
+    assert not wait_gone(stub_server.engine_pids | {new_engine})
+
+
+def test_engine_death_without_restarts_exits_3():
+    """--max-engine-restarts 0: in-flight requests fail, then the server exits with code 3 for
+    its supervisor, leaving no process behind."""
+    srv = Server("--max-model-len", "512", "--max-engine-restarts", "0", env=STUB_ENV,
+                 startup_timeout=120)
+    try:
+        (engine,) = _engine_pids(srv)
+        os.kill(engine, signal.SIGKILL)
+        assert srv.proc.wait(30) == 3
+        out = srv.output()
+        assert "Traceback" not in out and "--max-engine-restarts 0" in out
+        assert not wait_gone(srv.engine_pids)
+    finally:
+        srv.stop()

@@ -9,6 +9,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from jaxserve.engine.async_llm import EngineDeadError
 from jaxserve.entrypoints.api_server import build_app
+from jaxserve.metrics import Metrics
 from jaxserve.outputs import CompletionOutput, RequestOutput
 
 PROMPT_IDS = [5, 6, 7]
@@ -22,22 +23,25 @@ class FakeLLM:
     """What serving uses of AsyncLLM; ``generate`` yields DELTAS, or raises ``fail`` after the
     first."""
 
-    ready, errored, shutting_down = True, False, False
-    model_name, max_model_len, metrics = "fake-model", 64, None
+    ready, errored, shutting_down, restarting = True, False, False, False
+    model_name, max_model_len = "fake-model", 64
+    engine_config = {"max_num_seqs": 2}
 
     def __init__(self, fail: Exception | None = None):
         self.fail = fail
+        self.metrics = Metrics(self.model_name)
 
-    def encode_prompt(self, prompt):
+    async def encode_prompt(self, prompt):
         return list(PROMPT_IDS)
 
-    def encode_chat(self, messages):
+    async def encode_chat(self, messages):
         return list(PROMPT_IDS)
 
-    def check_prompt(self, ids, max_tokens):
+    def check_request(self, ids, sp):
         pass
 
     async def generate(self, ids, sp, request_id):
+        self.last_sampling_params = sp
         for i, (text, token_ids) in enumerate(DELTAS):
             if self.fail and i == 1:
                 raise self.fail
@@ -148,6 +152,23 @@ def test_stream_error_event():
                                      "param": None, "code": "engine_unavailable"}}, "[DONE]"]
 
 
+def test_unexpected_stream_error_is_an_event_then_done():
+    """Any error after the headers (here a bug's RuntimeError) ends the stream with one error
+    event and [DONE], never a second HTTP response; its details stay in the log."""
+    _, _, text = _call("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                "stream": True}, FakeLLM(fail=RuntimeError("x")))
+    events = _events(text)
+    assert events[-2:] == [{"error": {"message": "internal server error", "type": "server_error",
+                                      "param": None, "code": None}}, "[DONE]"]
+
+
+def test_chat_without_max_tokens_runs_to_the_context():
+    """OpenAI's and vLLM's meaning, kept: up to max_model_len minus the prompt."""
+    llm = FakeLLM()
+    _call("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, llm)
+    assert llm.last_sampling_params.max_tokens == llm.max_model_len - len(PROMPT_IDS)
+
+
 def test_models():
     status, _, text = _call("/v1/models")
     body = json.loads(text)
@@ -157,10 +178,9 @@ def test_models():
         "parent": None, "max_model_len": 64}]}
 
 
-def test_error_body_quotes_a_lone_surrogate():
-    """An error message may quote the client's text; a lone surrogate in it is escaped."""
+def test_lone_surrogate_is_a_400_naming_the_field():
+    """JSON's "\\ud800" escape gives a string no encoder downstream accepts: a 400 at the edge."""
     status, ctype, text = _call("/v1/completions", {"model": "\ud800", "prompt": "hi"})
-    assert status == 404 and ctype.startswith("application/json")
-    assert json.loads(text) == {"error": {
-        "message": "The model `\ud800` does not exist. This server serves `fake-model`.",
-        "type": "invalid_request_error", "param": "model", "code": "model_not_found"}}
+    assert status == 400 and ctype.startswith("application/json")
+    error = json.loads(text)["error"]
+    assert error["param"] == "model" and "surrogate" in error["message"]

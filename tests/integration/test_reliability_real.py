@@ -1,0 +1,97 @@
+"""Issue 11 against the real server and the default model: the reproducers that need the real
+engine, and short bounded runs of scripts/fuzz_api.py and scripts/stress.py (docs/reliability.md
+has the full-size runs). One server for the module; the engine is killed last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from scripts import fuzz_api, stress
+from server_utils import Server
+
+pytestmark = pytest.mark.slow
+
+# The engine flags of test_server.py, so the compiled steps come from the same cache entries.
+ENGINE_FLAGS = ("--max-model-len", "1024", "--max-num-seqs", "32",
+                "--max-num-batched-tokens", "256")
+MAX_WAITING = 64
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = Server(*ENGINE_FLAGS, "--max-waiting-requests", str(MAX_WAITING),
+                 "--max-engine-restarts", "0")
+    yield srv
+    srv.stop()
+
+
+def _scenario(server, *flags: str) -> dict:
+    args = stress.build_parser().parse_args(
+        ["--url", server.url, "--server-pid", str(server.proc.pid), *flags])
+    if args.scenario == "streams":
+        return asyncio.run(stress.main_async(args))
+    return asyncio.run(stress.run_scenario(args))
+
+
+def test_bad_top_k_while_8_streams_run(server):
+    """Found 1 / acceptance 2: top_k 2**31 aborted every request in flight (an int32 overflow
+    in the engine step). Now a 400, and the 8 streams complete."""
+    result = _scenario(server, "--scenario", "poison")
+    assert result["ok"], result
+
+
+def test_top_k_int32_max_runs(server):
+    """The largest valid top_k reaches the engine's int32 arrays and samples (it means 'no
+    top-k', as any top_k >= the vocabulary does)."""
+    result = asyncio.run(fuzz_api.run_cases(server.url, [fuzz_api.Case(
+        "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 3, "top_k": 2**31 - 1})]))
+    assert not result[0].failures and result[0].by_status == {"200": 1}, result
+
+
+def test_50_mb_prompt(server):
+    """Found 6 / acceptance 3: a 50 MB prompt froze the API for 43 s and grew it by 3 GB."""
+    result = _scenario(server, "--scenario", "big-prompt", "--big-prompt-mb", "50")
+    assert result["ok"], result
+
+
+def test_text_past_the_size_bound_is_refused_before_tokenizing(server):
+    """A prompt of more bytes than max_model_len tokens could hold: 400 naming the prompt,
+    before the tokenizer sees it."""
+    case = fuzz_api.Case("POST", "/v1/completions", {"prompt": "word " * 100_000})
+    report, _ = asyncio.run(fuzz_api.run_cases(server.url, [case]))
+    assert report.by_status == {"400": 1} and not report.failures
+
+
+def test_fuzz_short(server):
+    """Acceptance 1, bounded: 150 generated bodies (the full run has 2,000)."""
+    cases = fuzz_api.generate_cases(150, seed_value=11)
+    report, same = asyncio.run(fuzz_api.run_cases(server.url, cases))
+    assert report.bodies == 150 and not report.failures, report.failures[:5]
+    assert same, "the greedy answer changed after the fuzz run"
+
+
+def test_stress_short(server):
+    """Acceptance 4, bounded: 90 streams (under the 32 + 64 admitted), 20% hang up, 10% read
+    slowly; nothing lost, and the server settles to no running request and no KV page held."""
+    result = _scenario(server, "--num-streams", "90", "--max-tokens", "8")
+    assert result["num_lost"] == 0 and result["settled"], result
+    assert result["disconnected"] > 0 and result["completed"] > 0
+
+
+def test_overload(server):
+    """Acceptance 5, bounded: 160 requests at once against 32 + 64 admitted."""
+    result = _scenario(server, "--scenario", "overload", "--num-streams", "160",
+                       "--max-tokens", "4")
+    assert result["ok"] and result["refused_503"] >= 160 - 32 - MAX_WAITING, result
+
+
+def test_engine_sigkill_fails_in_flight_and_exits_3(server):
+    """Acceptance 6 with --max-engine-restarts 0 (the stub engine tests cover the restart): all
+    streams in flight end with an error within 5 s, then the server exits with code 3."""
+    result = _scenario(server, "--scenario", "engine-kill", "--num-streams", "16",
+                       "--max-tokens", "200", "--kill-after-s", "2", "--expect-exit")
+    assert result["ok"] and result["failed_with_error"] == 16, result
+    assert server.proc.wait(30) == 3

@@ -94,8 +94,9 @@ class EngineCore:
             config.gpu_memory_utilization, os.environ)
         on_gpu = jax.default_backend() == "gpu"
         log(f"allocator fraction {self.allocator_fraction:g} of device memory "
-            f"(XLA_PYTHON_CLIENT_MEM_FRACTION; --gpu-memory-utilization "
-            f"{config.gpu_memory_utilization:g}; {jax.default_backend()} backend)")
+            f"(XLA_PYTHON_CLIENT_MEM_FRACTION: --gpu-memory-utilization "
+            f"{config.gpu_memory_utilization:g} plus the allocator's slack; "
+            f"{jax.default_backend()} backend{'' if on_gpu else ', where it has no effect'})")
         t0 = time.perf_counter()
         source, fmt = resolve_model(config.model, config.load_format)
         # The tokenizer (importing transformers: 5-7 s on the GPU machine) loads on a thread

@@ -160,7 +160,7 @@ def load_gguf(path: str | pathlib.Path, *, with_weights: bool = True,
     from .gguf_tokenizer import build_tokenizer
 
     path = pathlib.Path(path)
-    log(f"reading GGUF {path}")
+    log(f"reading GGUF {path}" + ("" if with_weights else " (metadata and tokenizer)"))
     reader = GGUFReader(str(path))
     meta = read_metadata(reader)
     arch = meta.get("general.architecture")

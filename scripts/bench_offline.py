@@ -31,7 +31,13 @@ import time
 
 import jax
 import numpy as np
-from profile_engine import add_requests, finish, run_until_decoding
+from profile_engine import (
+    add_engine_args,
+    add_requests,
+    engine_flags,
+    finish,
+    run_until_decoding,
+)
 
 from jaxserve import LLM, SamplingParams
 
@@ -118,14 +124,10 @@ def measure_idle(llm: LLM, rng, batch: int, prompt_len: int, steps: int):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--load-format", default="auto")
+    add_engine_args(ap)
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--max-model-len", type=int, default=None)
-    ap.add_argument("--max-num-seqs", type=int, default=None)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--hf-reference", action="store_true",
@@ -137,10 +139,6 @@ def main():
     ap.add_argument("--idle-prompt-len", type=int, default=1000)
     ap.add_argument("--idle-steps", type=int, default=100)
     args = ap.parse_args()
-    engine_flags = {k: v for k, v in (("max_model_len", args.max_model_len),
-                                      ("max_num_seqs", args.max_num_seqs),
-                                      ("max_num_batched_tokens", args.max_num_batched_tokens))
-                    if v is not None}
     log = lambda s: print(f"[engine] {s}", flush=True)
 
     rng = np.random.default_rng(args.seed)
@@ -157,7 +155,7 @@ def main():
 
     t0 = time.perf_counter()
     llm = LLM(args.model, load_format=args.load_format, attention_backend=args.attention_backend,
-              log=log, **engine_flags)
+              log=log, **engine_flags(args))
     startup = time.perf_counter() - t0
     vocab = min(llm.engine.model_config.vocab_size, len(llm.tokenizer))
     if hf is None:

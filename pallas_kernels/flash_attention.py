@@ -12,9 +12,12 @@ Both kernels are always launched; the part that has no work in a batch costs one
 idle programs (see docs/performance.md for the measurement behind this choice).
 
 Ragged prefill kernel: the flattened query tokens of each sequence are cut into blocks of
-``block_q`` tokens (a sequence's last block may be short). A small XLA computation maps each
-program to (sequence, first query row, row end, position of the first query, context length).
-One program computes one (query block, query head): it streams the sequence's pages
+``block_q`` tokens (a sequence's last block may be short). A small XLA computation describes
+each block in use (sequence, first query row, row end, position of the first query, context
+length). The grid is (slots, query heads), at most ``max_programs`` programs; a program walks
+the blocks in use of its slot (the static bound on blocks is far above the blocks a step
+uses: a pure-decode step uses only the padding block). For one (query block, query head) it
+streams the sequence's pages
 ``block_k`` tokens at a time with an online softmax, first the key blocks that every query of
 the block sees (no mask), then the blocks on the causal diagonal (bottom-right aligned mask:
 query i of a chunk of ``q_len`` sits at position ``seq_len - q_len + i``). The padding rows
@@ -39,9 +42,16 @@ from pallas_kernels.online_softmax import (
     online_softmax_output,
     online_softmax_step,
 )
-from pallas_kernels.paged_attention import DecodeTuning, check_shapes, decode_grouped, group_queries
+from pallas_kernels.paged_attention import (
+    NUM_SMS,
+    DecodeTuning,
+    check_shapes,
+    decode_grouped,
+    group_queries,
+)
 
 _INFO_FIELDS = 8  # per query block: seq, row start, row end, first position, context length
+PROGRAMS_TARGET = 4 * NUM_SMS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,12 +63,15 @@ class PrefillTuning:
         block_k: KV tokens per inner-loop step; a power of two, rounded up to page_size.
         num_warps: Triton warps per program.
         num_stages: Triton software-pipelining depth of the KV loop.
+        max_programs: bound on the programs launched (query-block slots x query heads); each
+            slot walks several query blocks when more are in use.
     """
 
     block_q: int | None = None
     block_k: int | None = None
     num_warps: int | None = None
     num_stages: int | None = None
+    max_programs: int | None = None
 
 
 def resolve_prefill_tuning(
@@ -67,7 +80,9 @@ def resolve_prefill_tuning(
     """Fills the unset fields of ``tuning``; returns a complete PrefillTuning.
 
     Defaults (measured on the H200, prefill-b8-s2k, docs/performance.md): 16-bit operands
-    128x128 tiles, 8 warps, 2 stages; float32 (twice the shared memory per tile) 64x32, 4 warps.
+    128x128 tiles, 8 warps, 2 stages; float32 (twice the shared memory per tile) 64x32, 4 warps;
+    at most PROGRAMS_TARGET programs (4 per SM of an H200: one 128x128 program fills an SM's
+    shared memory, and idle programs cost a launch each).
     """
     tuning = tuning or PrefillTuning()
     big = itemsize <= 2 and head_dim <= 128
@@ -79,11 +94,12 @@ def resolve_prefill_tuning(
         block_k=block_k,
         num_warps=tuning.num_warps or (8 if big else 4),
         num_stages=tuning.num_stages or 2,
+        max_programs=tuning.max_programs or PROGRAMS_TARGET,
     )
 
 
 def _prefill_kernel(
-    info_ref,  # [NB * _INFO_FIELDS] int32 (whole array)
+    info_ref,  # [NB * _INFO_FIELDS + 1] int32 (whole array); the last entry: blocks in use
     block_tables_ref,  # [S, P_pad] int32 (whole array)
     q_ref,  # [T, D], this query head
     k_pages_ref,  # [num_pages, page_size, D], this head's KV head
@@ -94,55 +110,76 @@ def _prefill_kernel(
     block_q: int,
     block_k: int,
     num_blocks: int,
+    num_slots: int,
 ):
-    # Heaviest (latest) query blocks of a sequence first; unused blocks sit at the end.
-    blk = num_blocks - 1 - pl.program_id(0)
+    # A program is one of num_slots slots of a query head; it walks the query blocks in use
+    # slot, slot + num_slots, ... so the grid stays small when most of the num_blocks bound is
+    # unused (a pure-decode step has none in use; each launched program costs its share of
+    # shared memory whether it finds work or not). Passes alternate the slot order (zig-zag):
+    # a sequence's later blocks cost more, and this evens out the slots' sums.
+    slot = pl.program_id(0)
     page_size = k_pages_ref.shape[1]
     head_dim = k_pages_ref.shape[2]
     pages_per_block = block_k // page_size
-
-    base = blk * _INFO_FIELDS
-    seq = info_ref[base]
-    row_start = info_ref[base + 1]
-    row_end = info_ref[base + 2]
-    pos_start = info_ref[base + 3]
-    ctx_len = info_ref[base + 4]
-
     offs_q = jnp.arange(block_q, dtype=jnp.int32)
-    row_mask = (row_start + offs_q) < row_end
-    q = plgpu.load(q_ref.at[pl.ds(row_start, block_q), :], mask=row_mask[:, None], other=0.0)
-    q_pos = pos_start + offs_q
     scale = sm_scale * LOG2E
+    num_used = info_ref[num_blocks * _INFO_FIELDS]
 
-    # Keys up to the last real query's position; blocks wholly at or before the first query's
-    # position need no mask.
-    num_rows = jnp.clip(row_end - row_start, 0, block_q)
-    kv_end = jnp.clip(pos_start + num_rows, 0, ctx_len)
-    num_kv_blocks = pl.cdiv(kv_end, block_k)
-    num_full = jnp.minimum(lax.div(jnp.maximum(pos_start + 1, 0), block_k), num_kv_blocks)
+    def query_block(blk):
+        base = blk * _INFO_FIELDS
+        seq = info_ref[base]
+        row_start = info_ref[base + 1]
+        row_end = info_ref[base + 2]
+        pos_start = info_ref[base + 3]
+        ctx_len = info_ref[base + 4]
 
-    def step(j, carry, masked):
-        acc, m_prev, l_prev = carry
-        pages = block_tables_ref[seq, pl.ds(j * pages_per_block, pages_per_block)]
-        k = k_pages_ref[pages].reshape(block_k, head_dim)
-        v = v_pages_ref[pages].reshape(block_k, head_dim)
-        s = plgpu.dot(q, k, trans_b=True) * scale  # [block_q, block_k] f32, base-2 units
-        if masked:
-            k_pos = j * block_k + jnp.arange(block_k, dtype=jnp.int32)
-            visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < ctx_len)
-            s = jnp.where(visible, s, MASK_VALUE)
-        return online_softmax_step(acc, m_prev, l_prev, s, v)
+        row_mask = (row_start + offs_q) < row_end
+        q = plgpu.load(q_ref.at[pl.ds(row_start, block_q), :], mask=row_mask[:, None], other=0.0)
+        q_pos = pos_start + offs_q
 
-    carry = online_softmax_init(block_q, head_dim)
-    carry = lax.fori_loop(0, num_full, functools.partial(step, masked=False), carry)
-    acc, m, l = lax.fori_loop(num_full, num_kv_blocks, functools.partial(step, masked=True), carry)
+        # Keys up to the last real query's position; blocks wholly at or before the first
+        # query's position need no mask.
+        num_rows = jnp.clip(row_end - row_start, 0, block_q)
+        kv_end = jnp.clip(pos_start + num_rows, 0, ctx_len)
+        num_kv_blocks = pl.cdiv(kv_end, block_k)
+        num_full = jnp.minimum(lax.div(jnp.maximum(pos_start + 1, 0), block_k), num_kv_blocks)
 
-    out = online_softmax_output(acc, l).astype(o_ref.dtype)
-    plgpu.store(o_ref.at[pl.ds(row_start, block_q), :], out, mask=row_mask[:, None])
+        def step(j, carry, masked):
+            acc, m_prev, l_prev = carry
+            pages = block_tables_ref[seq, pl.ds(j * pages_per_block, pages_per_block)]
+            k = k_pages_ref[pages].reshape(block_k, head_dim)
+            v = v_pages_ref[pages].reshape(block_k, head_dim)
+            s = plgpu.dot(q, k, trans_b=True) * scale  # [block_q, block_k] f32, base-2 units
+            if masked:
+                k_pos = j * block_k + jnp.arange(block_k, dtype=jnp.int32)
+                visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < ctx_len)
+                s = jnp.where(visible, s, MASK_VALUE)
+            return online_softmax_step(acc, m_prev, l_prev, s, v)
+
+        carry = online_softmax_init(block_q, head_dim)
+        carry = lax.fori_loop(0, num_full, functools.partial(step, masked=False), carry)
+        acc, m, l = lax.fori_loop(
+            num_full, num_kv_blocks, functools.partial(step, masked=True), carry)
+
+        out = online_softmax_output(acc, l).astype(o_ref.dtype)
+        plgpu.store(o_ref.at[pl.ds(row_start, block_q), :], out, mask=row_mask[:, None])
+
+    def one_pass(i, carry):
+        blk = i * num_slots + jnp.where(lax.rem(i, 2) == 0, slot, num_slots - 1 - slot)
+
+        @pl.when(blk < num_used)
+        def _():
+            query_block(blk)
+
+        return carry
+
+    lax.fori_loop(0, pl.cdiv(num_used, num_slots), one_pass, 0)
 
 
 def _block_info(query_start_loc, seq_lens, include, num_tokens, block_q, num_blocks):
-    """Per-program query-block descriptors, flat [num_blocks * _INFO_FIELDS] int32.
+    """Query-block descriptors, flat [num_blocks * _INFO_FIELDS + 1] int32: the blocks in
+    use first (sequence by sequence, in order), then unused ones; the last entry counts those
+    in use.
 
     Sequences with ``include`` False get no blocks (their rows are left for the decode kernel).
     One pseudo-sequence of context 0 covers the padding rows [query_start_loc[S], T).
@@ -179,7 +216,7 @@ def _block_info(query_start_loc, seq_lens, include, num_tokens, block_q, num_blo
         ],
         axis=1,
     )
-    return info.reshape(-1)
+    return jnp.concatenate([info.reshape(-1), ends[-1:]])
 
 
 def ragged_prefill(
@@ -216,6 +253,7 @@ def ragged_prefill(
     # Blocks: sum over sequences of cdiv(q_len, block_q) <= T / block_q + (sequences with
     # q_len >= 1); decode-only sequences (q_len 1) are excluded when ``include`` says so.
     num_blocks = pl.cdiv(num_tokens, t.block_q) + min(num_seqs, num_tokens // min_q_len) + 1
+    num_slots = max(1, min(num_blocks, t.max_programs // num_heads))
     info = _block_info(query_start_loc, seq_lens, include, num_tokens, t.block_q, num_blocks)
 
     kernel = functools.partial(
@@ -224,12 +262,13 @@ def ragged_prefill(
         block_q=t.block_q,
         block_k=t.block_k,
         num_blocks=num_blocks,
+        num_slots=num_slots,
     )
     return pl.pallas_call(
         kernel,
-        grid=(num_blocks, num_heads),
+        grid=(num_slots, num_heads),
         in_specs=[
-            pl.BlockSpec((num_blocks * _INFO_FIELDS,), lambda b, h: (0,)),
+            pl.BlockSpec((num_blocks * _INFO_FIELDS + 1,), lambda b, h: (0,)),
             pl.BlockSpec((num_seqs, padded_pages), lambda b, h: (0, 0)),
             pl.BlockSpec((num_tokens, None, head_dim), lambda b, h: (0, h, 0)),
             pl.BlockSpec(

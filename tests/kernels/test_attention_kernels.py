@@ -60,8 +60,9 @@ def test_paged_attention_matches_reference(group, kv, head_dim, page_size, dtype
 
 ATTENTION_CASES = [
     # group, num_kv_heads, head_dim, page_size, dtype, split_decode, prefill tuning
-    (1, 2, 64, 16, jnp.float32, True, PrefillTuning(block_q=16, block_k=16)),
-    (3, 2, 64, 16, jnp.float32, True, PrefillTuning(block_q=16, block_k=32)),
+    # (max_programs: one slot per head walks every query block; 3 slots walk them zig-zag)
+    (1, 2, 64, 16, jnp.float32, True, PrefillTuning(block_q=16, block_k=16, max_programs=2)),
+    (3, 2, 64, 16, jnp.float32, True, PrefillTuning(block_q=16, block_k=32, max_programs=18)),
     (4, 2, 128, 32, jnp.bfloat16, True, None),
     (8, 1, 128, 16, jnp.float32, False, PrefillTuning(block_q=32, block_k=16)),
     (3, 1, 128, 64, jnp.bfloat16, True, PrefillTuning(block_q=16)),

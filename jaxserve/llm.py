@@ -46,11 +46,14 @@ class LLM:
         *,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Complete each prompt (text, or a list of token ids); results in input order.
+        """Complete each prompt (text, or a list of token ids); results in input order, each
+        with its ``n`` choices (CompletionOutputs by index) and, where asked, log-probabilities
+        (``CompletionOutput.logprobs``, ``RequestOutput.prompt_logprobs``).
 
         Raises:
           ValueError: a prompt that is empty, holds an id outside the vocabulary or does not
-            fit max_model_len (before any work; the message names the prompt's index).
+            fit max_model_len, or a token id of its SamplingParams outside the vocabulary
+            (before any work; the message names the prompt's index).
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -83,9 +86,10 @@ class LLM:
             raise ValueError(
                 f"got {len(sampling_params)} SamplingParams for {len(items)} prompts"
             )
-        for i, (_, ids) in enumerate(items):
+        for i, ((_, ids), sp) in enumerate(zip(items, sampling_params)):
             try:
                 self.input_processor.check_prompt(ids)
+                self.input_processor.check_sampling_params(sp)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
         index: dict[str, int] = {}

@@ -141,9 +141,13 @@ class AsyncLLM:
         return (await self._tokenize(self.input_processor.tokenize_chat, messages))[1]
 
     def check_request(self, prompt_token_ids: list[int], sp: SamplingParams) -> None:
-        """InputProcessor.check_prompt with the server's rule, and the stop token ids against
-        the vocabulary. Raises ValueError whose message starts with the field at fault."""
-        self.input_processor.check_stop_token_ids(sp.stop_token_ids)
+        """InputProcessor.check_sampling_params and check_prompt with the server's rule.
+
+        Raises:
+          ValueError: its message starts with the field at fault; a ContextLengthError names
+            it in ``param``.
+        """
+        self.input_processor.check_sampling_params(sp)
         self.input_processor.check_prompt(prompt_token_ids, sp.max_tokens)
 
     # -- generation ----------------------------------------------------------------------------
@@ -189,13 +193,15 @@ class AsyncLLM:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        """Abort a live request (no-op if it already finished)."""
-        if self.output_processor is not None and self.output_processor.abort_request(request_id):
-            if not self.engine_core.dead:
-                try:
-                    self.engine_core.abort_requests([request_id])
-                except EngineDeadError:
-                    pass
+        """Abort a live request, every choice of it (no-op if it already finished)."""
+        if self.output_processor is None:
+            return
+        ids = self.output_processor.abort_request(request_id)
+        if ids and not self.engine_core.dead:
+            try:
+                self.engine_core.abort_requests(ids)
+            except EngineDeadError:
+                pass
 
     @property
     def restarting(self) -> bool:
@@ -210,7 +216,7 @@ class AsyncLLM:
         """End every live request with EngineDeadError(message) and abort them in the engine."""
         if self.output_processor is None:
             return
-        ids = list(self.output_processor.requests)
+        ids = [eid for st in self.output_processor.requests.values() for eid in st.engine_ids]
         self.output_processor.propagate_error(None, EngineDeadError(message))
         if ids and not self.engine_core.dead:
             try:

@@ -166,6 +166,7 @@ class EngineCore:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             eos_token_ids=self.eos_token_ids,
+            max_prompt_logprob_rows=self.runner.prompt_logprob_rows,
         )
         self._rng = random.Random(config.seed)
         self._in_flight = None  # (SchedulerOutput, StepHandle) dispatched, not yet updated
@@ -197,11 +198,18 @@ class EngineCore:
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a request that the InputProcessor checked (non-empty prompt in the vocabulary,
-        shorter than max_model_len; a request id not in use)."""
+        shorter than max_model_len; a request id not in use). Its ``n`` choices run as
+        sequences ``child_request_id(request_id, i, n)``; choice i draws with seed + i (vLLM's
+        rule), choices 1.. fork from choice 0 once its prompt is computed (Scheduler)."""
         seed = request.sampling_params.seed
         if seed is None:
             seed = self._rng.getrandbits(32)
-        self.scheduler.add_request(Request(request, seed & 0xFFFFFFFF))
+        parent = Request(request, seed & 0xFFFFFFFF)
+        for i in range(1, request.sampling_params.n):
+            child = Request(request, (seed + i) & 0xFFFFFFFF, index=i)
+            child.fork_parent = parent
+            parent.fork_children.append(child)
+        self.scheduler.add_request(parent)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)

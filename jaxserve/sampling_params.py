@@ -168,3 +168,12 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
         """Whether any of the three penalties applies (the sampler then needs token counts)."""
         return (self.presence_penalty != 0 or self.frequency_penalty != 0
                 or self.repetition_penalty != 1)
+
+
+def describe_sampling_defaults(defaults: dict) -> str:
+    """One line for the start-up logs: the sampling defaults requests that leave a field out
+    get (the model's generation config, ``--generation-config``), or SamplingParams' own."""
+    if not defaults:
+        return "none (SamplingParams' own: temperature 1.0, no top-p / top-k)"
+    return (", ".join(f"{k} {v}" for k, v in defaults.items())
+            + " (the model's generation config; --generation-config vllm turns them off)")

@@ -82,6 +82,7 @@ class AsyncLLM:
         self.max_model_len: int = 0
         self.vocab_size: int = 0
         self.engine_config: dict = {}
+        self.generation_config: dict = {}
         self.allocator_fraction: float = 0.0
         self.metrics: Metrics | None = None
         self.input_processor: InputProcessor | None = None
@@ -110,6 +111,7 @@ class AsyncLLM:
         self.max_model_len = ready.max_model_len
         self.vocab_size = ready.vocab_size
         self.engine_config = ready.config
+        self.generation_config = ready.generation_config
         self.allocator_fraction = ready.allocator_fraction
         self.metrics = Metrics(ready.model_name)
         self.output_processor = OutputProcessor(self.tokenizer, ready.eos_token_ids, self.metrics)
@@ -120,16 +122,18 @@ class AsyncLLM:
     async def _tokenize(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
 
-    async def encode_prompt(self, prompt: str) -> list[int]:
+    async def encode_prompt(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         """Text prompt -> token ids (InputProcessor.tokenize_prompt), off the event loop.
 
         Raises:
           ValueError: naming ``prompt``, when the text is too long to fit max_model_len.
         """
         self.input_processor.check_text_size(len(prompt.encode("utf-8")), "prompt")
-        return await self._tokenize(self.input_processor.tokenize_prompt, prompt)
+        return await self._tokenize(self.input_processor.tokenize_prompt, prompt,
+                                    add_special_tokens)
 
-    async def encode_chat(self, messages: list[dict]) -> list[int]:
+    async def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                          add_special_tokens: bool = False) -> list[int]:
         """Chat messages -> token ids (InputProcessor.tokenize_chat), off the event loop.
 
         Raises:
@@ -138,7 +142,12 @@ class AsyncLLM:
         """
         size = sum(len(m["content"].encode("utf-8")) for m in messages)
         self.input_processor.check_text_size(size, "messages")
-        return (await self._tokenize(self.input_processor.tokenize_chat, messages))[1]
+        return (await self._tokenize(self.input_processor.tokenize_chat, messages,
+                                     add_generation_prompt, add_special_tokens))[1]
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        """Token ids -> text (special tokens kept, as vLLM's /detokenize), off the event loop."""
+        return await self._tokenize(self.tokenizer.decode, token_ids)
 
     def check_request(self, prompt_token_ids: list[int], sp: SamplingParams) -> None:
         """InputProcessor.check_sampling_params and check_prompt with the server's rule.

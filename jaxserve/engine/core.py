@@ -15,6 +15,7 @@ import jax
 import numpy as np
 
 from jaxserve.config import EngineConfig
+from jaxserve.sampling_params import describe_sampling_defaults
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.request import Request
 from jaxserve.core.scheduler import Scheduler
@@ -24,7 +25,12 @@ from jaxserve.engine import (
     SchedulerStats,
     kv_sizing,
 )
-from jaxserve.model_loader import load_checkpoint, load_tokenizer_of, resolve_model
+from jaxserve.model_loader import (
+    load_checkpoint,
+    load_generation_config,
+    load_tokenizer_of,
+    resolve_model,
+)
 from jaxserve.models.registry import build_params, resolve_dtype
 from jaxserve.worker.model_runner import ModelRunner
 from pallas_kernels import get_attention_fn
@@ -99,6 +105,9 @@ class EngineCore:
             f"{jax.default_backend()} backend{'' if on_gpu else ', where it has no effect'})")
         t0 = time.perf_counter()
         source, fmt = resolve_model(config.model, config.load_format)
+        self.generation_config = load_generation_config(source, fmt, config.generation_config)
+        log(f"sampling defaults for requests that leave them out: "
+            f"{describe_sampling_defaults(self.generation_config)}")
         # The tokenizer (importing transformers: 5-7 s on the GPU machine) loads on a thread
         # while the parameters are built and the steps compiled.
         pool = ThreadPoolExecutor(1)

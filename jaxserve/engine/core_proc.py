@@ -227,6 +227,7 @@ def run_engine_core(config: EngineConfig, conn: Connection, parent_pid: int | No
             tokenizer_dir=tokenizer_dir, eos_token_ids=list(core.eos_token_ids),
             vocab_size=core.vocab_size, config=dataclasses.asdict(core.config),
             allocator_fraction=core.allocator_fraction,
+            generation_config=dict(core.generation_config),
         )))
         EngineCoreProc(core, conn).run()
     except (SystemExit, KeyboardInterrupt, BrokenPipeError, EOFError, OSError):

@@ -26,7 +26,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from jaxserve.sampling_params import INT32_MAX, SamplingParams
+from jaxserve.sampling_params import INT32_MAX, MAX_LOGPROBS, SamplingParams
 
 
 def _utf8(s: str) -> str:
@@ -210,7 +210,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: Int32 | None = None
     max_completion_tokens: Int32 | None = None
     logprobs: bool | None = False
-    top_logprobs: Int32 | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
@@ -236,13 +236,17 @@ class ChatCompletionRequest(_SamplingFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def template_messages(self) -> list[dict]:
-        """Messages for the chat template ("developer" is OpenAI's new name for "system").
+        return template_messages(self.messages)
 
-        Raises:
-          ValueError: naming the message, for a content part that is not text.
-        """
-        return [{"role": "system" if m.role == "developer" else m.role,
-                 "content": m.text(f"messages.{i}")} for i, m in enumerate(self.messages)]
+
+def template_messages(messages: list[ChatCompletionMessageParam]) -> list[dict]:
+    """Messages for the chat template ("developer" is OpenAI's new name for "system").
+
+    Raises:
+      ValueError: naming the message, for a content part that is not text.
+    """
+    return [{"role": "system" if m.role == "developer" else m.role,
+             "content": m.text(f"messages.{i}")} for i, m in enumerate(messages)]
 
 
 class TokenizeRequest(_Base):
@@ -255,6 +259,9 @@ class TokenizeRequest(_Base):
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
     add_generation_prompt: bool = True
     return_token_strs: bool = False
+
+    def template_messages(self) -> list[dict]:
+        return template_messages(self.messages or [])
 
 
 class DetokenizeRequest(_Base):

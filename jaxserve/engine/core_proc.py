@@ -14,9 +14,9 @@ never dies of a bad request. A step cannot tell which of its requests broke it, 
 value may be able to: every ``add`` is checked here before the core sees it (SamplingParams'
 bounds run when the frame is decoded; ``check_engine_request`` adds the prompt's length and
 every token id against the model's vocabulary), so a bad value fails its own request, not the
-step. ``Shutdown``, the API process going away (EOF on the pipe, or the parent process dying)
-and SIGTERM end the process cleanly; SIGINT is ignored here because the API process, which gets
-the same Ctrl-C, coordinates the shutdown.
+step. ``Shutdown`` and the API process going away (EOF on the pipe, or the parent process
+dying) end the process cleanly, SIGTERM at once (``os._exit``); SIGINT is ignored here because
+the API process, which gets the same Ctrl-C, coordinates the shutdown.
 """
 
 from __future__ import annotations
@@ -197,7 +197,10 @@ class EngineCoreProc:
 
 
 def _sigterm(signum, frame):
-    raise SystemExit(0)
+    # Exit at once rather than raise SystemExit: raised from a signal handler it can land inside
+    # a garbage-collection callback (JAX registers one), where Python prints it and swallows it,
+    # and a process still starting up then went on loading the model.
+    os._exit(0)
 
 
 def run_engine_core(config: EngineConfig, conn: Connection, parent_pid: int | None = None) -> None:

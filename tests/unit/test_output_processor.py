@@ -156,9 +156,12 @@ def test_request_fields_to_sampling_params():
         "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 4})
     sp = chat.sampling_params(chat.requested_max_tokens(), defaults)
     assert (sp.logprobs, sp.prompt_logprobs, sp.max_tokens, sp.temperature) == (4, None, 50, 0.2)
+    with pytest.raises(pydantic.ValidationError, match="top_logprobs"):
+        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}],
+                                              "logprobs": True, "top_logprobs": 21})
     for body, field in [({"top_logprobs": 2}, "top_logprobs"), ({"logit_bias": {"a": 1}}, "logit_bias"),
-                        ({"min_p": 1.5}, "min_p"), ({"logprobs": True, "top_logprobs": 21}, "logprobs"),
-                        ({"n": 0}, "n"), ({"presence_penalty": 3}, "presence_penalty")]:
+                        ({"min_p": 1.5}, "min_p"), ({"n": 0}, "n"),
+                        ({"presence_penalty": 3}, "presence_penalty")]:
         chat = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}],
                                                      **body})
         with pytest.raises(ValueError, match=f"^{field}"):

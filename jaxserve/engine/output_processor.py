@@ -208,7 +208,8 @@ class OutputProcessor:
         if st.first_token_time is None and o.new_token_ids:
             st.first_token_time = now
         choice.num_output_tokens += len(o.new_token_ids)
-        st.num_cached_tokens = o.num_cached_tokens
+        # Choices forked from choice 0 report no hits of their own: keep the request's.
+        st.num_cached_tokens = max(st.num_cached_tokens, o.num_cached_tokens)
         ids = list(o.new_token_ids)
         text_ids = ids
         if o.finish_reason == "stop" and ids and not sp.include_stop_str_in_output:

@@ -452,6 +452,8 @@ class ModelRunner:
         rows = np.zeros(self.prompt_logprob_rows, np.int32)
         targets = np.zeros(self.prompt_logprob_rows, np.int32)
         spans, used = [], 0
+        if not sched.prompt_logprobs:
+            return rows, spans, targets
         b = self.input_batch
         for i, rid in enumerate(req_ids):
             if rid not in sched.prompt_logprobs:

@@ -47,7 +47,9 @@ from pallas_kernels.paged_attention import (
     DecodeTuning,
     check_shapes,
     decode_grouped,
+    flat_pool,
     group_queries,
+    token_slots,
 )
 
 _INFO_FIELDS = 8  # per query block: seq, row start, row end, first position, context length
@@ -102,13 +104,14 @@ def _prefill_kernel(
     info_ref,  # [NB * _INFO_FIELDS + 1] int32 (whole array); the last entry: blocks in use
     block_tables_ref,  # [S, P_pad] int32 (whole array)
     q_ref,  # [T, D], this query head
-    k_pages_ref,  # [num_pages, page_size, D], this head's KV head
-    v_pages_ref,  # [num_pages, page_size, D]
+    k_ref,  # [num_pages * page_size, D], this head's KV head's pool, flattened
+    v_ref,  # [num_pages * page_size, D]
     o_ref,  # [T, D], this query head
     *,
     sm_scale: float,
     block_q: int,
     block_k: int,
+    page_size: int,
     num_blocks: int,
     num_slots: int,
 ):
@@ -118,10 +121,9 @@ def _prefill_kernel(
     # shared memory whether it finds work or not). Passes alternate the slot order (zig-zag):
     # a sequence's later blocks cost more, and this evens out the slots' sums.
     slot = pl.program_id(0)
-    page_size = k_pages_ref.shape[1]
-    head_dim = k_pages_ref.shape[2]
-    pages_per_block = block_k // page_size
+    head_dim = k_ref.shape[1]
     offs_q = jnp.arange(block_q, dtype=jnp.int32)
+    offs_k = jnp.arange(block_k, dtype=jnp.int32)
     scale = sm_scale * LOG2E
     num_used = info_ref[num_blocks * _INFO_FIELDS]
 
@@ -146,12 +148,11 @@ def _prefill_kernel(
 
         def step(j, carry, masked):
             acc, m_prev, l_prev = carry
-            pages = block_tables_ref[seq, pl.ds(j * pages_per_block, pages_per_block)]
-            k = k_pages_ref[pages].reshape(block_k, head_dim)
-            v = v_pages_ref[pages].reshape(block_k, head_dim)
+            k_pos = j * block_k + offs_k
+            slots = token_slots(lambda p: block_tables_ref[seq, p], k_pos, page_size)
+            k, v = k_ref[slots], v_ref[slots]  # [block_k, D]
             s = plgpu.dot(q, k, trans_b=True) * scale  # [block_q, block_k] f32, base-2 units
             if masked:
-                k_pos = j * block_k + jnp.arange(block_k, dtype=jnp.int32)
                 visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < ctx_len)
                 s = jnp.where(visible, s, MASK_VALUE)
             return online_softmax_step(acc, m_prev, l_prev, s, v)
@@ -261,6 +262,7 @@ def ragged_prefill(
         sm_scale=sm_scale,
         block_q=t.block_q,
         block_k=t.block_k,
+        page_size=page_size,
         num_blocks=num_blocks,
         num_slots=num_slots,
     )
@@ -271,19 +273,15 @@ def ragged_prefill(
             pl.BlockSpec((num_blocks * _INFO_FIELDS + 1,), lambda b, h: (0,)),
             pl.BlockSpec((num_seqs, padded_pages), lambda b, h: (0, 0)),
             pl.BlockSpec((num_tokens, None, head_dim), lambda b, h: (0, h, 0)),
-            pl.BlockSpec(
-                (None, num_pages, page_size, head_dim), lambda b, h: (h // group, 0, 0, 0)
-            ),
-            pl.BlockSpec(
-                (None, num_pages, page_size, head_dim), lambda b, h: (h // group, 0, 0, 0)
-            ),
+            pl.BlockSpec((None, num_pages * page_size, head_dim), lambda b, h: (h // group, 0, 0)),
+            pl.BlockSpec((None, num_pages * page_size, head_dim), lambda b, h: (h // group, 0, 0)),
         ],
         out_specs=pl.BlockSpec((num_tokens, None, head_dim), lambda b, h: (0, h, 0)),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages),
         interpret=interpret,
         name=f"jaxserve_ragged_prefill_bq{t.block_q}_bk{t.block_k}",
-    )(info, block_tables.astype(jnp.int32), q, k_pages, v_pages)
+    )(info, block_tables.astype(jnp.int32), q, *flat_pool(k_pages, v_pages))
 
 
 @functools.partial(

@@ -23,6 +23,12 @@ def load_tokenizer(folder: pathlib.Path):
     return cls.from_pretrained(str(folder), local_files_only=True)
 
 
+def import_tokenizer_code() -> None:
+    """Import what ``load_tokenizer`` needs for the folders ``save_tokenizer`` writes (the
+    transformers package is imported lazily, module by module), ahead of the first load."""
+    from transformers import PreTrainedTokenizerFast  # noqa: F401
+
+
 def save_tokenizer(tokenizer, folder: str | pathlib.Path) -> None:
     """``tokenizer.save_pretrained(folder)``, made loadable by transformers 4.x and 5.x alike:
     ``tokenizer_class`` is written as ``PreTrainedTokenizerFast`` (5.x writes its own

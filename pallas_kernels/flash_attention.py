@@ -35,6 +35,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.kv_quant import QuantizedPages, compute_dtype
 from pallas_kernels.online_softmax import (
     LOG2E,
     MASK_VALUE,
@@ -47,7 +48,10 @@ from pallas_kernels.paged_attention import (
     DecodeTuning,
     check_shapes,
     decode_grouped,
+    flat_pool,
     group_queries,
+    load_kv,
+    token_slots,
 )
 
 _INFO_FIELDS = 8  # per query block: seq, row start, row end, first position, context length
@@ -102,26 +106,27 @@ def _prefill_kernel(
     info_ref,  # [NB * _INFO_FIELDS + 1] int32 (whole array); the last entry: blocks in use
     block_tables_ref,  # [S, P_pad] int32 (whole array)
     q_ref,  # [T, D], this query head
-    k_pages_ref,  # [num_pages, page_size, D], this head's KV head
-    v_pages_ref,  # [num_pages, page_size, D]
-    o_ref,  # [T, D], this query head
-    *,
+    k_ref,  # [num_pages * page_size, D], this head's KV head's pool, flattened
+    v_ref,  # [num_pages * page_size, D]
+    *refs,  # (ks_ref, vs_ref [num_pages * page_size] if quantized), o_ref [T, D] (this head)
     sm_scale: float,
     block_q: int,
     block_k: int,
+    page_size: int,
     num_blocks: int,
     num_slots: int,
+    quantized: bool,
 ):
+    scale_refs, o_ref = (refs[:2], refs[2]) if quantized else ((), refs[0])
     # A program is one of num_slots slots of a query head; it walks the query blocks in use
     # slot, slot + num_slots, ... so the grid stays small when most of the num_blocks bound is
     # unused (a pure-decode step has none in use; each launched program costs its share of
     # shared memory whether it finds work or not). Passes alternate the slot order (zig-zag):
     # a sequence's later blocks cost more, and this evens out the slots' sums.
     slot = pl.program_id(0)
-    page_size = k_pages_ref.shape[1]
-    head_dim = k_pages_ref.shape[2]
-    pages_per_block = block_k // page_size
+    head_dim = k_ref.shape[1]
     offs_q = jnp.arange(block_q, dtype=jnp.int32)
+    offs_k = jnp.arange(block_k, dtype=jnp.int32)
     scale = sm_scale * LOG2E
     num_used = info_ref[num_blocks * _INFO_FIELDS]
 
@@ -146,15 +151,15 @@ def _prefill_kernel(
 
         def step(j, carry, masked):
             acc, m_prev, l_prev = carry
-            pages = block_tables_ref[seq, pl.ds(j * pages_per_block, pages_per_block)]
-            k = k_pages_ref[pages].reshape(block_k, head_dim)
-            v = v_pages_ref[pages].reshape(block_k, head_dim)
-            s = plgpu.dot(q, k, trans_b=True) * scale  # [block_q, block_k] f32, base-2 units
+            k_pos = j * block_k + offs_k
+            slots = token_slots(lambda p: block_tables_ref[seq, p], k_pos, page_size)
+            k, v, k_scale, v_scale = load_kv(k_ref, v_ref, scale_refs, slots, q.dtype)
+            # [block_q, block_k] f32, base-2 units
+            s = plgpu.dot(q, k, trans_b=True) * (scale if k_scale is None else scale * k_scale)
             if masked:
-                k_pos = j * block_k + jnp.arange(block_k, dtype=jnp.int32)
                 visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < ctx_len)
                 s = jnp.where(visible, s, MASK_VALUE)
-            return online_softmax_step(acc, m_prev, l_prev, s, v)
+            return online_softmax_step(acc, m_prev, l_prev, s, v, v_scale)
 
         carry = online_softmax_init(block_q, head_dim)
         carry = lax.fori_loop(0, num_full, functools.partial(step, masked=False), carry)
@@ -261,9 +266,12 @@ def ragged_prefill(
         sm_scale=sm_scale,
         block_q=t.block_q,
         block_k=t.block_k,
+        page_size=page_size,
         num_blocks=num_blocks,
         num_slots=num_slots,
+        quantized=isinstance(k_pages, QuantizedPages),
     )
+    pool = flat_pool(k_pages, v_pages)
     return pl.pallas_call(
         kernel,
         grid=(num_slots, num_heads),
@@ -271,19 +279,14 @@ def ragged_prefill(
             pl.BlockSpec((num_blocks * _INFO_FIELDS + 1,), lambda b, h: (0,)),
             pl.BlockSpec((num_seqs, padded_pages), lambda b, h: (0, 0)),
             pl.BlockSpec((num_tokens, None, head_dim), lambda b, h: (0, h, 0)),
-            pl.BlockSpec(
-                (None, num_pages, page_size, head_dim), lambda b, h: (h // group, 0, 0, 0)
-            ),
-            pl.BlockSpec(
-                (None, num_pages, page_size, head_dim), lambda b, h: (h // group, 0, 0, 0)
-            ),
-        ],
+        ] + [pl.BlockSpec((None, *a.shape[1:]),
+                          lambda b, h, n=a.ndim: (h // group,) + (0,) * (n - 1)) for a in pool],
         out_specs=pl.BlockSpec((num_tokens, None, head_dim), lambda b, h: (0, h, 0)),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages),
         interpret=interpret,
         name=f"jaxserve_ragged_prefill_bq{t.block_q}_bk{t.block_k}",
-    )(info, block_tables.astype(jnp.int32), q, k_pages, v_pages)
+    )(info, block_tables.astype(jnp.int32), q, *pool)
 
 
 @functools.partial(
@@ -339,8 +342,7 @@ def attention(
         sm_scale = head_dim**-0.5
     sm_scale = float(sm_scale)
     dtype = q.dtype
-    if q.dtype != k_pages.dtype:
-        q = q.astype(k_pages.dtype)
+    q = q.astype(compute_dtype(k_pages.dtype))
     qsl = query_start_loc.astype(jnp.int32)
     q_lens = qsl[1:] - qsl[:-1]
     is_decode = q_lens == 1 if split_decode else jnp.zeros_like(q_lens, dtype=bool)

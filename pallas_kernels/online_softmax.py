@@ -24,13 +24,14 @@ def online_softmax_init(rows: int, head_dim: int):
     return acc, m, l
 
 
-def online_softmax_step(acc, m_prev, l_prev, s, v):
+def online_softmax_step(acc, m_prev, l_prev, s, v, v_scale=None):
     """Fold one key block into the running softmax.
 
     Args:
       acc: [R, D] f32 running sum of p @ V; m_prev, l_prev: [R] f32 running max and denominator.
       s: [R, block_k] f32 scores in base-2 units, masked entries MASK_VALUE.
       v: [block_k, D] values.
+      v_scale: [block_k] f32 per-row scales of v (an FP8 pool, ``kv_quant``), or None.
 
     Returns:
       The updated (acc, m, l).
@@ -39,7 +40,8 @@ def online_softmax_step(acc, m_prev, l_prev, s, v):
     alpha = jnp.exp2(m_prev - m_next)
     p = jnp.exp2(s - m_next[:, None])
     l_next = alpha * l_prev + p.sum(axis=1)
-    return acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v), m_next, l_next
+    pv = p if v_scale is None else p * v_scale[None, :]
+    return acc * alpha[:, None] + plgpu.dot(pv.astype(v.dtype), v), m_next, l_next
 
 
 def online_softmax_output(acc, l):

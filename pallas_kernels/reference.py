@@ -5,13 +5,16 @@ All attention is causal with grouped-query heads: query head ``h`` reads KV head
 ``h // (num_heads // num_kv_heads)`` (the layout of HF's ``repeat_kv``), so group sizes that
 are not powers of two (SmolLM2's 3) need no padding here.
 
-KV page pool layout: ``k_pages, v_pages: [num_kv_heads, num_pages, page_size, head_dim]``.
+KV page pool layout: ``k_pages, v_pages: [num_kv_heads, num_pages, page_size, head_dim]``, or
+the FP8 pool of ``kv_quant.QuantizedPages`` (same shape; read back through its scales).
 Token ``i`` of sequence ``s`` lives in page ``block_tables[s, i // page_size]`` at offset
 ``i % page_size``.
 """
 
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels.kv_quant import read_pages
 
 # Query tokens of one prefill sequence are processed this many at a time.
 _QUERY_BLOCK = 64
@@ -67,8 +70,8 @@ def _attend_block(q, q_pos, k_pages, v_pages, block_table, ctx_len, sm_scale):
 
     def body(c, carry):
         pages = jax.lax.dynamic_slice_in_dim(block_table, c * _KV_CHUNK_PAGES, _KV_CHUNK_PAGES)
-        k = k_pages[:, pages].reshape(kv_heads, chunk, head_dim).astype(jnp.float32)
-        v = v_pages[:, pages].reshape(kv_heads, chunk, head_dim).astype(jnp.float32)
+        k = read_pages(k_pages, pages).reshape(kv_heads, chunk, head_dim)
+        v = read_pages(v_pages, pages).reshape(kv_heads, chunk, head_dim)
         key_pos = c * chunk + jnp.arange(chunk)
         mask = (key_pos[None, :] <= q_pos[:, None]) & (key_pos[None, :] < ctx_len)
         s = jnp.where(mask[:, None, None, :], jnp.einsum("nkgd,kld->nkgl", qg, k), -jnp.inf)
@@ -89,8 +92,8 @@ def _decode_all(q, k_pages, v_pages, tables, seq_lens, sm_scale):
 
     def body(c, carry):
         pages = jax.lax.dynamic_slice_in_dim(tables, c * _KV_CHUNK_PAGES, _KV_CHUNK_PAGES, axis=1)
-        k = k_pages[:, pages].reshape(kv_heads, num_seqs, chunk, head_dim).astype(jnp.float32)
-        v = v_pages[:, pages].reshape(kv_heads, num_seqs, chunk, head_dim).astype(jnp.float32)
+        k = read_pages(k_pages, pages).reshape(kv_heads, num_seqs, chunk, head_dim)
+        v = read_pages(v_pages, pages).reshape(kv_heads, num_seqs, chunk, head_dim)
         mask = c * chunk + jnp.arange(chunk)[None, :] < seq_lens[:, None]
         s = jnp.where(mask[:, None, None, :], jnp.einsum("skgd,ksld->skgl", qg, k), -jnp.inf)
         return _softmax_step(carry, s, lambda p: jnp.einsum("skgl,ksld->skgd", p, v))
@@ -129,8 +132,8 @@ def attention(
       Rows past query_start_loc[S] (padding tokens) are zero.
     """
     del interpret
-    q, k_pages, v_pages, query_start_loc, seq_lens, block_tables = map(
-        jnp.asarray, (q, k_pages, v_pages, query_start_loc, seq_lens, block_tables)
+    q, query_start_loc, seq_lens, block_tables = map(
+        jnp.asarray, (q, query_start_loc, seq_lens, block_tables)
     )
     num_tokens, num_heads, head_dim = q.shape
     if sm_scale is None:
@@ -213,14 +216,14 @@ def paged_attention(
     kv_heads, _, page_size, _ = k_pages.shape
     if sm_scale is None:
         sm_scale = head_dim**-0.5
-    k = k_pages[:, block_tables].reshape(kv_heads, num_seqs, -1, head_dim)
-    v = v_pages[:, block_tables].reshape(kv_heads, num_seqs, -1, head_dim)
+    k = read_pages(k_pages, block_tables).reshape(kv_heads, num_seqs, -1, head_dim)
+    v = read_pages(v_pages, block_tables).reshape(kv_heads, num_seqs, -1, head_dim)
     qg = q.reshape(num_seqs, kv_heads, num_heads // kv_heads, head_dim).astype(jnp.float32)
-    scores = jnp.einsum("skgd,ksld->skgl", qg, k.astype(jnp.float32)) * sm_scale
+    scores = jnp.einsum("skgd,ksld->skgl", qg, k) * sm_scale
     mask = jnp.arange(k.shape[2])[None, :] < seq_lens[:, None]
     scores = jnp.where(mask[:, None, None, :], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)
     probs = jnp.where(seq_lens[:, None, None, None] > 0, probs, 0.0)
-    out = jnp.einsum("skgl,ksld->skgd", probs, v.astype(jnp.float32))
+    out = jnp.einsum("skgl,ksld->skgd", probs, v)
     return out.reshape(num_seqs, num_heads, head_dim).astype(q.dtype)
 

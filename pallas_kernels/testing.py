@@ -8,6 +8,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import kv_quant
+from pallas_kernels.kv_quant import QuantizedPages
+
 # Unreferenced pages and slots past a sequence's length hold this (finite, so a kernel that
 # forgets a mask gives a visibly wrong answer instead of a NaN that the oracle shares).
 POISON = 30.0
@@ -18,8 +21,8 @@ class Batch:
     """One flattened ragged batch (docs/design.md section 3) with its page pool."""
 
     q: jax.Array  # [T, H, D]
-    k_pages: jax.Array  # [KV, num_pages, page_size, D]
-    v_pages: jax.Array
+    k_pages: jax.Array | QuantizedPages  # [KV, num_pages, page_size, D]
+    v_pages: jax.Array | QuantizedPages
     query_start_loc: jax.Array  # [S + 1] int32
     seq_lens: jax.Array  # [S] int32
     block_tables: jax.Array  # [S, P] int32
@@ -45,12 +48,16 @@ def make_batch(
     num_seqs: int | None = None,
     pages_per_seq: int | None = None,
     extra_pages: int = 3,
+    fp8: bool = False,
+    kv_scale: float = 1.0,
 ) -> Batch:
     """A batch of sequences with the given query lengths and context lengths (after the step).
 
     Pads T to ``num_tokens`` and S to ``num_seqs`` (padding sequences: q_len 0, seq_len 0) and
     the block-table width to ``pages_per_seq`` (padding entries: page 0). Pages are handed out
     in a random order from 1 up; page 0 and every slot no sequence owns hold ``POISON``.
+    K/V values are standard normal times ``kv_scale``; ``fp8`` stores the pool as
+    ``kv_quant.QuantizedPages`` (q stays in ``dtype``).
     """
     assert len(q_lens) == len(seq_lens)
     assert all(0 <= q <= s for q, s in zip(q_lens, seq_lens))
@@ -79,10 +86,13 @@ def make_batch(
             k[:, page, off] = rng.standard_normal((num_kv_heads, head_dim))
             v[:, page, off] = rng.standard_normal((num_kv_heads, head_dim))
     q = rng.standard_normal((num_tokens, num_heads, head_dim)).astype(np.float32)
+    k, v = k * kv_scale, v * kv_scale
+    pool = (lambda x: QuantizedPages(*kv_quant.quantize(jnp.asarray(x)))) if fp8 else (
+        lambda x: jnp.asarray(x, dtype))
     return Batch(
         q=jnp.asarray(q, dtype),
-        k_pages=jnp.asarray(k, dtype),
-        v_pages=jnp.asarray(v, dtype),
+        k_pages=pool(k),
+        v_pages=pool(v),
         query_start_loc=jnp.asarray(qsl),
         seq_lens=jnp.asarray(seq_lens, jnp.int32),
         block_tables=jnp.asarray(block_tables),

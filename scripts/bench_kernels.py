@@ -147,6 +147,32 @@ def run_decode(bench: Bench, name, batch, ctx, cfg, tunings=None):
     return row
 
 
+def run_decode_fp8(bench: Bench, name, batch, ctx, cfg):
+    """The decode kernel on an FP8 pool (kv_quant) against the same kernel on the bfloat16 pool
+    it was quantized from, same run; bandwidth counts the bytes each reads (FP8: D + 4 bytes
+    per token and KV head for K and for V)."""
+    from pallas_kernels import kv_quant
+
+    q, kp, vp, bt, sl = decode_inputs(jax.random.PRNGKey(batch * 7 + ctx), batch, ctx, **cfg)
+    kq, vq = (kv_quant.QuantizedPages(*kv_quant.quantize(p)) for p in (kp, vp))
+    rows = 2 * cfg["kv_heads"] * batch * ctx
+    interp = bench.smoke
+    ours = jax.jit(lambda *x: paged_attention(*x, interpret=interp))
+    row = {"workload": f"{name}-fp8", "bytes": rows * (cfg["head_dim"] + 4)}
+    row["rel_err_vs_xla"] = rel_err(ours(q, kq, vq, bt, sl),
+                                    jax.jit(reference.paged_attention)(q, kq, vq, bt, sl))
+    row["rel_err_vs_bf16_pool"] = rel_err(ours(q, kq, vq, bt, sl), ours(q, kp, vp, bt, sl))
+    row["ours_s"] = bench.safe("fp8", ours, q, kq, vq, bt, sl)
+    row["bf16_pool_s"] = bench.safe("bf16", ours, q, kp, vp, bt, sl)
+    if row["ours_s"] and row["bf16_pool_s"]:
+        print(f"{row['workload']:<22} fp8 {row['ours_s'] * 1e3:8.4f} ms "
+              f"{row['bytes'] / row['ours_s'] / 1e12:5.2f} TB/s, bf16 pool "
+              f"{row['bf16_pool_s'] * 1e3:8.4f} ms: {row['bf16_pool_s'] / row['ours_s']:.2f}x; "
+              f"err vs reference {row['rel_err_vs_xla']:.1e}, vs bf16 pool "
+              f"{row['rel_err_vs_bf16_pool']:.1e}", flush=True)
+    bench.results.append(row)
+
+
 def prefill_inputs(key, batch, seq, *, heads, kv_heads, head_dim, page_size, dtype):
     pages_per_seq = seq // page_size
     num_pages = 1 + batch * pages_per_seq
@@ -393,6 +419,8 @@ def main(argv=None):
     p.add_argument("--model-step", action="store_true", help="model step pallas vs reference")
     p.add_argument("--model-layers", type=int, default=4)
     p.add_argument("--kv-write", action="store_true", help="time the XLA KV scatter")
+    p.add_argument("--fp8", action="store_true",
+                   help="also run each decode workload on an FP8 pool (vs its bf16 pool)")
     p.add_argument("--only", default="", help="comma-separated workload names to run")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--reps", type=int, default=5)
@@ -423,6 +451,8 @@ def main(argv=None):
         if args.smoke and args.sweep:
             sweep = DECODE_SWEEP[:2]
         run_decode(bench, name, b, ctx, cfg, sweep)
+        if args.fp8:
+            run_decode_fp8(bench, name, b, ctx, cfg)
     for name, b, s in prefill:
         if only and name not in only:
             continue

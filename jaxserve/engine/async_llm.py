@@ -43,7 +43,7 @@ from jaxserve.engine.output_processor import OutputProcessor, RequestError, merg
 from jaxserve.metrics import Metrics
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.tokenizer_io import load_tokenizer
+from jaxserve.tokenizer_io import import_tokenizer_code, load_tokenizer
 
 __all__ = ["AsyncLLM", "EngineDeadError", "EngineStartError", "RequestError"]
 
@@ -97,9 +97,13 @@ class AsyncLLM:
         Raises:
           EngineStartError: with a one-line reason (bad model path, out of memory, ...).
         """
-        ready: M.Ready = await self.engine_core.start()
         loop = asyncio.get_running_loop()
+        # Import the tokenizer's code (seconds on a GPU machine) while the engine process
+        # starts, not after it is ready.
+        imported = loop.run_in_executor(None, import_tokenizer_code)
+        ready: M.Ready = await self.engine_core.start()
         try:
+            await imported
             self.tokenizer = await loop.run_in_executor(None, load_tokenizer, ready.tokenizer_dir)
             self.input_processor = await loop.run_in_executor(
                 None, InputProcessor, self.tokenizer, ready.max_model_len, ready.vocab_size)

@@ -76,6 +76,12 @@ def kv_bytes_per_page(model_config, page_size: int, dtype) -> int:
     )
 
 
+
+def _timed(fn, *args):
+    """(fn(*args), seconds it took)."""
+    t = time.perf_counter()
+    return fn(*args), time.perf_counter() - t
+
 class EngineCore:
     """Loads the model, sizes and allocates the KV pool, compiles every bucket, then serves steps.
 
@@ -91,6 +97,16 @@ class EngineCore:
     def __init__(self, config: EngineConfig, log: Callable[[str], None] = print):
         enable_compilation_cache()
         self.config = config
+        start = time.perf_counter()
+        source, fmt = resolve_model(config.model, config.load_format)
+        self.generation_config = load_generation_config(source, fmt, config.generation_config)
+        log(f"sampling defaults for requests that leave them out: "
+            f"{describe_sampling_defaults(self.generation_config)}")
+        # The tokenizer (importing transformers: seconds on the GPU machine) loads on a thread
+        # while the backend starts and the parameters are built and the steps compiled.
+        pool = ThreadPoolExecutor(1)
+        tokenizer = pool.submit(_timed, load_tokenizer_of, source, fmt)
+        pool.shutdown(wait=False)
         # JAX caps its GPU allocator at XLA_PYTHON_CLIENT_MEM_FRACTION (0.75 unless set) of total
         # memory; raise the cap above --gpu-memory-utilization before the backend starts (the
         # next line starts it). This is the one place that sets it, for the server's engine
@@ -104,15 +120,6 @@ class EngineCore:
             f"{config.gpu_memory_utilization:g} plus the allocator's slack; "
             f"{jax.default_backend()} backend{'' if on_gpu else ', where it has no effect'})")
         t0 = time.perf_counter()
-        source, fmt = resolve_model(config.model, config.load_format)
-        self.generation_config = load_generation_config(source, fmt, config.generation_config)
-        log(f"sampling defaults for requests that leave them out: "
-            f"{describe_sampling_defaults(self.generation_config)}")
-        # The tokenizer (importing transformers: 5-7 s on the GPU machine) loads on a thread
-        # while the parameters are built and the steps compiled.
-        pool = ThreadPoolExecutor(1)
-        tokenizer = pool.submit(load_tokenizer_of, source, fmt)
-        pool.shutdown(wait=False)
         ckpt = load_checkpoint(source, fmt, with_tokenizer=False)
         self.model_name = ckpt.name
         dtype = resolve_dtype(config.dtype)
@@ -160,10 +167,13 @@ class EngineCore:
             log(f"note: fewer than --max-num-seqs {config.max_num_seqs} sequences of "
                 f"--max-model-len {self.max_model_len} tokens fit in the KV cache; the scheduler "
                 "admits by the pages requests really use, and preempts when they run out")
+        t3 = time.perf_counter()
         self.runner.allocate_kv_cache(num_pages)
+        log(f"allocated the KV pool in {time.perf_counter() - t3:.1f}s")
         self.runner.compile_buckets(log)
-        self.tokenizer = tokenizer.result()
-        log(f"tokenizer loaded alongside ({time.perf_counter() - t0:.1f}s since the load began)")
+        self.tokenizer, tokenizer_s = tokenizer.result()
+        log(f"tokenizer loaded in {tokenizer_s:.1f}s on a thread alongside; engine ready "
+            f"{time.perf_counter() - start:.1f}s after it began")
 
         # Generation ends at the model's EOS ids (config.json / GGUF) and the tokenizer's own.
         eos = set(mc.eos_token_ids) | {self.tokenizer.eos_token_id}

@@ -22,6 +22,7 @@ import numpy as np
 
 from jaxserve.config import ModelConfig
 from jaxserve.models.rope import rope_inv_freq
+from pallas_kernels import kv_quant
 
 
 @dataclass(frozen=True)
@@ -64,29 +65,33 @@ def _apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
 
 
-def write_kv(
-    k_pages: jax.Array,
-    v_pages: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    slot_mapping: jax.Array,
-) -> tuple[jax.Array, jax.Array]:
+def write_kv(k_pages, v_pages, k: jax.Array, v: jax.Array, slot_mapping: jax.Array):
     """Scatter this step's keys and values into their slots of the page pool (XLA scatter).
 
     Args:
-      k_pages, v_pages: [KV, num_pages, page_size, D]; donate them to update in place.
+      k_pages, v_pages: [KV, num_pages, page_size, D] arrays, or FP8 pools
+        (``pallas_kernels.kv_quant.QuantizedPages``, each row quantized with its own scale);
+        donate them to update in place.
       k, v: [T, KV, D] new keys and values.
       slot_mapping: [T] int32, page * page_size + offset; padding tokens point into page 0.
 
     Returns:
       The updated (k_pages, v_pages).
     """
-    k_pages, v_pages, slot_mapping = map(jnp.asarray, (k_pages, v_pages, slot_mapping))
+    slot_mapping = jnp.asarray(slot_mapping)
     page_size = k_pages.shape[2]
     pages, offsets = slot_mapping // page_size, slot_mapping % page_size
-    k_pages = k_pages.at[:, pages, offsets].set(k.transpose(1, 0, 2).astype(k_pages.dtype))
-    v_pages = v_pages.at[:, pages, offsets].set(v.transpose(1, 0, 2).astype(v_pages.dtype))
-    return k_pages, v_pages
+
+    def write(pool, x):
+        x = x.transpose(1, 0, 2)  # [KV, T, D]
+        if isinstance(pool, kv_quant.QuantizedPages):
+            values, scales = kv_quant.quantize(x)
+            return kv_quant.QuantizedPages(pool.values.at[:, pages, offsets].set(values),
+                                           pool.scales.at[:, pages, offsets].set(scales))
+        pool = jnp.asarray(pool)
+        return pool.at[:, pages, offsets].set(x.astype(pool.dtype))
+
+    return write(k_pages, k), write(v_pages, v)
 
 
 @partial(jax.jit, static_argnames=("num_heads", "num_kv_heads", "eps", "attention_fn"))

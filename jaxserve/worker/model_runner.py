@@ -8,7 +8,7 @@ executable (one per sequence count S) draws those rows. ``execute`` only dispatc
 ``get_output`` waits for the sampled tokens. Between the two the host is free (async scheduling schedules and dispatches the next
 step there): a token the host does not know yet is read by the next step straight from the
 previous step's sampled array on the device. Token counts T come from a fixed list of buckets (powers of two
-up to max_num_batched_tokens); the sequence count is S = min(T, max_num_seqs), and the block
+up to max_num_batched_tokens, from 16 on a GPU); the sequence count is S = min(T, max_num_seqs), and the block
 table always has the width P of a max_model_len sequence. Attention reads pages only as far as
 each sequence's length reaches, so its cost follows the real contexts, not P; that keeps the
 number of compiled shapes to the token buckets alone (docs/design.md section 3; P buckets were
@@ -59,6 +59,12 @@ def powers_of_two_up_to(limit: int, start: int = 1) -> list[int]:
         out.append(b)
         b *= 2
     return out + [limit]
+
+
+# Smallest token bucket off the CPU. On a GPU a step of 1-8 tokens costs what a step of 16
+# does (matmul and attention tiles have at least 16 rows; a step reads the weights once either
+# way), so smaller buckets would only add programs to compile at start-up (docs/performance.md).
+MIN_GPU_TOKEN_BUCKET = 16
 
 
 def _bucket(buckets: list[int], n: int) -> int:
@@ -174,7 +180,9 @@ class ModelRunner:
         self.params = params
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
-        self.token_buckets = powers_of_two_up_to(max_num_batched_tokens)
+        on_cpu = jax.default_backend() == "cpu"
+        self.token_buckets = powers_of_two_up_to(
+            max_num_batched_tokens, 1 if on_cpu else MIN_GPU_TOKEN_BUCKET)
         self.max_pages_per_seq = -(-max_model_len // page_size)
         self.kv_dtype = kv_dtype
         self.k_cache = self.v_cache = None  # allocate_kv_cache, once the pool is sized
@@ -182,7 +190,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.prompt_logprob_rows = min(PROMPT_LOGPROB_ROWS, max_num_batched_tokens)
         if branch_free is None:
-            branch_free = jax.default_backend() != "cpu"
+            branch_free = not on_cpu
         self._jitted = jax.jit(partial(_step, config, attention_fn, max_num_seqs, branch_free),
                                donate_argnums=(5, 6))
         self._filter_jitted = jax.jit(_filter, donate_argnums=(4,))

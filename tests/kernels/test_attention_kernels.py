@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import pallas_kernels
+from pallas_kernels import kv_quant
 from pallas_kernels import reference
 from pallas_kernels.flash_attention import PrefillTuning, attention
 from pallas_kernels.paged_attention import DecodeTuning, paged_attention
@@ -151,3 +152,57 @@ def test_get_attention_fn():
         assert isinstance(fn, functools.partial) and fn.keywords == {"interpret": True}
     with pytest.raises(ValueError):
         pallas_kernels.get_attention_fn("cudnn")
+
+
+def test_fp8_quantize_fits_every_row_and_never_overflows():
+    rng, seed = _rng()
+    # Rows from 1e-6 to 1e6 in magnitude (e4m3fn alone tops out at 448), and an all-zero row.
+    mags = 10.0 ** rng.uniform(-6, 6, size=(64, 1))
+    x = (rng.standard_normal((64, 128)) * mags).astype(np.float32)
+    x[0] = 0.0
+    values, scales = kv_quant.quantize(jnp.asarray(x))
+    assert values.dtype == jnp.float8_e4m3fn and scales.shape == (64,)
+    back = np.asarray(kv_quant.dequantize(values, scales))
+    assert np.isfinite(back).all(), f"seed {seed}"
+    # 3 mantissa bits: each value within 2^-4 of its row's largest magnitude.
+    amax = np.abs(x).max(axis=1, keepdims=True)
+    assert (np.abs(back - x) <= amax * 2.0**-4 + 1e-30).all(), f"seed {seed}"
+    assert (back[0] == 0).all()
+
+
+@pytest.mark.parametrize("kv_scale", [1.0, 1e3])
+def test_fp8_pool_kernels_match_reference(kv_scale):
+    """Both kernels (interpret mode) on an FP8 pool against the reference on the same pool; at
+    1e3 the K/V values are far above e4m3fn's 448 and must still come out finite."""
+    rng, seed = _rng()
+    pairs = [(1, 1), (1, 17), (1, 40), (19, 19), (16, 32), (23, 40)]
+    q_lens, seq_lens = map(list, zip(*pairs))
+    b = make_batch(rng, q_lens, seq_lens, num_heads=8, num_kv_heads=2, head_dim=64,
+                   page_size=16, dtype=jnp.bfloat16, num_tokens=sum(q_lens) + 3,
+                   num_seqs=len(pairs) + 1, pages_per_seq=4, fp8=True, kv_scale=kv_scale)
+    out = attention(*b.args, interpret=True, prefill_tuning=PrefillTuning(block_q=16))
+    ref = reference.attention(*b.args)
+    n = b.num_real_tokens
+    assert out.dtype == jnp.bfloat16 and bool(jnp.isfinite(out).all()), f"seed {seed}"
+    assert rel_err(out[:n], ref[:n]) <= 2e-2, f"seed {seed}: {rel_err(out[:n], ref[:n])}"
+    assert bool((out[n:] == 0).all())
+    dq = b.q[jnp.asarray(np.asarray(b.query_start_loc[:len(pairs)]))]
+    dec = paged_attention(dq, b.k_pages, b.v_pages, b.block_tables[:len(pairs)],
+                          b.seq_lens[:len(pairs)], interpret=True)
+    dref = reference.paged_attention(dq, b.k_pages, b.v_pages, b.block_tables[:len(pairs)],
+                                     b.seq_lens[:len(pairs)])
+    assert rel_err(dec, dref) <= 2e-2, f"seed {seed}"
+
+
+def test_fp8_reference_reads_the_dequantized_pool():
+    """The reference on an FP8 pool equals the reference on that pool dequantized to float32,
+    and stays close to the unquantized pool (per-token scales keep the error small)."""
+    rng, seed = _rng()
+    kw = dict(num_heads=6, num_kv_heads=2, head_dim=64, page_size=16, num_seqs=4,
+              pages_per_seq=3)
+    b8 = make_batch(np.random.default_rng(seed), [5, 1, 1], [21, 30, 9], fp8=True, **kw)
+    b32 = make_batch(np.random.default_rng(seed), [5, 1, 1], [21, 30, 9], **kw)
+    deq = [kv_quant.dequantize(p.values, p.scales) for p in (b8.k_pages, b8.v_pages)]
+    out8 = reference.attention(*b8.args)
+    assert rel_err(out8, reference.attention(b8.q, *deq, *b8.args[3:])) <= 1e-6, f"seed {seed}"
+    assert rel_err(out8, reference.attention(*b32.args)) <= 5e-2, f"seed {seed}"

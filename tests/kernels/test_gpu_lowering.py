@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_kernels.flash_attention import PrefillTuning, attention
+from pallas_kernels.kv_quant import QuantizedPages
 from pallas_kernels.paged_attention import DecodeTuning, paged_attention
 
 
@@ -58,3 +59,15 @@ def test_attention_lowers_for_cuda(group, head_dim, page_size, dtype, split, tun
     _export_cuda(
         lambda *args: attention(*args, split_decode=split, prefill_tuning=tuning),
         a["q"], a["k"], a["v"], a["qsl"], a["seq_lens"], a["bt"])
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_fp8_pool_lowers_for_cuda(split):
+    """Both kernels over an FP8 pool (8-bit values widened to bfloat16 in the kernel)."""
+    a = _avals(64, 8, 8, 2, 128, 16, 16, jnp.bfloat16)
+    s = jax.ShapeDtypeStruct
+    pool = QuantizedPages(s((2, 64, 16, 128), jnp.float8_e4m3fn), s((2, 64, 16), jnp.float32))
+    text = _export_cuda(
+        lambda q, k, v, *md: attention(q, k, v, *md, split_decode=split),
+        a["q"], pool, pool, a["qsl"], a["seq_lens"], a["bt"])
+    assert "f8E4M3FN" in text

@@ -31,8 +31,11 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # llama.cpp's server defaults (0.8, top-k 40, top-p 0.95, min-p 0.05) 19 of 40 (seeds
 # overlapping); temperature 0.3 with top_p 0.35 or 0.45 answered Paris 40 of 40. So: a low
 # temperature and a nucleus of 0.4, which keeps only the leading token where it holds 40% of
-# the (tempered) mass and samples among the leaders elsewhere.
-GENERATION_CONFIG = {"temperature": 0.3, "top_p": 0.4}
+# the (tempered) mass and samples among the leaders elsewhere. top_k 40 (llama.cpp's) cuts
+# nothing that nucleus keeps, but lets the sampler draw from lax.top_k's candidates instead of
+# sorting the vocabulary: 16 chats on 2 CPU cores, 51 tok/s against 24-26 without it (greedy:
+# 44).
+GENERATION_CONFIG = {"temperature": 0.3, "top_k": 40, "top_p": 0.4}
 
 
 class ModelFetchError(RuntimeError):

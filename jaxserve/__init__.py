@@ -9,7 +9,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # reads like an error in a server log.
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-from jaxserve.outputs import CompletionOutput, RequestOutput  # noqa: E402
+from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
 from jaxserve.sampling_params import SamplingParams  # noqa: E402
 
 
@@ -22,4 +22,4 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]

@@ -28,9 +28,7 @@ from jaxserve.model_loader import load_checkpoint
 from jaxserve.models import llama
 from jaxserve.models.registry import build_params, resolve_dtype
 from pallas_kernels import get_attention_fn, kv_quant
-
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
-from sharegpt import SAMPLE, first_turns  # noqa: E402
+from sharegpt import SAMPLE, first_turns
 
 NEAR_TIE = 1e-3
 PAGE_SIZE = 16

@@ -25,9 +25,9 @@ from jaxserve.engine import (
     kv_sizing,
 )
 from jaxserve.model_loader import load_checkpoint, load_tokenizer_of, resolve_model
-from jaxserve.models.registry import build_params, resolve_dtype
+from jaxserve.models.registry import build_params, resolve_dtype, resolve_kv_cache_dtype
 from jaxserve.worker.model_runner import ModelRunner
-from pallas_kernels import get_attention_fn
+from pallas_kernels import get_attention_fn, kv_quant
 
 CPU_MAX_MODEL_LEN = 4096
 # Scheduler limits where the flags are left unset. GPU: measured on the H200 with the 8B shape
@@ -63,11 +63,11 @@ def resolve_scheduler_limits(config: EngineConfig, on_gpu: bool, max_model_len: 
     return config
 
 
-def kv_bytes_per_page(model_config, page_size: int, dtype) -> int:
+def kv_bytes_per_page(model_config, page_size: int, kv_dtype) -> int:
     c = model_config
     return kv_sizing.kv_bytes_per_page(
-        c.num_layers, c.num_kv_heads, c.head_dim, page_size, np.dtype(dtype).itemsize
-    )
+        c.num_layers, c.num_kv_heads, c.head_dim, page_size, np.dtype(kv_dtype).itemsize,
+        kv_quant.scale_bytes(kv_dtype))
 
 
 
@@ -132,13 +132,14 @@ class EngineCore:
         config = self.config = resolve_scheduler_limits(config, on_gpu, self.max_model_len)
         log(f"scheduler: max_num_seqs {config.max_num_seqs}, max_num_batched_tokens "
             f"{config.max_num_batched_tokens}, max_model_len {self.max_model_len}")
-        per_page = kv_bytes_per_page(mc, config.page_size, dtype)
+        kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
+        per_page = kv_bytes_per_page(mc, config.page_size, kv_dtype)
         backend = config.attention_backend
         self.runner = ModelRunner(
             mc, params, page_size=config.page_size,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=self.max_model_len, kv_dtype=dtype,
+            max_model_len=self.max_model_len, kv_dtype=kv_dtype,
             attention_fn=get_attention_fn(backend),
         )
         del params
@@ -151,7 +152,8 @@ class EngineCore:
         num_seqs = kv_sizing.check_pool_fits(num_pages, config.page_size, self.max_model_len, hint)
         self.num_pages = num_pages
         log(f"KV cache: {num_pages - 1} pages of {config.page_size} tokens "
-            f"({(num_pages - 1) * config.page_size} tokens, {(num_pages - 1) * per_page / 2**30:.2f} GiB; "
+            f"({(num_pages - 1) * config.page_size} tokens, {(num_pages - 1) * per_page / 2**30:.2f} GiB "
+            f"in {np.dtype(kv_dtype).name}; "
             f"{num_seqs} sequences of {self.max_model_len} tokens fit); prefix caching "
             f"{'on' if config.enable_prefix_caching else 'off'}")
         if num_seqs < config.max_num_seqs:

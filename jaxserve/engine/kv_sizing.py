@@ -32,9 +32,10 @@ MAX_ALLOCATOR_FRACTION = 0.98
 
 
 def kv_bytes_per_page(num_layers: int, num_kv_heads: int, head_dim: int, page_size: int,
-                      itemsize: int) -> int:
-    """K and V of one page across all layers, bytes."""
-    return 2 * num_layers * num_kv_heads * page_size * head_dim * itemsize
+                      itemsize: int, scale_bytes: int = 0) -> int:
+    """K and V of one page across all layers, bytes; ``scale_bytes`` per stored row (token and
+    KV head) for an FP8 pool's scales."""
+    return 2 * num_layers * num_kv_heads * page_size * (head_dim * itemsize + scale_bytes)
 
 
 def pages_per_seq(max_model_len: int, page_size: int) -> int:

@@ -86,8 +86,9 @@ def write_kv(k_pages, v_pages, k: jax.Array, v: jax.Array, slot_mapping: jax.Arr
         x = x.transpose(1, 0, 2)  # [KV, T, D]
         if isinstance(pool, kv_quant.QuantizedPages):
             values, scales = kv_quant.quantize(x)
-            return kv_quant.QuantizedPages(pool.values.at[:, pages, offsets].set(values),
-                                           pool.scales.at[:, pages, offsets].set(scales))
+            return kv_quant.QuantizedPages(
+                pool.values.at[:, pages, offsets].set(kv_quant.to_storage(values)),
+                pool.scales.at[:, pages, offsets].set(scales))
         pool = jnp.asarray(pool)
         return pool.at[:, pages, offsets].set(x.astype(pool.dtype))
 

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
 from jaxserve.models.llama import params_from_hf, random_params
+from pallas_kernels import kv_quant
 
 
 def build_params(hf_config: dict, weights: dict | None, dtype, seed: int = 0) -> tuple[ModelConfig, dict]:
@@ -23,6 +24,22 @@ def build_params(hf_config: dict, weights: dict | None, dtype, seed: int = 0) ->
     else:
         params = params_from_hf(config, weights, dtype)
     return config, jax.block_until_ready(params)
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype):
+    """--kv-cache-dtype -> the pool's dtype: "auto" is the model's; "fp8" is float8_e4m3fn
+    (``pallas_kernels.kv_quant``).
+
+    Raises:
+      ValueError: for a name other than auto, bfloat16, float32, fp8.
+    """
+    if kv_cache_dtype == "auto":
+        return jnp.dtype(model_dtype)
+    if kv_cache_dtype == "fp8":
+        return jnp.dtype(kv_quant.FP8_DTYPE)
+    if kv_cache_dtype in ("bfloat16", "float32"):
+        return jnp.dtype(kv_cache_dtype)
+    raise ValueError(f"unsupported --kv-cache-dtype {kv_cache_dtype!r} (auto, bfloat16, float32, fp8)")
 
 
 def resolve_dtype(dtype: str):

@@ -37,6 +37,7 @@ from jaxserve.worker.sampler import (
     sample_filtered,
     sample_unfiltered,
 )
+from pallas_kernels import kv_quant
 
 
 def powers_of_two_up_to(limit: int, start: int = 1) -> list[int]:
@@ -102,7 +103,7 @@ class ModelRunner:
       params: the model's params, one dict per layer (``jaxserve.models.llama``), on the device.
       page_size: tokens per page.
       max_num_seqs, max_num_batched_tokens, max_model_len: scheduler limits (tokens/sequences).
-      kv_dtype: dtype of the KV pool.
+      kv_dtype: dtype of the KV pool (float8_e4m3fn: ``pallas_kernels.kv_quant``'s FP8 pool).
       attention_fn: pallas_kernels attention entry point.
       branch_free: compile the step without control flow; default: on any backend but the CPU
         (a GPU conditional blocks the dispatching thread; the module docstring says more).
@@ -149,8 +150,8 @@ class ModelRunner:
     def allocate_kv_cache(self, num_pages: int) -> None:
         """Allocate the (zeroed) K and V pools of num_pages pages, page 0 included."""
         shapes = self._kv_shapes(num_pages)
-        self.k_cache = [jnp.zeros(s, self.kv_dtype) for s in shapes]
-        self.v_cache = [jnp.zeros(s, self.kv_dtype) for s in shapes]
+        self.k_cache = [kv_quant.pool_zeros(s, self.kv_dtype) for s in shapes]
+        self.v_cache = [kv_quant.pool_zeros(s, self.kv_dtype) for s in shapes]
 
     def profile_step_bytes(self, num_pages: int) -> int:
         """Device bytes the largest token bucket's step needs beyond its arguments, from XLA's
@@ -158,9 +159,7 @@ class ModelRunner:
         by shapes only: nothing is allocated). 0 if the backend gives no analysis."""
         from jaxserve.engine.kv_sizing import step_bytes_from_memory_analysis
 
-        shapes = self._kv_shapes(num_pages)
-        sds = lambda s: jax.ShapeDtypeStruct(s, self.kv_dtype)
-        kv = [sds(s) for s in shapes]
+        kv = [kv_quant.pool_struct(s, self.kv_dtype) for s in self._kv_shapes(num_pages)]
         inputs = self._dummy_inputs(self.token_buckets[-1])
         compiled = self._jitted.lower(self.params, *inputs[:4], kv, kv, *inputs[4:]).compile()
         ma = compiled.memory_analysis()

@@ -78,3 +78,8 @@ def test_gpu_weights_too_big_leave_no_pages():
     assert b.pool_bytes < 0 and K.num_pages_for_bytes(b.pool_bytes, 4096) == 0
     with pytest.raises(ValueError, match="--gpu-memory-utilization"):
         K.check_pool_fits(0, 16, 4096, "raise --gpu-memory-utilization or lower --max-model-len")
+
+
+def test_fp8_page_counts_its_scales():
+    # Llama-3-8B in FP8: 128 one-byte values and a 4-byte scale per token and KV head.
+    assert K.kv_bytes_per_page(32, 8, 128, 16, 1, 4) == 2 * 32 * 8 * 16 * 132

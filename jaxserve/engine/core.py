@@ -25,6 +25,7 @@ from jaxserve.engine import (
     kv_sizing,
 )
 from jaxserve.model_loader import load_checkpoint, load_tokenizer_of, resolve_model
+from jaxserve.models import sharding
 from jaxserve.models.registry import build_params, resolve_dtype
 from jaxserve.worker.model_runner import ModelRunner
 from pallas_kernels import get_attention_fn
@@ -63,10 +64,11 @@ def resolve_scheduler_limits(config: EngineConfig, on_gpu: bool, max_model_len: 
     return config
 
 
-def kv_bytes_per_page(model_config, page_size: int, dtype) -> int:
+def kv_bytes_per_page(model_config, layout: sharding.Layout, page_size: int, dtype) -> int:
+    """K and V bytes of one page on one device: the KV heads the layout gives each device."""
     c = model_config
     return kv_sizing.kv_bytes_per_page(
-        c.num_layers, c.num_kv_heads, c.head_dim, page_size, np.dtype(dtype).itemsize
+        c.num_layers, layout.kv_heads_per_device, c.head_dim, page_size, np.dtype(dtype).itemsize
     )
 
 
@@ -93,6 +95,7 @@ class EngineCore:
         self.allocator_fraction = kv_sizing.allocator_fraction_env(
             config.gpu_memory_utilization, os.environ)
         on_gpu = jax.default_backend() == "gpu"
+        mesh = sharding.make_mesh(config.tensor_parallel_size)
         log(f"allocator fraction {self.allocator_fraction:g} of device memory "
             f"(XLA_PYTHON_CLIENT_MEM_FRACTION: --gpu-memory-utilization "
             f"{config.gpu_memory_utilization:g} plus the allocator's slack; "
@@ -108,12 +111,14 @@ class EngineCore:
         self.model_name = ckpt.name
         dtype = resolve_dtype(config.dtype)
         t1 = time.perf_counter()
-        self.model_config, params = build_params(ckpt.hf_config, ckpt.weights, dtype, config.seed)
+        self.model_config, params = build_params(ckpt.hf_config, ckpt.weights, dtype, config.seed,
+                                                 mesh)
         del ckpt
         mc = self.model_config
         t2 = time.perf_counter()
         log(f"loaded {self.model_name} ({mc.architecture}, {np.dtype(dtype).name}) in "
-            f"{t2 - t0:.1f}s (checkpoint {t1 - t0:.1f}s, parameters on the device {t2 - t1:.1f}s)")
+            f"{t2 - t0:.1f}s (checkpoint {t1 - t0:.1f}s, parameters on the device {t2 - t1:.1f}s)"
+            + ("" if mesh is None else f"; split over {mesh.size} devices (tensor parallel)"))
 
         limit = mc.max_position_embeddings if on_gpu else min(mc.max_position_embeddings, CPU_MAX_MODEL_LEN)
         self.max_model_len = config.max_model_len or limit
@@ -125,16 +130,16 @@ class EngineCore:
         config = self.config = resolve_scheduler_limits(config, on_gpu, self.max_model_len)
         log(f"scheduler: max_num_seqs {config.max_num_seqs}, max_num_batched_tokens "
             f"{config.max_num_batched_tokens}, max_model_len {self.max_model_len}")
-        per_page = kv_bytes_per_page(mc, config.page_size, dtype)
         backend = config.attention_backend
         self.runner = ModelRunner(
             mc, params, page_size=config.page_size,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len, kv_dtype=dtype,
-            attention_fn=get_attention_fn(backend),
+            attention_fn=get_attention_fn(backend), mesh=mesh,
         )
         del params
+        per_page = kv_bytes_per_page(mc, self.runner.layout, config.page_size, dtype)
         if on_gpu:
             num_pages = self._gpu_num_pages(per_page, log)
             hint = "raise --gpu-memory-utilization or lower --max-model-len"
@@ -144,7 +149,8 @@ class EngineCore:
         num_seqs = kv_sizing.check_pool_fits(num_pages, config.page_size, self.max_model_len, hint)
         self.num_pages = num_pages
         log(f"KV cache: {num_pages - 1} pages of {config.page_size} tokens "
-            f"({(num_pages - 1) * config.page_size} tokens, {(num_pages - 1) * per_page / 2**30:.2f} GiB; "
+            f"({(num_pages - 1) * config.page_size} tokens, {(num_pages - 1) * per_page / 2**30:.2f} GiB"
+            f"{'' if mesh is None else ' per device'}; "
             f"{num_seqs} sequences of {self.max_model_len} tokens fit); prefix caching "
             f"{'on' if config.enable_prefix_caching else 'off'}")
         if num_seqs < config.max_num_seqs:
@@ -171,28 +177,34 @@ class EngineCore:
         self._in_flight = None  # (SchedulerOutput, StepHandle) dispatched, not yet updated
 
     def _gpu_num_pages(self, per_page: int, log: Callable[[str], None]) -> int:
-        """Pages for the pool under --gpu-memory-utilization (see kv_sizing): the device's
-        budget minus what is resident now (the weights) minus the largest step's bytes."""
-        stats = jax.devices()[0].memory_stats() or {}
-        limit = stats.get("bytes_limit")
-        if not limit:
-            raise ValueError(
-                "the GPU reports no memory limit, so --gpu-memory-utilization cannot size the KV "
-                "cache on this device"
-            )
-        weights = sum(x.nbytes for x in jax.tree.leaves(self.runner.params))
-        in_use = max(stats.get("bytes_in_use", 0), weights)
+        """Pages for the pool under --gpu-memory-utilization (see kv_sizing), which applies to
+        each device: on every device of this process that holds the model, its budget minus
+        what is resident there now (its part of the weights) minus the largest step's bytes
+        (per device: XLA analyses the partitioned program); the pool gets the smallest."""
+        mesh = self.runner.mesh
+        devices = [jax.local_devices()[0]] if mesh is None else list(mesh.local_devices)
         probe = kv_sizing.pages_per_seq(self.max_model_len, self.config.page_size) + 1
         t0 = time.perf_counter()
         step = self.runner.profile_step_bytes(probe)
         log(f"profiled the largest step ({self.runner.token_buckets[-1]} tokens): "
             f"{step / 2**30:.2f} GiB in {time.perf_counter() - t0:.1f}s")
         util = self.config.gpu_memory_utilization
-        b = kv_sizing.gpu_kv_budget(utilization=util, allocator_limit_bytes=int(limit),
-                                    allocator_fraction=self.allocator_fraction,
-                                    in_use_bytes=int(in_use),
-                                    step_bytes=step)
-        log(b.describe(util))
+        budgets = []
+        for d in devices:
+            stats = d.memory_stats() or {}
+            limit = stats.get("bytes_limit")
+            if not limit:
+                raise ValueError(
+                    f"the GPU {d} reports no memory limit, so --gpu-memory-utilization cannot "
+                    "size the KV cache on this device")
+            weights = sum(s.data.nbytes for x in jax.tree.leaves(self.runner.params)
+                          for s in x.addressable_shards if s.device == d)
+            budgets.append(kv_sizing.gpu_kv_budget(
+                utilization=util, allocator_limit_bytes=int(limit),
+                allocator_fraction=self.allocator_fraction,
+                in_use_bytes=int(max(stats.get("bytes_in_use", 0), weights)), step_bytes=step))
+        b = min(budgets, key=lambda b: b.pool_bytes)
+        log(b.describe(util) + ("" if mesh is None else f" (the smallest of {len(devices)} devices)"))
         return kv_sizing.num_pages_for_bytes(b.pool_bytes, per_page)
 
     def add_request(self, request: EngineCoreRequest) -> None:

@@ -30,15 +30,20 @@ def tiny_hf_models(tiny_tp_folders) -> dict:
 
 
 @pytest.fixture(scope="session")
-def tp_offline(tiny_tp_folders, tp_prompts) -> dict:
-    """``LLM`` greedy outputs of the prompts, keyed "NAME:TP": the default model at TP 1 and 3,
-    each tiny model at TP 1, 2 and 4; plus the tiny Llama step's collectives."""
-    models = {"default": None, **{k: str(v) for k, v in tiny_tp_folders.items()}}
-    sizes = {"default": (1, 3), "llama": (1, 2, 4), "qwen3": (1, 2, 4)}
-    runs = [{"model": models[name], "tp": tp} for name in models for tp in sizes[name]]
-    raw = tp_utils.run_offline(runs, tp_prompts, collectives_of=models["llama"])
-    out = {"collectives": raw.pop("collectives")}
-    for name, path in models.items():
-        for tp in sizes[name]:
-            out[f"{name}:{tp}"] = raw[f"{path}:{tp}"]
+def tp_offline(tiny_tp_folders, tp_prompts, smollm_llm) -> dict:
+    """Greedy outputs of the prompts (``prompt_ids``, ``output_ids``), keyed "NAME:TP": the
+    default model at TP 1 (the engine tests' ``smollm_llm``, in this process) and 3, each tiny
+    model at TP 1, 2 and 4 (``LLM`` on fake devices); plus the tiny Llama step's collectives."""
+    from jaxserve import SamplingParams
+
+    tiny = {name: str(folder) for name, folder in tiny_tp_folders.items()}
+    runs = [{"model": None, "tp": 3}]
+    runs += [{"model": path, "tp": tp} for path in tiny.values() for tp in (1, 2, 4)]
+    raw = tp_utils.run_offline(runs, tp_prompts, collectives_of=tiny["llama"])
+    out = {"collectives": raw["collectives"], "default:3": raw["None:3"]}
+    out |= {f"{name}:{tp}": raw[f"{path}:{tp}"] for name, path in tiny.items() for tp in (1, 2, 4)}
+    results = smollm_llm.generate(
+        tp_prompts, SamplingParams(temperature=0, max_tokens=tp_utils.MAX_TOKENS), use_tqdm=False)
+    out["default:1"] = {"prompt_ids": [r.prompt_token_ids for r in results],
+                        "output_ids": [r.outputs[0].token_ids for r in results]}
     return out

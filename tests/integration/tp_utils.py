@@ -10,8 +10,8 @@ import subprocess
 import sys
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-# Small limits keep start-up compilation short: 6 token buckets and 3 samplers per engine.
-TP_FLAGS = {"max_model_len": 512, "max_num_batched_tokens": 32, "max_num_seqs": 4,
+# Small limits keep start-up compilation short: 5 token buckets and 3 samplers per engine.
+TP_FLAGS = {"max_model_len": 512, "max_num_batched_tokens": 16, "max_num_seqs": 4,
             "kv_cache_gib": 0.1}
 TP_CLI_FLAGS = [x for k, v in TP_FLAGS.items() for x in (f"--{k.replace('_', '-')}", str(v))]
 MAX_TOKENS = 16

@@ -107,7 +107,7 @@ class EngineCore:
         pool = ThreadPoolExecutor(1)
         tokenizer = pool.submit(load_tokenizer_of, source, fmt)
         pool.shutdown(wait=False)
-        ckpt = load_checkpoint(source, fmt, with_tokenizer=False)
+        ckpt = load_checkpoint(source, fmt, with_tokenizer=False, mesh=mesh)
         self.model_name = ckpt.name
         dtype = resolve_dtype(config.dtype)
         t1 = time.perf_counter()

@@ -231,12 +231,18 @@ def hf_tensor_shapes(config: ModelConfig) -> tuple[dict, dict]:
 
 
 def _place(t: dict, mesh: Mesh | None) -> dict:
-    """HF tensors (host or device arrays) split as ``sharding.hf_sharding`` says, so each device
-    receives only its slice; as they are without a mesh."""
+    """HF tensors split as ``sharding.hf_sharding`` says: each of this process's devices gets
+    its slice, read alone from a host array or a ``LazyTensor`` (``x[index]``), or moved from a
+    device array; host arrays as they are without a mesh (a ``LazyTensor`` read whole)."""
     if mesh is None:
-        return t
-    return {name: jax.device_put(w, sharding.hf_sharding(name, w.shape, mesh))
-            for name, w in t.items()}
+        return {name: w if isinstance(w, np.ndarray | jax.Array) else np.asarray(w)
+                for name, w in t.items()}
+    out = {}
+    for name, w in t.items():
+        where = sharding.hf_sharding(name, w.shape, mesh)
+        out[name] = (jax.device_put(w, where) if isinstance(w, jax.Array) else
+                     jax.make_array_from_callback(w.shape, where, lambda index, w=w: w[index]))
+    return out
 
 
 def _constrain(params: dict, mesh: Mesh | None) -> dict:

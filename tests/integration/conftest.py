@@ -14,9 +14,14 @@ def tp_prompts() -> list[str]:
 
 @pytest.fixture(scope="session")
 def tiny_tp_folders(tmp_path_factory, smollm) -> dict:
-    """{"llama": folder, "qwen3": folder} (``tp_utils.TINY``)."""
+    """{"llama": HF folder, "qwen3": HF folder, "llama-orbax": the Llama as an orbax folder}
+    (``tp_utils.TINY``)."""
+    from jaxserve.model_loader import load_hf_folder, save_orbax
+
     root = tmp_path_factory.mktemp("tp-models")
-    return {name: tp_utils.make_tiny_folder(root, name, smollm.tokenizer) for name in tp_utils.TINY}
+    out = {name: tp_utils.make_tiny_folder(root, name, smollm.tokenizer) for name in tp_utils.TINY}
+    out["llama-orbax"] = save_orbax(root / "tiny-llama-orbax", load_hf_folder(out["llama"]))
+    return out
 
 
 @pytest.fixture(scope="session")
@@ -25,23 +30,25 @@ def tiny_hf_models(tiny_tp_folders) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    return {name: AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-            for name, folder in tiny_tp_folders.items()}
+    return {name: AutoModelForCausalLM.from_pretrained(str(tiny_tp_folders[name]),
+                                                       dtype=torch.float32).eval()
+            for name in tp_utils.TINY}
 
 
 @pytest.fixture(scope="session")
 def tp_offline(tiny_tp_folders, tp_prompts, smollm_llm) -> dict:
     """Greedy outputs of the prompts (``prompt_ids``, ``output_ids``), keyed "NAME:TP": the
-    default model at TP 1 (the engine tests' ``smollm_llm``, in this process) and 3, each tiny
-    model at TP 1, 2 and 4 (``LLM`` on fake devices); plus the tiny Llama step's collectives."""
+    default model (its GGUF) at TP 1 (the engine tests' ``smollm_llm``, in this process) and 3,
+    each tiny model (HF folders) at TP 1, 2 and 4 and the Llama's orbax folder at 2 (``LLM``
+    on fake devices); plus the tiny Llama step's collectives."""
     from jaxserve import SamplingParams
 
-    tiny = {name: str(folder) for name, folder in tiny_tp_folders.items()}
-    runs = [{"model": None, "tp": 3}]
-    runs += [{"model": path, "tp": tp} for path in tiny.values() for tp in (1, 2, 4)]
-    raw = tp_utils.run_offline(runs, tp_prompts, collectives_of=tiny["llama"])
-    out = {"collectives": raw["collectives"], "default:3": raw["None:3"]}
-    out |= {f"{name}:{tp}": raw[f"{path}:{tp}"] for name, path in tiny.items() for tp in (1, 2, 4)}
+    sizes = {"default": (3,), "llama": (1, 2, 4), "qwen3": (1, 2, 4), "llama-orbax": (2,)}
+    paths = {"default": None, **{name: str(folder) for name, folder in tiny_tp_folders.items()}}
+    runs = [{"model": paths[name], "tp": tp} for name in sizes for tp in sizes[name]]
+    raw = tp_utils.run_offline(runs, tp_prompts, collectives_of=paths["llama"])
+    out = {"collectives": raw["collectives"]}
+    out |= {f"{name}:{tp}": raw[f"{paths[name]}:{tp}"] for name in sizes for tp in sizes[name]}
     results = smollm_llm.generate(
         tp_prompts, SamplingParams(temperature=0, max_tokens=tp_utils.MAX_TOKENS), use_tqdm=False)
     out["default:1"] = {"prompt_ids": [r.prompt_token_ids for r in results],

@@ -20,12 +20,14 @@ from tests.integration import tp_utils
 pytestmark = pytest.mark.slow
 
 
+# Each run loads its checkpoint per device part: the default model's GGUF and the HF folders
+# through lazy tensors, the orbax folder restored straight into its shardings.
 @pytest.mark.parametrize("name,tp", [("default", 3), ("llama", 2), ("llama", 4), ("qwen3", 2),
-                                     ("qwen3", 4)])
+                                     ("qwen3", 4), ("llama-orbax", 2)])
 def test_offline_greedy_matches_tp1(name, tp, tp_offline, hf_smollm, tiny_hf_models):
-    ref, ours = tp_offline[f"{name}:1"], tp_offline[f"{name}:{tp}"]
+    ref, ours = tp_offline[f"{name.removesuffix('-orbax')}:1"], tp_offline[f"{name}:{tp}"]
     assert ours["prompt_ids"] == ref["prompt_ids"]
-    hf = hf_smollm if name == "default" else tiny_hf_models[name]
+    hf = hf_smollm if name == "default" else tiny_hf_models[name.removesuffix("-orbax")]
     tp_utils.assert_greedy_matches(ours["output_ids"], ref["output_ids"], ref["prompt_ids"], hf,
                                    f"{name} offline at TP={tp}")
 
@@ -88,3 +90,49 @@ def test_server_refuses_sizes_that_do_not_fit(tp, error):
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert error in proc.stderr
     assert "Traceback" not in proc.stderr + proc.stdout
+
+
+DUMMY_70B_LAYER = """
+import json, jax, jax.numpy as jnp, numpy as np
+from jaxserve.config import ModelConfig
+from jaxserve.model_loader.dummy import PRESETS
+from jaxserve.models import llama, sharding
+
+c = ModelConfig.from_hf_config(PRESETS["llama-3.1-70b"])
+_, layer = llama.hf_tensor_shapes(c)
+out = {}
+for tp in (1, 4):  # one 70B layer drawn in bf16: compiled only, nothing allocated
+    ma = llama._random_from_hf.lower(
+        jax.random.key(0), tuple(layer.items()), jnp.bfloat16, llama._layer_from_hf,
+        sharding.Layout.of(c, tp), sharding.make_mesh(tp)).compile().memory_analysis()
+    out[tp] = [ma.output_size_in_bytes, ma.temp_size_in_bytes]
+tiny = ModelConfig.from_hf_config({**PRESETS["llama-3.2-1b"], "hidden_size": 64,
+    "intermediate_size": 128, "num_hidden_layers": 1, "vocab_size": 1001, "head_dim": 16})
+one = llama.random_params(tiny, jnp.float32)
+two = llama.random_params(tiny, jnp.float32, mesh=sharding.make_mesh(2))
+same = {name: bool(np.array_equal(np.asarray(two["layers"][0][name]), np.asarray(one["layers"][0][name])))
+        for name in ("o_proj", "down_proj", "input_layernorm")}
+same["embed_tokens"] = bool(np.array_equal(np.asarray(two["embed_tokens"])[:1001],
+                                           np.asarray(one["embed_tokens"])))
+out["same"] = same
+print(json.dumps(out))
+"""
+
+
+def test_dummy_weights_are_drawn_per_device():
+    import numpy as np
+
+    from jaxserve.config import ModelConfig
+    from jaxserve.model_loader.dummy import PRESETS
+    from jaxserve.models.llama import hf_tensor_shapes
+
+    found = tp_utils.run_python(DUMMY_70B_LAYER)
+    (out1, temp1), (out4, temp4) = found["1"], found["4"]
+    _, layer = hf_tensor_shapes(ModelConfig.from_hf_config(PRESETS["llama-3.1-70b"]))
+    norms = sum(2 * np.prod(s) for name, s in layer.items() if name.endswith("norm.weight"))
+    layer_bytes = sum(2 * np.prod(s) for s in layer.values())  # bf16
+    # (XLA counts a few bytes more: the output tuple's pointers.)
+    assert 0 <= out1 - layer_bytes < 1024
+    assert 0 <= out4 - ((layer_bytes - norms) // 4 + norms) < 1024  # a quarter; norms replicated
+    assert temp4 <= temp1 / 4 * 1.05, (temp1, temp4)  # no device draws the whole layer
+    assert all(found["same"].values()), found["same"]  # the same values at every mesh size

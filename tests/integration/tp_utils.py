@@ -83,3 +83,11 @@ def assert_greedy_matches(outputs: list[list[int]], reference: list[list[int]],
         assert ok, f"{what}: prompt {i} diverged from TP=1 at token {compared}: {ours} vs {ref}"
         full += compared == len(ref)
     assert full >= MIN_FULL, f"{what}: only {full} of {NUM_PROMPTS} compared in full (near-ties)"
+
+
+def run_python(code: str, devices: int = NUM_DEVICES) -> dict:
+    """``python -c code`` with ``devices`` fake CPU devices; returns the JSON it prints last."""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=600, cwd=REPO, env=fake_devices_env(devices))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.splitlines()[-1])

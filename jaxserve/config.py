@@ -132,6 +132,16 @@ class EngineConfig:
         "help": "devices the model is split over (Megatron-style tensor parallelism on a "
                 "jax.sharding mesh; docs/parallelism.md); must divide the model's attention "
                 "heads", "valid": _POSITIVE})
+    num_hosts: int = field(default=1, metadata={
+        "help": "hosts (processes) the --tensor-parallel-size devices span; above 1, each host "
+                "starts with the same flags and its own --host-id, host 0 serves and the others "
+                "follow its steps (jax.distributed; docs/parallelism.md)", "valid": _POSITIVE})
+    host_id: int = field(default=0, metadata={
+        "help": "this host's index, 0 to --num-hosts - 1; host 0 runs the server, the others "
+                "run without one", "valid": Valid(lambda v: v >= 0, "non-negative")})
+    distributed_coordinator: str | None = field(default=None, metadata={"help": (
+        "host:port where host 0 runs the jax.distributed coordinator (with --num-hosts above "
+        "1); None: JAX detects it from the cluster's environment (SLURM, Open MPI, ...)")})
     # Same range as SamplingParams.seed.
     seed: int = field(default=0, metadata={
         "help": "seed of the engine's default RNG (requests without their own seed) and of "

@@ -4,6 +4,7 @@ The HTTP server runs it in its own process (core_proc); ``jaxserve.LLM`` runs it
 Token ids in, token ids out: no text here.
 """
 
+import atexit
 import dataclasses
 import os
 import random
@@ -14,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import jax
 import numpy as np
 
+from jaxserve import distributed
 from jaxserve.config import EngineConfig
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.request import Request
@@ -86,6 +88,7 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig, log: Callable[[str], None] = print):
         enable_compilation_cache()
+        distributed.initialize(config)  # before the first use of a JAX backend
         self.config = config
         # JAX caps its GPU allocator at XLA_PYTHON_CLIENT_MEM_FRACTION (0.75 unless set) of total
         # memory; raise the cap above --gpu-memory-utilization before the backend starts (the
@@ -146,6 +149,8 @@ class EngineCore:
         else:
             num_pages = kv_sizing.cpu_num_pages(config.kv_cache_gib, per_page)
             hint = "raise --kv-cache-gib or lower --max-model-len"
+        if config.num_hosts > 1:  # one pool over all hosts: the size every host can hold
+            num_pages = distributed.min_over_hosts(num_pages, mesh)
         num_seqs = kv_sizing.check_pool_fits(num_pages, config.page_size, self.max_model_len, hint)
         self.num_pages = num_pages
         log(f"KV cache: {num_pages - 1} pages of {config.page_size} tokens "
@@ -175,6 +180,14 @@ class EngineCore:
         )
         self._rng = random.Random(config.seed)
         self._in_flight = None  # (SchedulerOutput, StepHandle) dispatched, not yet updated
+        self._channel = None  # multi-host: host 0 publishes each step, the others receive it
+        if config.num_hosts > 1:
+            self._channel = distributed.StepChannel(config.num_hosts, config.host_id)
+            if config.host_id == 0:  # the followers' end, however this process ends
+                atexit.register(self._channel.publish, None)
+            log(f"host {config.host_id} of {config.num_hosts}: "
+                + ("serving; the other hosts follow its steps" if config.host_id == 0
+                   else "following host 0's steps"))
 
     def _gpu_num_pages(self, per_page: int, log: Callable[[str], None]) -> int:
         """Pages for the pool under --gpu-memory-utilization (see kv_sizing), which applies to
@@ -229,6 +242,8 @@ class EngineCore:
         this step meanwhile) and update with them; a step's outputs come one call later.
         """
         sched = self.scheduler.schedule()
+        if self._channel is not None:
+            self._channel.publish(sched)
         handle = self.runner.execute(sched)
         if not self.config.async_scheduling:
             if handle is None:
@@ -238,6 +253,18 @@ class EngineCore:
         if prev is None:
             return []
         return self.scheduler.update(prev[0], self.runner.get_output(prev[1]))
+
+    def follow(self) -> None:
+        """Hosts other than 0: run every step host 0 runs, with its SchedulerOutputs, in the
+        same order of dispatches and waits (so both hosts' runners keep the same state), until
+        host 0 ends. The sampled tokens are only waited for; host 0 owns the requests."""
+        held = None  # async scheduling: the step dispatched before, waited for after the next
+        while (sched := self._channel.receive()) is not None:
+            handle = self.runner.execute(sched)
+            if self.config.async_scheduling:
+                handle, held = held, handle
+            if handle is not None:
+                self.runner.get_output(handle)
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.get_stats()

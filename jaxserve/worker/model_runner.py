@@ -136,10 +136,10 @@ class ModelRunner:
         if branch_free is None:
             branch_free = jax.default_backend() != "cpu"
         step = partial(_step, config, attention_fn, mesh, max_num_seqs, branch_free)
-        self._prev_sampled = jnp.zeros(max_num_seqs, jnp.int32)
         if mesh is None:
             self._jitted = jax.jit(step, donate_argnums=(5, 6))
             self._filter_jitted = jax.jit(_filter)
+            self._prev_sampled = jnp.zeros(max_num_seqs, jnp.int32)
         else:
             # Params as split by the Megatron layout, the pool by KV head, the rest replicated.
             rep, kv = sharding.replicated(mesh), sharding.kv_sharding(mesh)
@@ -149,7 +149,7 @@ class ModelRunner:
                               rep, rep),
                 out_shardings=(rep, rep, kv, kv))
             self._filter_jitted = jax.jit(_filter, in_shardings=rep, out_shardings=rep)
-            self._prev_sampled = jax.device_put(self._prev_sampled, rep)
+            self._prev_sampled = jnp.zeros(max_num_seqs, jnp.int32, device=rep)
         self._compiled: dict[int, Callable] = {}
         self._filter_compiled: dict[int, Callable] = {}  # by S
         self._step_count = 0
@@ -320,6 +320,7 @@ class ModelRunner:
     def get_output(self, handle: StepHandle) -> dict[str, int]:
         """Wait for a dispatched step; returns req_id -> its newly sampled token, for the
         requests whose step ended at their last token (prompt chunks sample nothing)."""
-        tokens = np.asarray(handle.sampled)[handle.rows]
+        # This process's copy (with a mesh over several hosts, the others are not addressable).
+        tokens = np.asarray(handle.sampled.addressable_data(0))[handle.rows]
         self.input_batch.record_sampled(handle.step, handle.rows, handle.req_ids, tokens)
         return dict(zip(handle.req_ids, tokens.tolist()))

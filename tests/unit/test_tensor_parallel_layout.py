@@ -81,3 +81,15 @@ def test_kv_heads_are_repeated_head_by_head():
     out = np.asarray(llama._repeat_kv_heads(w, layout))
     assert (out == np.concatenate([w[:3], w[:3], w[3:], w[3:]])).all()
     assert llama._repeat_kv_heads(w, sharding.Layout.of(c, 2)) is w
+
+
+@pytest.mark.parametrize("flags,error", [
+    (["--num-hosts", "2", "--host-id", "2"], "argument --host-id: --host-id 2 must be below --num-hosts 2"),
+    (["--host-id", "1"], "argument --host-id: --host-id 1 must be below --num-hosts 1"),
+    (["--tensor-parallel-size", "0"], "argument --tensor-parallel-size: must be positive, got 0"),
+])
+def test_parallel_flags_refuse_bad_values(flags, error, capsys):
+    from jaxserve import serve
+
+    assert serve.main(flags) == 2
+    assert capsys.readouterr().err.strip() == f"python -m jaxserve.serve: error: {error}"

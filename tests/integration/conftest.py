@@ -39,13 +39,16 @@ def tiny_hf_models(tiny_tp_folders) -> dict:
 def tp_offline(tiny_tp_folders, tp_prompts, smollm_llm) -> dict:
     """Greedy outputs of the prompts (``prompt_ids``, ``output_ids``), keyed "NAME:TP": the
     default model (its GGUF) at TP 1 (the engine tests' ``smollm_llm``, in this process) and 3,
-    each tiny model (HF folders) at TP 1, 2 and 4 and the Llama's orbax folder at 2 (``LLM``
-    on fake devices); plus the tiny Llama step's collectives."""
+    each tiny model (HF folders) at TP 1, 2 and 4 (the Llama at 2 with the Pallas kernels) and
+    the Llama's orbax folder at 2 (``LLM`` on fake devices); plus the tiny Llama step's
+    collectives at 4."""
     from jaxserve import SamplingParams
 
     sizes = {"default": (3,), "llama": (1, 2, 4), "qwen3": (1, 2, 4), "llama-orbax": (2,)}
     paths = {"default": None, **{name: str(folder) for name, folder in tiny_tp_folders.items()}}
     runs = [{"model": paths[name], "tp": tp} for name in sizes for tp in sizes[name]]
+    # The GPU's attention, the Pallas kernels (in interpret mode here), per shard.
+    runs[runs.index({"model": paths["llama"], "tp": 2})]["flags"] = {"attention_backend": "pallas"}
     raw = tp_utils.run_offline(runs, tp_prompts, collectives_of=paths["llama"])
     out = {"collectives": raw["collectives"]}
     out |= {f"{name}:{tp}": raw[f"{paths[name]}:{tp}"] for name in sizes for tp in sizes[name]}

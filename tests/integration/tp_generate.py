@@ -5,7 +5,8 @@ whose ``XLA_FLAGS`` holds ``--xla_force_host_platform_device_count=N`` (JAX read
 starts, so the test process itself keeps its one device). Reads a JSON spec on stdin::
 
     {"prompts": [text, ...], "max_tokens": 16, "flags": {EngineConfig fields},
-     "runs": [{"model": path or null, "tp": 3}, ...], "collectives_of": path or null}
+     "runs": [{"model": path or null, "tp": 3, "flags": {more fields}}, ...],
+     "collectives_of": path or null}
 
 and writes one JSON object on stdout: ``{"MODEL:TP": {"prompt_ids": [[...]], "output_ids":
 [[...]]}, ...}``, plus ``"collectives"``: the collective ops of the compiled largest step of
@@ -41,12 +42,12 @@ def main() -> None:
     out = {"collectives": {}}
     for run in spec["runs"]:
         llm = LLM(run["model"], tensor_parallel_size=run["tp"], log=lambda s: None,
-                  **spec["flags"])
+                  **spec["flags"] | run.get("flags", {}))
         results = llm.generate(spec["prompts"], sp, use_tqdm=False)
         out[f"{run['model']}:{run['tp']}"] = {
             "prompt_ids": [r.prompt_token_ids for r in results],
             "output_ids": [r.outputs[0].token_ids for r in results]}
-        if run["model"] == spec.get("collectives_of") and run["tp"] > 1:
+        if run["model"] == spec.get("collectives_of") and run["tp"] > 1 and not run.get("flags"):
             out["collectives"][str(run["tp"])] = collectives(llm.engine.runner)
         del llm
     json.dump(out, sys.stdout)

@@ -202,7 +202,7 @@ class EngineCore:
         log(f"profiled the largest step ({self.runner.token_buckets[-1]} tokens): "
             f"{step / 2**30:.2f} GiB in {time.perf_counter() - t0:.1f}s")
         util = self.config.gpu_memory_utilization
-        budgets = []
+        memory = []  # (allocator limit, bytes in use) of each device
         for d in devices:
             stats = d.memory_stats() or {}
             limit = stats.get("bytes_limit")
@@ -212,11 +212,10 @@ class EngineCore:
                     "size the KV cache on this device")
             weights = sum(s.data.nbytes for x in jax.tree.leaves(self.runner.params)
                           for s in x.addressable_shards if s.device == d)
-            budgets.append(kv_sizing.gpu_kv_budget(
-                utilization=util, allocator_limit_bytes=int(limit),
-                allocator_fraction=self.allocator_fraction,
-                in_use_bytes=int(max(stats.get("bytes_in_use", 0), weights)), step_bytes=step))
-        b = min(budgets, key=lambda b: b.pool_bytes)
+            memory.append((int(limit), int(max(stats.get("bytes_in_use", 0), weights))))
+        b = kv_sizing.smallest_kv_budget(memory, utilization=util,
+                                         allocator_fraction=self.allocator_fraction,
+                                         step_bytes=step)
         log(b.describe(util) + ("" if mesh is None else f" (the smallest of {len(devices)} devices)"))
         return kv_sizing.num_pages_for_bytes(b.pool_bytes, per_page)
 

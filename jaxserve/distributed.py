@@ -49,6 +49,16 @@ def initialize(config: EngineConfig) -> None:
                                num_processes=config.num_hosts, process_id=config.host_id)
 
 
+def check_mesh_spans_hosts(mesh, num_hosts: int) -> None:
+    """Raises ValueError naming the flags when the tensor-parallel mesh (None: one device) leaves
+    out a host's devices: every host runs the same steps, so each must hold part of the model."""
+    hosts = {0} if mesh is None else {d.process_index for d in mesh.devices.flat}
+    if len(hosts) < num_hosts:
+        raise ValueError(f"--tensor-parallel-size {1 if mesh is None else mesh.size} takes the "
+                         f"devices of {len(hosts)} of the --num-hosts {num_hosts} hosts; raise it "
+                         f"so that the mesh spans every host")
+
+
 def min_over_hosts(value: int, mesh) -> int:
     """The smallest of every host's ``value`` (an int32), through the mesh: each device holds
     its host's value, one jitted min gathers them. (``multihost_utils.process_allgather`` fails

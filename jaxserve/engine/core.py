@@ -99,6 +99,8 @@ class EngineCore:
             config.gpu_memory_utilization, os.environ)
         on_gpu = jax.default_backend() == "gpu"
         mesh = sharding.make_mesh(config.tensor_parallel_size)
+        if config.num_hosts > 1:
+            distributed.check_mesh_spans_hosts(mesh, config.num_hosts)
         log(f"allocator fraction {self.allocator_fraction:g} of device memory "
             f"(XLA_PYTHON_CLIENT_MEM_FRACTION: --gpu-memory-utilization "
             f"{config.gpu_memory_utilization:g} plus the allocator's slack; "

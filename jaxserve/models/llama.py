@@ -9,7 +9,9 @@ layer]}`` of device arrays (shapes: ``_layer_from_hf``), built once, one layer a
 target dtype: from HF tensors (``params_from_hf``) or random on the device (``random_params``).
 The step loops over the layers in Python. Q/K/V and gate/up projections are fused into one
 matmul each. The KV pool is one donated ``[KV, num_pages, page_size, D]`` array per layer,
-written in place at ``slot_mapping`` (``write_kv``).
+written in place at ``slot_mapping`` (``write_kv``). Given a tensor-parallel mesh, the same
+functions build the params split in the Megatron layout and run the step as one SPMD program,
+the KV write and attention per device (``jaxserve.models.sharding``, docs/parallelism.md).
 """
 
 from collections.abc import Callable
@@ -19,7 +21,6 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from jax.sharding import Mesh
 
 from jaxserve.config import ModelConfig

@@ -136,20 +136,21 @@ class ModelRunner:
         if branch_free is None:
             branch_free = jax.default_backend() != "cpu"
         step = partial(_step, config, attention_fn, mesh, max_num_seqs, branch_free)
+        # Everything but the params and the pool is replicated over the mesh (None: one device).
+        self._replicated = None if mesh is None else sharding.replicated(mesh)
         if mesh is None:
             self._jitted = jax.jit(step, donate_argnums=(5, 6))
             self._filter_jitted = jax.jit(_filter)
-            self._prev_sampled = jnp.zeros(max_num_seqs, jnp.int32)
         else:
-            # Params as split by the Megatron layout, the pool by KV head, the rest replicated.
-            rep, kv = sharding.replicated(mesh), sharding.kv_sharding(mesh)
+            # Params as split by the Megatron layout, the pool by KV head.
+            rep, kv = self._replicated, sharding.kv_sharding(mesh)
             self._jitted = jax.jit(
                 step, donate_argnums=(5, 6),
                 in_shardings=(sharding.param_shardings(params, mesh), rep, rep, rep, rep, kv, kv,
                               rep, rep),
                 out_shardings=(rep, rep, kv, kv))
             self._filter_jitted = jax.jit(_filter, in_shardings=rep, out_shardings=rep)
-            self._prev_sampled = jnp.zeros(max_num_seqs, jnp.int32, device=rep)
+        self._prev_sampled = jnp.zeros(max_num_seqs, jnp.int32, device=self._replicated)
         self._compiled: dict[int, Callable] = {}
         self._filter_compiled: dict[int, Callable] = {}  # by S
         self._step_count = 0
@@ -225,8 +226,7 @@ class ModelRunner:
                     self.params, *inputs[:4], self.k_cache, self.v_cache, *inputs[4:])
                 futures[pool.submit(lowered.compile)] = ("step", t)
             for s in seq_counts:
-                logits = jax.ShapeDtypeStruct((s, vocab), jnp.float32, sharding=None if (
-                    self.mesh is None) else sharding.replicated(self.mesh))
+                logits = jax.ShapeDtypeStruct((s, vocab), jnp.float32, sharding=self._replicated)
                 lowered = self._filter_jitted.lower(logits, self._prev_sampled,
                                                     self._dummy_inputs(s)[5])
                 futures[pool.submit(lowered.compile)] = ("filter", s)

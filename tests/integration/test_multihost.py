@@ -42,3 +42,19 @@ def test_two_hosts_serve_the_default_model_as_tp1(tp_offline, tp_prompts, hf_smo
     assert [c.prompt_token_ids for c in choices] == ref["prompt_ids"]
     tp_utils.assert_greedy_matches([c.token_ids for c in choices], ref["output_ids"],
                                    ref["prompt_ids"], hf_smollm, "two hosts at TP=3")
+
+
+def test_a_mesh_that_leaves_out_a_host_is_refused():
+    # TP=2 takes host 0's two devices only: host 1 would hold nothing. Both hosts say so.
+    hosts = ["--num-hosts", "2", "--distributed-coordinator", f"127.0.0.1:{free_port()}",
+             "--tensor-parallel-size", "2", "--port", "0", *tp_utils.TP_CLI_FLAGS]
+    procs = [subprocess.Popen([sys.executable, "-m", "jaxserve.serve", "--host-id", str(i), *hosts],
+                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, env=tp_utils.fake_devices_env(2 - i))
+             for i in (0, 1)]
+    for p in procs:
+        out = p.communicate(timeout=300)[0]
+        assert p.returncode == 2, out[-3000:]
+        assert ("--tensor-parallel-size 2 takes the devices of 1 of the --num-hosts 2 hosts; "
+                "raise it so that the mesh spans every host") in out
+        assert "Traceback" not in out

@@ -8,7 +8,6 @@ import sys
 
 import pytest
 from server_utils import REPO, Server, free_port
-from test_tensor_parallel import _serve_greedy
 
 from tests.integration import tp_utils
 
@@ -26,7 +25,7 @@ def test_two_hosts_serve_the_default_model_as_tp1(tp_offline, tp_prompts, hf_smo
     try:
         server = Server("--host-id", "0", *hosts, env=tp_utils.fake_devices_env(2))
         try:
-            choices = _serve_greedy(server, tp_prompts)
+            choices = tp_utils.serve_greedy(server.url, tp_prompts)
             log0 = server.output()
         finally:
             assert server.stop() == 0

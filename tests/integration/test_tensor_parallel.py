@@ -7,11 +7,9 @@ Each JAX process with fake devices is a subprocess (``XLA_FLAGS`` is read when J
 offline runs share one (``tp_offline`` in conftest.py), the server runs its engine in its own.
 """
 
-import concurrent.futures
 import subprocess
 import sys
 
-import openai
 import pytest
 from server_utils import REPO, Server
 
@@ -44,24 +42,11 @@ def test_step_collectives_are_megatrons(tp_offline):
     assert found["gathered"][0].startswith(f"f32[{num_seqs},{padded_vocab}]"), found
 
 
-def _serve_greedy(server: Server, prompts: list[str]) -> list:
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=300)
-    name = client.models.list().data[0].id
-
-    def one(prompt):
-        r = client.completions.create(model=name, prompt=prompt, max_tokens=tp_utils.MAX_TOKENS,
-                                      temperature=0, extra_body={"return_token_ids": True})
-        return r.choices[0]
-
-    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:  # batched, as served
-        return list(pool.map(one, prompts))
-
-
 def test_server_tp3_default_model_matches_tp1(tp_offline, tp_prompts, hf_smollm):
     server = Server("--tensor-parallel-size", "3", *tp_utils.TP_CLI_FLAGS,
                     env=tp_utils.fake_devices_env())
     try:
-        choices = _serve_greedy(server, tp_prompts)
+        choices = tp_utils.serve_greedy(server.url, tp_prompts)
         log = server.output()
     finally:
         server.stop()

@@ -4,7 +4,6 @@ the offline runs of every size are in test_tensor_parallel.py)."""
 
 import pytest
 from server_utils import Server
-from test_tensor_parallel import _serve_greedy
 
 from tests.integration import tp_utils
 
@@ -17,7 +16,7 @@ def test_tiny_model_served_tensor_parallel_matches_tp1(name, tp, tiny_tp_folders
     server = Server("--model", str(tiny_tp_folders[name]), "--tensor-parallel-size", str(tp),
                     *tp_utils.TP_CLI_FLAGS, env=tp_utils.fake_devices_env())
     try:
-        choices = _serve_greedy(server, tp_prompts)
+        choices = tp_utils.serve_greedy(server.url, tp_prompts)
     finally:
         server.stop()
     ref = tp_offline[f"{name}:1"]

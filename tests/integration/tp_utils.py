@@ -3,6 +3,7 @@ the greedy comparison against TP=1 (docs/design.md section 7)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import pathlib
@@ -67,6 +68,23 @@ def run_offline(runs: list[dict], prompts: list[str], collectives_of: str | None
                           cwd=REPO, env=fake_devices_env(devices))
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout)
+
+
+def serve_greedy(url: str, prompts: list[str]) -> list:
+    """Greedy completions of ``prompts`` sent at once to the server at ``url`` through the
+    official client; each choice with its ``prompt_token_ids`` and ``token_ids``."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300)
+    name = client.models.list().data[0].id
+
+    def one(prompt):
+        r = client.completions.create(model=name, prompt=prompt, max_tokens=MAX_TOKENS,
+                                      temperature=0, extra_body={"return_token_ids": True})
+        return r.choices[0]
+
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:  # batched, as served
+        return list(pool.map(one, prompts))
 
 
 def assert_greedy_matches(outputs: list[list[int]], reference: list[list[int]],

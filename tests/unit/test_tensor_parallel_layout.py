@@ -72,6 +72,9 @@ def test_fused_columns_run_shard_by_shard():
     # Device 0 gets the first half of q, k and v; device 1 the second halves.
     assert (fused[:, :8] == np.concatenate([q[:, :4], k[:, :2], v[:, :2]], axis=1)).all()
     assert (fused[:, 8:] == np.concatenate([q[:, 4:], k[:, 2:], v[:, 2:]], axis=1)).all()
+    # Biases (Qwen2) the same way.
+    bias = np.asarray(llama._columns_by_shard([q[0], k[0], v[0]], 2))
+    assert (bias == fused[0]).all()
 
 
 def test_kv_heads_are_repeated_head_by_head():

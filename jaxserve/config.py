@@ -121,7 +121,8 @@ class EngineConfig:
         "help": "tokens per KV page (block)",
         "valid": Valid(lambda v: v > 0 and v & (v - 1) == 0, "a power of two")})
     kv_cache_gib: float = field(default=2.0, metadata={
-        "help": "KV pool size on CPU, GiB", "valid": _POSITIVE})
+        "help": "KV pool size on CPU, GiB (of each device, with --tensor-parallel-size)",
+        "valid": _POSITIVE})
     gpu_memory_utilization: float = field(default=0.9, metadata={
         "help": "fraction of the GPU's total memory the engine may use (weights, activations, "
                 "KV pool)",
@@ -133,6 +134,20 @@ class EngineConfig:
                 "sampled tokens one step late); --no-async-scheduling waits for each step"})
     attention_backend: Literal["auto", "pallas", "reference"] = field(default="auto", metadata={
         "help": "auto: Pallas kernels on GPU, the pure-JAX reference on CPU"})
+    tensor_parallel_size: int = field(default=1, metadata={
+        "help": "devices the model is split over (Megatron-style tensor parallelism on a "
+                "jax.sharding mesh; docs/parallelism.md); must divide the model's attention "
+                "heads", "valid": _POSITIVE})
+    num_hosts: int = field(default=1, metadata={
+        "help": "hosts (processes) the --tensor-parallel-size devices span; above 1, each host "
+                "starts with the same flags and its own --host-id, host 0 serves and the others "
+                "follow its steps (jax.distributed; docs/parallelism.md)", "valid": _POSITIVE})
+    host_id: int = field(default=0, metadata={
+        "help": "this host's index, 0 to --num-hosts - 1; host 0 runs the server, the others "
+                "run without one", "valid": Valid(lambda v: v >= 0, "non-negative")})
+    distributed_coordinator: str | None = field(default=None, metadata={"help": (
+        "host:port where host 0 runs the jax.distributed coordinator (with --num-hosts above "
+        "1); None: JAX detects it from the cluster's environment (SLURM, Open MPI, ...)")})
     # Same range as SamplingParams.seed.
     seed: int = field(default=0, metadata={
         "help": "seed of the engine's default RNG (requests without their own seed) and of "

@@ -69,13 +69,15 @@ def zeros(shape: tuple[int, int, int, int]) -> QuantizedPages:
     return QuantizedPages(jnp.zeros(shape, STORAGE_DTYPE), jnp.zeros(shape[:-1], jnp.float32))
 
 
-def pool_zeros(shape: tuple[int, int, int, int], dtype):
-    """An empty pool of ``shape`` in ``dtype``: a QuantizedPages for FP8, else an array."""
-    return zeros(shape) if is_fp8(dtype) else jnp.zeros(shape, dtype)
+def pool_zeros(shape: tuple[int, int, int, int], dtype, sharding=None):
+    """An empty pool of ``shape`` in ``dtype`` (placed with ``sharding``, default: the default
+    device): a QuantizedPages for FP8, else an array."""
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype, device=s.sharding),
+                        pool_struct(shape, dtype, sharding))
 
 
 def pool_struct(shape: tuple[int, int, int, int], dtype, sharding=None):
-    """``pool_zeros``'s shapes and dtypes only (ShapeDtypeStructs, for lowering)."""
+    """``pool_zeros``'s shapes, dtypes and sharding only (ShapeDtypeStructs, for lowering)."""
     s = jax.ShapeDtypeStruct
     if is_fp8(dtype):
         return QuantizedPages(s(shape, STORAGE_DTYPE, sharding=sharding),

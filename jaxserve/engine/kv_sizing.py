@@ -99,6 +99,17 @@ def gpu_kv_budget(*, utilization: float, allocator_limit_bytes: int, allocator_f
     return GpuKVBudget(total, budget, headroom, in_use_bytes, step_bytes, pool)
 
 
+def smallest_kv_budget(devices: list[tuple[int, int]], *, utilization: float,
+                       allocator_fraction: float, step_bytes: int) -> GpuKVBudget:
+    """The budget of the device with the least room for the pool, of ``devices`` given as
+    (allocator limit, bytes in use) pairs: with tensor parallelism --gpu-memory-utilization
+    applies to each device, and the pool has the same pages on all of them."""
+    budgets = [gpu_kv_budget(utilization=utilization, allocator_limit_bytes=limit,
+                             allocator_fraction=allocator_fraction, in_use_bytes=in_use,
+                             step_bytes=step_bytes) for limit, in_use in devices]
+    return min(budgets, key=lambda b: b.pool_bytes)
+
+
 def num_pages_for_bytes(pool_bytes: int, bytes_per_page: int) -> int:
     """Pages that fit in pool_bytes, the null page included (0 when nothing fits)."""
     return max(pool_bytes, 0) // bytes_per_page

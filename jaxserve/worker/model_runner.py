@@ -26,10 +26,11 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from jaxserve.config import ModelConfig
 from jaxserve.core.scheduler_output import SchedulerOutput
-from jaxserve.models import llama
+from jaxserve.models import llama, sharding
 from jaxserve.worker.input_batch import InputBatch
 from jaxserve.worker.sampler import (
     SamplingMetadata,
@@ -62,17 +63,18 @@ def _bucket(buckets: list[int], n: int) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
-def _step(config, attention_fn, max_num_seqs, branch_free, params, token_ids, prev_rows,
+def _step(config, attention_fn, mesh, max_num_seqs, branch_free, params, token_ids, prev_rows,
           prev_sampled, md, k_cache, v_cache, logits_indices, sm):
     """prev_rows[T]: for each input token, the row of ``prev_sampled`` (the previous step's
     sampled tokens) that holds it, or -1 to take ``token_ids``. Returns the greedy and plain
     rows' tokens padded to [max_num_seqs] (so that the next step's prev_sampled has one shape
     in every bucket), the logits [S, V] for ``_filter`` and the updated KV pool.
-    ``branch_free``: no control flow (the GPU; see the sampler's module docstring)."""
+    ``branch_free``: no control flow (the GPU; see the sampler's module docstring). ``mesh``:
+    the tensor-parallel mesh (None: one device)."""
     token_ids = jnp.where(prev_rows >= 0, prev_sampled[jnp.maximum(prev_rows, 0)], token_ids)
     logits, k_cache, v_cache = llama.forward(
-        config, params, token_ids, md, k_cache, v_cache, logits_indices, attention_fn=attention_fn
-    )
+        config, params, token_ids, md, k_cache, v_cache, logits_indices, attention_fn=attention_fn,
+        mesh=mesh)
     sampled = sample_unfiltered(logits, sm, branch_free=branch_free)
     return jnp.pad(sampled, (0, max_num_seqs - sampled.shape[0])), logits, k_cache, v_cache
 
@@ -100,13 +102,17 @@ class ModelRunner:
 
     Args:
       config: model shapes.
-      params: the model's params, one dict per layer (``jaxserve.models.llama``), on the device.
+      params: the model's params, one dict per layer (``jaxserve.models.llama``), on the device,
+        or split over ``mesh``.
       page_size: tokens per page.
       max_num_seqs, max_num_batched_tokens, max_model_len: scheduler limits (tokens/sequences).
       kv_dtype: dtype of the KV pool (float8_e4m3fn: ``pallas_kernels.kv_quant``'s FP8 pool).
       attention_fn: pallas_kernels attention entry point.
       branch_free: compile the step without control flow; default: on any backend but the CPU
         (a GPU conditional blocks the dispatching thread; the module docstring says more).
+      mesh: the tensor-parallel mesh (``jaxserve.models.sharding``) that params are split over;
+        the KV pool is split by KV head over it, the step's other inputs and outputs are
+        replicated. None: one device, the default.
     """
 
     def __init__(
@@ -121,8 +127,11 @@ class ModelRunner:
         kv_dtype,
         attention_fn: Callable,
         branch_free: bool | None = None,
+        mesh: Mesh | None = None,
     ):
         self.config = config
+        self.mesh = mesh
+        self.layout = sharding.Layout.of(config, sharding.mesh_size(mesh))
         self.params = params
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
@@ -135,31 +144,50 @@ class ModelRunner:
         self.input_batch = InputBatch(max_num_seqs, max_model_len, self.max_pages_per_seq)
         if branch_free is None:
             branch_free = not on_cpu
-        self._jitted = jax.jit(partial(_step, config, attention_fn, max_num_seqs, branch_free),
-                               donate_argnums=(5, 6))
-        self._filter_jitted = jax.jit(_filter)
+        step = partial(_step, config, attention_fn, mesh, max_num_seqs, branch_free)
+        # Everything but the params and the pool is replicated over the mesh (None: one device).
+        self._replicated = None if mesh is None else sharding.replicated(mesh)
+        if mesh is None:
+            self._jitted = jax.jit(step, donate_argnums=(5, 6))
+            self._filter_jitted = jax.jit(_filter)
+        else:
+            # Params as split by the Megatron layout, the pool by KV head.
+            rep, kv = self._replicated, sharding.kv_sharding(mesh)
+            self._jitted = jax.jit(
+                step, donate_argnums=(5, 6),
+                in_shardings=(sharding.param_shardings(params, mesh), rep, rep, rep, rep, kv, kv,
+                              rep, rep),
+                out_shardings=(rep, rep, kv, kv))
+            self._filter_jitted = jax.jit(_filter, in_shardings=rep, out_shardings=rep)
+        self._prev_sampled = jnp.zeros(max_num_seqs, jnp.int32, device=self._replicated)
         self._compiled: dict[int, Callable] = {}
         self._filter_compiled: dict[int, Callable] = {}  # by S
-        self._prev_sampled = jnp.zeros(max_num_seqs, jnp.int32)
         self._step_count = 0
 
-    def _kv_shapes(self, num_pages: int):
+    def _kv_pool(self, num_pages: int):
+        """(shape [KV, num_pages, page_size, D] of one layer's K (or V) pool, KV the layout's,
+        and its sharding: split over the mesh by KV head, None on one device)."""
         c = self.config
-        return [(c.num_kv_heads, num_pages, self.page_size, c.head_dim)] * c.num_layers
+        shape = (self.layout.num_kv_heads, num_pages, self.page_size, c.head_dim)
+        return shape, None if self.mesh is None else sharding.kv_sharding(self.mesh)
 
     def allocate_kv_cache(self, num_pages: int) -> None:
-        """Allocate the (zeroed) K and V pools of num_pages pages, page 0 included."""
-        shapes = self._kv_shapes(num_pages)
-        self.k_cache = [kv_quant.pool_zeros(s, self.kv_dtype) for s in shapes]
-        self.v_cache = [kv_quant.pool_zeros(s, self.kv_dtype) for s in shapes]
+        """Allocate the (zeroed) K and V pools of num_pages pages, page 0 included; on a mesh
+        each device allocates only its KV heads."""
+        shape, where = self._kv_pool(num_pages)
+        layers = range(self.config.num_layers)
+        self.k_cache = [kv_quant.pool_zeros(shape, self.kv_dtype, where) for _ in layers]
+        self.v_cache = [kv_quant.pool_zeros(shape, self.kv_dtype, where) for _ in layers]
 
     def profile_step_bytes(self, num_pages: int) -> int:
         """Device bytes the largest token bucket's step needs beyond its arguments, from XLA's
         memory analysis of that bucket compiled against a pool of num_pages pages (described
-        by shapes only: nothing is allocated). 0 if the backend gives no analysis."""
+        by shapes only: nothing is allocated). On a mesh, the bytes of one device (XLA analyses
+        the partitioned program). 0 if the backend gives no analysis."""
         from jaxserve.engine.kv_sizing import step_bytes_from_memory_analysis
 
-        kv = [kv_quant.pool_struct(s, self.kv_dtype) for s in self._kv_shapes(num_pages)]
+        shape, where = self._kv_pool(num_pages)
+        kv = [kv_quant.pool_struct(shape, self.kv_dtype, where)] * self.config.num_layers
         inputs = self._dummy_inputs(self.token_buckets[-1])
         compiled = self._jitted.lower(self.params, *inputs[:4], kv, kv, *inputs[4:]).compile()
         ma = compiled.memory_analysis()
@@ -207,7 +235,7 @@ class ModelRunner:
                     self.params, *inputs[:4], self.k_cache, self.v_cache, *inputs[4:])
                 futures[pool.submit(lowered.compile)] = ("step", t)
             for s in seq_counts:
-                logits = jax.ShapeDtypeStruct((s, vocab), jnp.float32)
+                logits = jax.ShapeDtypeStruct((s, vocab), jnp.float32, sharding=self._replicated)
                 lowered = self._filter_jitted.lower(logits, self._prev_sampled,
                                                     self._dummy_inputs(s)[5])
                 futures[pool.submit(lowered.compile)] = ("filter", s)
@@ -301,6 +329,7 @@ class ModelRunner:
     def get_output(self, handle: StepHandle) -> dict[str, int]:
         """Wait for a dispatched step; returns req_id -> its newly sampled token, for the
         requests whose step ended at their last token (prompt chunks sample nothing)."""
-        tokens = np.asarray(handle.sampled)[handle.rows]
+        # This process's copy (with a mesh over several hosts, the others are not addressable).
+        tokens = np.asarray(handle.sampled.addressable_data(0))[handle.rows]
         self.input_batch.record_sampled(handle.step, handle.rows, handle.req_ids, tokens)
         return dict(zip(handle.req_ids, tokens.tolist()))

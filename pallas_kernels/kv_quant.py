@@ -131,7 +131,7 @@ def read_pages(pool, pages) -> jax.Array:
     page_size, D])."""
     if isinstance(pool, QuantizedPages):
         return dequantize(pool.values[:, pages], pool.scales[:, pages])
-    return pool[:, pages].astype(jnp.float32)
+    return jnp.asarray(pool)[:, pages].astype(jnp.float32)
 
 
 def compute_dtype(pool_dtype):

@@ -148,6 +148,11 @@ class EngineConfig:
     distributed_coordinator: str | None = field(default=None, metadata={"help": (
         "host:port where host 0 runs the jax.distributed coordinator (with --num-hosts above "
         "1); None: JAX detects it from the cluster's environment (SLURM, Open MPI, ...)")})
+    generation_config: str = field(default="auto", metadata={"help": (
+        "sampling defaults for requests that leave them out (temperature, top_p, top_k, min_p, "
+        "repetition_penalty, max_tokens): auto: the model's generation_config.json (the default "
+        "model: its model card's chat defaults); vllm: none (temperature 1.0, no top-p/top-k); "
+        "or a folder holding a generation_config.json")})
     # Same range as SamplingParams.seed.
     seed: int = field(default=0, metadata={
         "help": "seed of the engine's default RNG (requests without their own seed) and of "

@@ -23,7 +23,8 @@ class LLM:
         ``"llama-3.1-8b"`` or a config.json path.
       log: receives the start-up progress lines (default: stderr).
       **kwargs: other EngineConfig fields (``max_model_len``, ``max_num_seqs``,
-        ``max_num_batched_tokens``, ``dtype``, ``kv_cache_gib``, ``load_format``, ...).
+        ``max_num_batched_tokens``, ``dtype``, ``kv_cache_gib``, ``load_format``,
+        ``generation_config``, ...).
 
     Raises:
       ValueError: an unusable model or settings (see EngineCore).
@@ -46,11 +47,14 @@ class LLM:
         *,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Complete each prompt (text, or a list of token ids); results in input order.
+        """Complete each prompt (text, or a list of token ids); results in input order, each
+        with its ``n`` choices (CompletionOutputs by index) and, where asked, log-probabilities
+        (``CompletionOutput.logprobs``, ``RequestOutput.prompt_logprobs``).
 
         Raises:
           ValueError: a prompt that is empty, holds an id outside the vocabulary or does not
-            fit max_model_len (before any work; the message names the prompt's index).
+            fit max_model_len, or a token id of its SamplingParams outside the vocabulary
+            (before any work; the message names the prompt's index).
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -76,16 +80,24 @@ class LLM:
         items = [self.input_processor.tokenize_chat(conv) for conv in messages]
         return self._run(items, sampling_params, use_tqdm)
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` / ``chat`` use when given no SamplingParams: the model's
+        generation config (``generation_config``, as vLLM's), else SamplingParams' defaults."""
+        return SamplingParams(**self.engine.generation_config)
+
     def _run(self, items, sampling_params, use_tqdm) -> list[RequestOutput]:
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params or SamplingParams()] * len(items)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(items)
         if len(sampling_params) != len(items):
             raise ValueError(
                 f"got {len(sampling_params)} SamplingParams for {len(items)} prompts"
             )
-        for i, (_, ids) in enumerate(items):
+        for i, ((_, ids), sp) in enumerate(zip(items, sampling_params)):
             try:
                 self.input_processor.check_prompt(ids)
+                self.input_processor.check_sampling_params(sp)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
         index: dict[str, int] = {}

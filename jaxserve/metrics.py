@@ -54,6 +54,10 @@ class _EngineStatsCollector:
                       base.prefix_cache_queries + s.prefix_cache_queries)
         yield counter("jaxserve:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                       base.prefix_cache_hits + s.prefix_cache_hits)
+        yield counter("jaxserve:prompt_tokens_computed", "Prompt tokens whose K/V the engine "
+                      "computed (prefix-cache hits and the shared prompt of a request's other "
+                      "choices excluded; recomputation after preemption included).",
+                      base.prompt_tokens_computed + s.prompt_tokens_computed)
         yield gauge("jaxserve:engine_alive", "1 while the engine process serves, 0 after it died "
                     "(until a restarted one is ready).", 1 if self.metrics.engine_alive else 0)
         yield counter("jaxserve:engine_restarts", "Times the engine process was restarted after "
@@ -75,7 +79,8 @@ class Metrics:
         self.request_success = Counter(
             "jaxserve:request_success", "Finished requests, by finish reason.",
             labels + ["finished_reason"], registry=self.registry)
-        self.prompt_tokens = Counter("jaxserve:prompt_tokens", "Prompt tokens of finished requests.",
+        self.prompt_tokens = Counter("jaxserve:prompt_tokens", "Prompt tokens of finished "
+                                     "requests (once per request, whatever its n).",
                                      labels, registry=self.registry)
         self.generation_tokens = Counter("jaxserve:generation_tokens",
                                          "Generated tokens of finished requests.",
@@ -106,7 +111,8 @@ class Metrics:
         self.dead_engines_totals = SchedulerStats(
             num_preemptions_total=b.num_preemptions_total + s.num_preemptions_total,
             prefix_cache_queries=b.prefix_cache_queries + s.prefix_cache_queries,
-            prefix_cache_hits=b.prefix_cache_hits + s.prefix_cache_hits)
+            prefix_cache_hits=b.prefix_cache_hits + s.prefix_cache_hits,
+            prompt_tokens_computed=b.prompt_tokens_computed + s.prompt_tokens_computed)
         self.stats = SchedulerStats()
         self.engine_alive = False
 

@@ -1,19 +1,43 @@
-"""RequestOutput / CompletionOutput: what the offline API returns (vLLM's shapes)."""
+"""RequestOutput / CompletionOutput / Logprob: what the offline API returns (vLLM's shapes)."""
 
 from dataclasses import dataclass, field
 
 
 @dataclass
-class CompletionOutput:
-    """One generated sequence.
+class Logprob:
+    """One token's log-probability at a position (vLLM's ``Logprob``).
 
     Attributes:
-      index: 0 (one sequence per request).
-      text: generated text, special tokens and a matched stop string left out.
+      logprob: natural log of its probability (log-softmax of the raw logits).
+      rank: 1 + the number of tokens more likely than it at that position.
+      decoded_token: its text (UTF-8 of its own bytes; U+FFFD where a token holds only part of
+        a character).
+    """
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+# Per position: token id -> Logprob, holding the position's token and its most likely
+# alternatives (vLLM's SampleLogprobs / PromptLogprobs; a prompt's first position is None).
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence (one choice).
+
+    Attributes:
+      index: the choice, 0 .. n-1.
+      text: generated text, special tokens and a matched stop string left out (unless
+        include_stop_str_in_output / skip_special_tokens say otherwise).
       token_ids: generated token ids (an EOS or stop token id that ended it included).
       finish_reason: "stop" (EOS, stop token id or stop string) or "length"
         (max_tokens or max_model_len).
       stop_reason: the stop string or stop token id that ended it, if any.
+      logprobs: one PositionLogprobs per token of token_ids when the request asked for
+        logprobs, else None.
     """
 
     index: int
@@ -21,18 +45,26 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    logprobs: list[PositionLogprobs] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclass
 class RequestOutput:
-    """A finished request.
+    """A request's result, or (from the OutputProcessor) what is new since the last one.
 
     Attributes:
       request_id: the engine's id for it.
       prompt: the prompt text (None when given as token ids).
       prompt_token_ids: the prompt as token ids (after the chat template, for chat).
-      outputs: one CompletionOutput.
+      outputs: one CompletionOutput per choice (a delta holds only the choices that changed).
       num_cached_tokens: prompt tokens served from the prefix cache.
+      finished: every choice has finished.
+      prompt_logprobs: with SamplingParams.prompt_logprobs, one entry per prompt token: None
+        for the first, then its PositionLogprobs (in the first delta that has them).
     """
 
     request_id: str
@@ -41,3 +73,4 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     num_cached_tokens: int = 0
     finished: bool = True
+    prompt_logprobs: list[PositionLogprobs | None] | None = None

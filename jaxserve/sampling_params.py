@@ -4,9 +4,11 @@ Validation lives here, in one place, for the offline API, the HTTP server and th
 msgspec Struct (as in vLLM V1), so it crosses the engine pipe as is; ``__post_init__`` also runs
 when a frame is decoded, so the engine process re-checks every request it receives.
 
-Bounds keep every value inside what the engine's arrays hold (int32 top_k, float32 temperature
-and top_p) and what the API process can afford per token (stop strings are matched in Python on
-every delta, so their number and length are capped).
+Bounds keep every value inside what the engine's arrays hold (int32 top_k, float32 temperature,
+top_p, min_p and penalties, fixed-size per-request tables of logit biases and stop token ids,
+at most ``MAX_LOGPROBS`` log-probabilities a token) and what the API process can afford per
+token (stop strings are matched in Python on every delta, so their number and length are
+capped). Each error message starts with the field at fault.
 """
 
 import math
@@ -21,55 +23,116 @@ MIN_TEMPERATURE = 0.01
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024  # entries; the device keeps a table of this width per request
+MAX_LOGIT_BIAS_VALUE = 100.0  # OpenAI's documented range is [-100, 100]
+MAX_PENALTY = 2.0  # presence / frequency: OpenAI's range [-2, 2]
+MAX_REPETITION_PENALTY = 100.0  # vLLM asks only > 0; bounded so logits * it stays finite
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs range is [0, 20]; vLLM's default max_logprobs
+MAX_N = 128  # OpenAI's range for n is [1, 128]; the server may lower it (max_num_seqs)
+
+
+def _in_range(x: float, lo: float, hi: float) -> bool:
+    # NaN fails every comparison, so each check passes only for good values.
+    return math.isfinite(x) and lo <= x <= hi
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True):
     """Per-request sampling and stopping settings.
 
     Attributes:
-      max_tokens: most tokens to generate, in [1, 2**31 - 1]; None means up to max_model_len.
+      n: choices generated for the prompt, in [1, 128]; they share the prompt's KV pages.
+      max_tokens: most tokens to generate per choice, in [1, 2**31 - 1]; None means up to
+        max_model_len.
+      min_tokens: EOS and ``stop_token_ids`` cannot be sampled, and stop strings are not
+        matched, before this many tokens (at most max_tokens).
       temperature: in [0, 2]; 0 means greedy (argmax); values in (0, 0.01) act as 0.01.
       top_p: nucleus sampling mass in (0, 1].
       top_k: keep the k most likely tokens, at most 2**31 - 1; 0 or -1 disables it.
-      seed: per-request RNG seed for reproducible sampling; None draws one at random.
-      stop: up to 16 strings of 1..256 characters that end generation; the stop string is not
-        included in the text.
-      stop_token_ids: up to 1024 non-negative token ids that end generation (besides EOS), kept
-        out of the text (the InputProcessor also checks them against the vocabulary).
+      min_p: in [0, 1]; drop tokens whose probability (after temperature) is below min_p times
+        the most likely one's.
+      presence_penalty: in [-2, 2]; subtracted from the logit of every token already generated.
+      frequency_penalty: in [-2, 2]; times a token's count among the generated ones,
+        subtracted from its logit.
+      repetition_penalty: in (0, 100]; a token seen in the prompt or the output has its logit
+        divided by it when positive, multiplied when negative (1 disables it).
+      logit_bias: token id -> bias in [-100, 100] added to its logit, at most 1024 entries.
+      seed: per-request RNG seed for reproducible sampling; None draws one at random. Choice i
+        of a request with n > 1 uses seed + i.
+      stop: up to 16 strings of 1..256 characters that end generation.
+      stop_token_ids: up to 1024 non-negative token ids that end generation (besides EOS)
+        (the InputProcessor also checks them against the vocabulary).
+      include_stop_str_in_output: keep the matched stop string, or the stop token's text, in
+        the output text (by default both are left out).
       ignore_eos: keep generating past EOS (benchmarks).
+      logprobs: return the log-probabilities of each generated token and of this many most
+        likely alternatives, in [0, 20]; None returns none.
+      prompt_logprobs: the same for every prompt token after the first, in [0, 20].
+      skip_special_tokens: leave special tokens out of the output text.
+      spaces_between_special_tokens: vLLM's flag for slow tokenizers' decoding; jaxserve's
+        tokenizers are all fast ones, which put no spaces there (vLLM V1's fast detokenizer
+        ignores it the same way).
+
+    Log-probabilities are log-softmax values of the model's raw logits (before penalties,
+    biases and temperature), as vLLM V1 returns them by default.
 
     Raises:
-      ValueError: from ``__post_init__``, naming the field, when a value is out of range.
+      ValueError: from ``__post_init__``, naming the field first, when a value is out of range.
     """
 
+    n: int = 1
     max_tokens: int | None = 16
+    min_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
     seed: int | None = None
     stop: list[str] = msgspec.field(default_factory=list)
     stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
 
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
         if self.max_tokens is not None and not 1 <= self.max_tokens <= INT32_MAX:
             raise ValueError(f"max_tokens must be in [1, {INT32_MAX}], got {self.max_tokens}")
-        # NaN fails every comparison, so each check is written to pass only for good values.
-        if not (math.isfinite(self.temperature) and 0 <= self.temperature <= MAX_TEMPERATURE):
+        if not 0 <= self.min_tokens <= (self.max_tokens or INT32_MAX):
+            raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+        if not _in_range(self.temperature, 0, MAX_TEMPERATURE):
             raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
         if 0 < self.temperature < MIN_TEMPERATURE:
             self.temperature = MIN_TEMPERATURE
-        if not 0 < self.top_p <= 1:
+        if not (_in_range(self.top_p, 0, 1) and self.top_p > 0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not -1 <= self.top_k <= INT32_MAX:
             raise ValueError(f"top_k must be -1 (disable), 0 (disable) or in [1, {INT32_MAX}], "
                              f"got {self.top_k}")
         if self.top_k == -1:
             self.top_k = 0
+        if not _in_range(self.min_p, 0, 1):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not _in_range(getattr(self, name), -MAX_PENALTY, MAX_PENALTY):
+                raise ValueError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], "
+                                 f"got {getattr(self, name)}")
+        if not (_in_range(self.repetition_penalty, 0, MAX_REPETITION_PENALTY)
+                and self.repetition_penalty > 0):
+            raise ValueError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], "
+                             f"got {self.repetition_penalty}")
+        self._check_logit_bias()
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be a non-negative 63-bit integer, got {self.seed}")
         if len(self.stop) > MAX_STOP_STRINGS:
@@ -81,3 +144,36 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
                              f"{len(self.stop_token_ids)}")
         if any(not 0 <= t <= INT32_MAX for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative token ids")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
+
+    def _check_logit_bias(self) -> None:
+        if not self.logit_bias:
+            self.logit_bias = None
+            return
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias: at most {MAX_LOGIT_BIAS} entries, got "
+                             f"{len(self.logit_bias)}")
+        for token, bias in self.logit_bias.items():
+            if not 0 <= token <= INT32_MAX:
+                raise ValueError(f"logit_bias: {token} is not a token id")
+            if not _in_range(bias, -MAX_LOGIT_BIAS_VALUE, MAX_LOGIT_BIAS_VALUE):
+                raise ValueError(f"logit_bias: the bias of token {token} must be in "
+                                 f"[-{MAX_LOGIT_BIAS_VALUE:g}, {MAX_LOGIT_BIAS_VALUE:g}], got {bias}")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any of the three penalties applies (the sampler then needs token counts)."""
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.repetition_penalty != 1)
+
+
+def describe_sampling_defaults(defaults: dict) -> str:
+    """One line for the start-up logs: the sampling defaults requests that leave a field out
+    get (the model's generation config, ``--generation-config``), or SamplingParams' own."""
+    if not defaults:
+        return "none (SamplingParams' own: temperature 1.0, no top-p / top-k)"
+    return (", ".join(f"{k} {v}" for k, v in defaults.items())
+            + " (the model's generation config; --generation-config vllm turns them off)")

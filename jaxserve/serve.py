@@ -158,6 +158,7 @@ async def serve(args, sock: socket.socket) -> int:
     from jaxserve.engine.async_llm import AsyncLLM, EngineStartError
     from jaxserve.entrypoints.api_server import build_app
     from jaxserve.entrypoints.limits import CappedSockSite
+    from jaxserve.sampling_params import describe_sampling_defaults
 
     loop = asyncio.get_running_loop()
     limits = server_limits(args)
@@ -196,6 +197,8 @@ async def serve(args, sock: socket.socket) -> int:
             name = args.served_model_name or llm.model_name
             _say(f"ready: serving {name!r} (max_model_len {llm.max_model_len}, allocator "
                  f"fraction {llm.allocator_fraction:g} of device memory) at {url}/v1")
+            _say("sampling defaults for requests that leave them out: "
+                 f"{describe_sampling_defaults(llm.generation_config)}")
             await asyncio.wait({stopper, failed}, return_when=asyncio.FIRST_COMPLETED)
             if failed.done() and not stopper.done():
                 print(f"{PROG}: error: the engine process died and was not restarted "

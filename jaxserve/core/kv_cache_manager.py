@@ -97,6 +97,27 @@ class KVCacheManager:
         request.block_ids.extend(pages)
         return True
 
+    def fork(self, parent: Request, children: list[Request]) -> list[tuple[int, int]] | None:
+        """Give each child (another choice of the same prompt) the parent's prompt pages: the
+        full ones shared (one more reference each), the partly filled last one as a page of its
+        own, which the caller fills by copying the parent's (the returned (source, destination)
+        pairs). None, with nothing taken, if pages ran out. The parent holds exactly its
+        prompt's pages (its prompt is computed in the step being scheduled)."""
+        full, partial = divmod(parent.num_prompt_tokens, self.page_size)
+        pool = self.block_pool
+        own = pool.allocate(len(children)) if partial else []
+        if own is None:
+            return None
+        shared = parent.block_ids[:full]
+        copies = []
+        for child, page in zip(children, own or [None] * len(children)):
+            pool.touch(shared)
+            child.block_ids = list(shared)
+            if page is not None:
+                child.block_ids.append(page)
+                copies.append((parent.block_ids[full], page))
+        return copies
+
     def cache_full_pages(self, request: Request) -> None:
         """Register every full page of request whose tokens are known and whose K/V are
         computed by the steps scheduled so far (a later step that reads them runs after those)."""

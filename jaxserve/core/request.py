@@ -2,7 +2,7 @@
 
 import enum
 
-from jaxserve.engine import EngineCoreRequest
+from jaxserve.engine import EngineCoreRequest, LogprobsLists, child_request_id
 from jaxserve.sampling_params import SamplingParams
 
 
@@ -14,7 +14,12 @@ class RequestStatus(enum.Enum):
 
 
 class Request:
-    """One request inside the engine.
+    """One sequence inside the engine: a request, or one choice of a request with ``n`` > 1.
+
+    Args:
+      req: the engine request.
+      seed: the RNG seed of this sequence's sampling.
+      index: the choice this sequence is (its id is ``child_request_id(request id, index, n)``).
 
     Attributes:
       all_token_ids: prompt followed by generated tokens.
@@ -29,10 +34,17 @@ class Request:
       num_cached_tokens: prompt tokens served from the prefix cache at first admission.
       num_preemptions: times this request was preempted (recomputed).
       seed: the RNG seed of this request's sampling (drawn by the engine when not given).
+      fork_children: the other choices of a request with n > 1, waiting for this one (choice
+        0) to finish its prompt: they then share its prompt's pages (Scheduler).
+      fork_parent: while this choice waits so, the choice it will fork from.
+      prompt_logprobs: log-probabilities of the prompt tokens after the first, gathered chunk
+        by chunk when the request asks for them (None otherwise); sent with the first output.
     """
 
-    def __init__(self, req: EngineCoreRequest, seed: int):
-        self.request_id = req.request_id
+    def __init__(self, req: EngineCoreRequest, seed: int, index: int = 0):
+        n = req.sampling_params.n
+        self.request_id = child_request_id(req.request_id, index, n)
+        self.index = index
         self.prompt_token_ids = req.prompt_token_ids
         self.sampling_params: SamplingParams = req.sampling_params
         self.seed = seed
@@ -45,6 +57,11 @@ class Request:
         self.num_registered_pages = 0
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
+        self.fork_children: list[Request] = []
+        self.fork_parent: Request | None = None
+        # The prompt's log-probabilities go out once, with choice 0.
+        wants = req.sampling_params.prompt_logprobs is not None and index == 0
+        self.prompt_logprobs: LogprobsLists | None = LogprobsLists() if wants else None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -57,3 +74,9 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Some prompt position's log-probabilities are still to compute."""
+        return (self.prompt_logprobs is not None
+                and len(self.prompt_logprobs) < self.num_prompt_tokens - 1)

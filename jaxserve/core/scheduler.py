@@ -12,14 +12,25 @@ When pages run out, the newest running request is preempted: its pages are freed
 stay in the prefix cache until evicted) and it is recomputed later from its tokens so far, which
 gives the same tokens as if it had never been preempted. As in vLLM, a step that had to preempt
 admits no new request.
+
+A request with ``n`` > 1 choices runs as one sequence (choice 0) until its prompt is computed.
+In the step that computes the prompt's last token, the other choices fork from it: they join
+the batch holding references to its full prompt pages and a copy of its partly filled last one
+(``KVCacheManager.fork``), and draw their first tokens from the logits of that same last token,
+each with its own seed. The prompt is computed once, with or without prefix caching. When the
+batch or the pool has no room for them then, they start like any other request instead.
+
+A request that wants prompt log-probabilities takes no prefix-cache hits (every prompt position
+must be computed), and its prompt chunks are capped so that one step never holds more than
+``max_prompt_logprob_rows`` such positions (the runner turns them into logits chunk by chunk).
 """
 
 from collections import deque
 
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.request import Request, RequestStatus
-from jaxserve.core.scheduler_output import NewRequestData, SchedulerOutput
-from jaxserve.engine import EngineCoreOutput, SchedulerStats
+from jaxserve.core.scheduler_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from jaxserve.engine import EngineCoreOutput, LogprobsLists, SchedulerStats
 
 
 class Scheduler:
@@ -31,8 +42,10 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         eos_token_ids: tuple[int, ...],
+        max_prompt_logprob_rows: int = 0,
     ):
         self.kv = kv_cache_manager
+        self.max_prompt_logprob_rows = max_prompt_logprob_rows
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -44,24 +57,42 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self.prompt_tokens_computed = 0
 
     def add_request(self, request: Request) -> None:
+        """Queue a request: a sequence, with its other choices in ``fork_children``."""
         self.requests[request.request_id] = request
+        for child in request.fork_children:
+            self.requests[child.request_id] = child
         self.waiting.append(request)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
     def abort_requests(self, request_ids) -> None:
+        """Abort sequences by id (a choice's id aborts that choice alone). Choices that wait for
+        an aborted choice 0 to fork start on their own instead."""
+        orphans = []
         for rid in request_ids:
             req = self.requests.pop(rid, None)
             if req is None:
+                continue
+            if req.fork_parent is not None:  # a choice not forked yet: it holds nothing
+                if req in req.fork_parent.fork_children:
+                    req.fork_parent.fork_children.remove(req)
+                req.status = RequestStatus.FINISHED
                 continue
             if req.status == RequestStatus.RUNNING:
                 self.running.remove(req)
             else:
                 self.waiting.remove(req)
             self._free(req)
+            orphans += req.fork_children
+            req.fork_children = []
+        for child in reversed(orphans):
+            if child.request_id in self.requests:
+                child.fork_parent = None
+                self.waiting.appendleft(child)
 
     def _free(self, req: Request) -> None:
         req.status = RequestStatus.FINISHED
@@ -96,6 +127,8 @@ class Scheduler:
         out = SchedulerOutput(finished_req_ids=self.finished_req_ids)
         self.finished_req_ids = set()
         budget = self.max_num_batched_tokens
+        self._logprob_rows = self.max_prompt_logprob_rows
+        forks: list[Request] = []
         allocate = self.kv.allocate_slots
         running = self.running
         preempted = False
@@ -106,7 +139,10 @@ class Scheduler:
                 i += 1
                 continue
             n = req.num_tokens + req.num_output_placeholders - req.num_computed_tokens
-            n = min(n, budget)
+            n = self._cap(req, min(n, budget))
+            if n == 0:
+                i += 1
+                continue
             num_pages = len(req.block_ids)
             while not allocate(req, n):
                 victim = running.pop()  # the newest running request
@@ -117,7 +153,7 @@ class Scheduler:
             else:
                 if len(req.block_ids) > num_pages:
                     out.new_block_ids[req.request_id] = req.block_ids[num_pages:]
-                self._schedule(out, req, n)
+                self._schedule(out, req, n, forks)
                 budget -= n
                 i += 1
         # As vLLM does: no new admissions in a step that had to preempt.
@@ -125,10 +161,11 @@ class Scheduler:
         kv = self.kv
         while waiting and budget > 0 and len(running) < self.max_num_seqs and not preempted:
             req = waiting[0]
-            computed = kv.get_computed_pages(req) if req.num_computed_tokens == 0 else []
+            plp = req.needs_prompt_logprobs
+            computed = kv.get_computed_pages(req) if req.num_computed_tokens == 0 and not plp else []
             num_cached = len(computed) * kv.page_size
-            n = min(req.num_tokens - req.num_computed_tokens - num_cached, budget)
-            if not allocate(req, n, computed):
+            n = self._cap(req, min(req.num_tokens - req.num_computed_tokens - num_cached, budget))
+            if n == 0 or not allocate(req, n, computed):
                 break
             waiting.popleft()
             if req.num_preemptions == 0 and kv.enable_caching:
@@ -138,32 +175,88 @@ class Scheduler:
             req.num_computed_tokens += num_cached
             req.status = RequestStatus.RUNNING
             running.append(req)
-            out.new_reqs.append(NewRequestData(
-                req.request_id, list(req.all_token_ids), req.num_prompt_tokens,
-                req.sampling_params, req.seed, list(req.block_ids), req.num_computed_tokens))
-            self._schedule(out, req, n)
+            out.new_reqs.append(self._new_request_data(req))
+            self._schedule(out, req, n, forks)
             budget -= n
+        for req in forks:
+            self._fork(out, req)
         out.total_num_scheduled_tokens = self.max_num_batched_tokens - budget
         return out
 
-    @staticmethod
-    def _schedule(out: SchedulerOutput, req: Request, n: int) -> None:
+    def _cap(self, req: Request, n: int) -> int:
+        """n, or fewer tokens when the request computes prompt log-probabilities and the
+        step's rows for them run short (0: not this step)."""
+        if not req.needs_prompt_logprobs:
+            return n
+        n = min(n, self._logprob_rows)
+        self._logprob_rows -= n
+        return n
+
+    def _new_request_data(self, req: Request) -> NewRequestData:
+        sp = req.sampling_params
+        stop_ids = list(sp.stop_token_ids) if sp.min_tokens else []
+        if sp.min_tokens and not sp.ignore_eos:
+            stop_ids += sorted(self.eos_token_ids)
+        return NewRequestData(req.request_id, list(req.all_token_ids), req.num_prompt_tokens,
+                              sp, req.seed, list(req.block_ids), req.num_computed_tokens,
+                              stop_ids)
+
+    def _schedule(self, out: SchedulerOutput, req: Request, n: int, forks: list) -> None:
         samples = req.num_computed_tokens + n == req.num_tokens + req.num_output_placeholders
         out.num_scheduled_tokens[req.request_id] = n
         out.samples[req.request_id] = samples
+        self.prompt_tokens_computed += max(
+            0, min(req.num_computed_tokens + n, req.num_prompt_tokens) - req.num_computed_tokens)
+        if req.needs_prompt_logprobs:
+            out.prompt_logprobs.add(req.request_id)
         req.num_computed_tokens += n
         if samples:
             req.num_output_placeholders += 1
+            if req.fork_children:
+                forks.append(req)
 
-    def update(self, sched: SchedulerOutput, sampled: dict[str, int]) -> list[EngineCoreOutput]:
-        """Take the tokens a step sampled (``sampled``: req_id -> token, for the requests whose
-        ``sched.samples`` is True), register newly computed full pages in the prefix cache, and
-        finish requests that stop. Requests that finished or were aborted since the step was
-        scheduled are skipped; a preempted one still takes its token (computed from its full
-        context before the preemption)."""
+    def _fork(self, out: SchedulerOutput, parent: Request) -> None:
+        """Start the other choices of ``parent``, whose prompt this step computes (module
+        docstring); without room for all of them, they wait as requests of their own."""
+        children, parent.fork_children = parent.fork_children, []
+        copies = None
+        if len(self.running) + len(children) <= self.max_num_seqs:
+            copies = self.kv.fork(parent, children)
+        for child in children:
+            child.fork_parent = None
+        if copies is None:
+            self.waiting.extendleft(reversed(children))
+            return
+        out.copy_pages += copies
+        for child in children:
+            child.num_computed_tokens = child.num_prompt_tokens
+            child.num_output_placeholders = 1
+            child.status = RequestStatus.RUNNING
+            self.running.append(child)
+            out.new_reqs.append(self._new_request_data(child))
+            out.num_scheduled_tokens[child.request_id] = 0
+            out.samples[child.request_id] = True
+            out.forked_from[child.request_id] = parent.request_id
+
+    def update(self, sched: SchedulerOutput, output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Take what a step produced (``output.sampled``: req_id -> token, for the requests whose
+        ``sched.samples`` is True; their log-probabilities; prompt log-probabilities of prompt
+        chunks), register newly computed full pages in the prefix cache, and finish requests
+        that stop. Requests that finished or were aborted since the step was scheduled are
+        skipped; a preempted one still takes its token (computed from its full context before
+        the preemption)."""
         outputs = []
         finished = []
         running = RequestStatus.RUNNING
+        for rid, (first, lp) in output.prompt_logprobs.items():
+            req = self.requests.get(rid)
+            if req is not None and req.prompt_logprobs is not None:
+                # Positions already recorded (before a preemption) are computed again: skip.
+                skip = len(req.prompt_logprobs) + 1 - first
+                if skip < len(lp):
+                    req.prompt_logprobs.extend(LogprobsLists(
+                        lp.logprob_token_ids[skip:], lp.logprobs[skip:],
+                        lp.sampled_token_ranks[skip:]))
         for rid in sched.num_scheduled_tokens:
             req = self.requests.get(rid)
             if req is None:
@@ -172,16 +265,20 @@ class Scheduler:
                 if req.status == running:
                     self.kv.cache_full_pages(req)
                 continue
-            token = int(sampled[rid])
+            token = int(output.sampled[rid])
             req.num_output_placeholders -= 1
             req.all_token_ids.append(token)
             if req.status == running:
                 self.kv.cache_full_pages(req)
             reason, stop_reason = self._check_stop(req, token)
+            prompt_lp = None
+            if req.prompt_logprobs is not None and req.num_output_tokens == 1:
+                prompt_lp = req.prompt_logprobs
             outputs.append(
                 EngineCoreOutput(
                     req.request_id, [token], reason, stop_reason,
                     req.num_prompt_tokens, req.num_cached_tokens,
+                    output.logprobs.get(rid), prompt_lp,
                 )
             )
             if reason is not None:
@@ -198,11 +295,13 @@ class Scheduler:
 
     def _check_stop(self, req: Request, token: int) -> tuple[str | None, int | None]:
         sp = req.sampling_params
-        if sp.stop_token_ids and token in sp.stop_token_ids:
-            return "stop", token
-        if token in self.eos_token_ids and not sp.ignore_eos:
-            return "stop", token
         n = len(req.all_token_ids)
+        # The sampler holds stops back until min_tokens; ``token`` is the last of n tokens.
+        if not sp.min_tokens or n - req.num_prompt_tokens > sp.min_tokens:
+            if sp.stop_token_ids and token in sp.stop_token_ids:
+                return "stop", token
+            if token in self.eos_token_ids and not sp.ignore_eos:
+                return "stop", token
         if sp.max_tokens is not None and n - len(req.prompt_token_ids) >= sp.max_tokens:
             return "length", None
         if n >= self.max_model_len:
@@ -217,4 +316,5 @@ class Scheduler:
             num_preemptions_total=self.num_preemptions,
             prefix_cache_queries=self.prefix_cache_queries,
             prefix_cache_hits=self.prefix_cache_hits,
+            prompt_tokens_computed=self.prompt_tokens_computed,
         )

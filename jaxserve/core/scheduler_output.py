@@ -1,4 +1,5 @@
-"""SchedulerOutput: the data contract from the Scheduler to the ModelRunner (vLLM V1's shape).
+"""SchedulerOutput: the data contract from the Scheduler to the ModelRunner, and
+ModelRunnerOutput, what comes back (vLLM V1's shapes).
 
 Plain data, no live ``Request`` objects: the runner keeps its own persistent copy of each running
 request's state (``jaxserve.worker.input_batch.InputBatch``) and applies only what changed.
@@ -6,6 +7,7 @@ request's state (``jaxserve.worker.input_batch.InputBatch``) and applies only wh
 
 from dataclasses import dataclass, field
 
+from jaxserve.engine import LogprobsLists
 from jaxserve.sampling_params import SamplingParams
 
 
@@ -21,7 +23,9 @@ class NewRequestData:
       seed: its RNG seed (uint32).
       block_ids: the KV pages it holds, in sequence order.
       num_computed_tokens: tokens whose K/V are already in the pool before this step (prefix-
-        cache hits).
+        cache hits; a forked choice's whole prompt).
+      stop_token_ids: the ids ``min_tokens`` holds back (EOS unless ignore_eos, and the
+        request's stop_token_ids).
     """
 
     req_id: str
@@ -31,6 +35,7 @@ class NewRequestData:
     seed: int
     block_ids: list[int]
     num_computed_tokens: int
+    stop_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -46,6 +51,12 @@ class SchedulerOutput:
       finished_req_ids: requests that left the batch since the previous step (finished,
         aborted or preempted); the runner drops them before adding new_reqs.
       total_num_scheduled_tokens: sum of num_scheduled_tokens.
+      forked_from: choice req_id -> the req_id it forks from (``n`` > 1): the choice enters
+        the batch with its prompt's K/V shared (0 tokens scheduled) and draws its first token
+        from the logits of the parent's last prompt token, in this step.
+      copy_pages: (source, destination) KV pages to copy once this step has run (a forked
+        choice's own copy of the parent's partly filled last prompt page).
+      prompt_logprobs: requests whose scheduled prompt tokens need prompt log-probabilities.
     """
 
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
@@ -54,3 +65,22 @@ class SchedulerOutput:
     new_block_ids: dict[str, list[int]] = field(default_factory=dict)
     finished_req_ids: set[str] = field(default_factory=set)
     total_num_scheduled_tokens: int = 0
+    forked_from: dict[str, str] = field(default_factory=dict)
+    copy_pages: list[tuple[int, int]] = field(default_factory=list)
+    prompt_logprobs: set[str] = field(default_factory=set)
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What a step produced, on the host (vLLM V1's name).
+
+    Attributes:
+      sampled: req_id -> its new token, for the requests whose step ended at their last token.
+      logprobs: req_id -> LogprobsLists of that token (requests that asked).
+      prompt_logprobs: req_id -> (index of the first prompt token covered, LogprobsLists of
+        the prompt tokens from there), for requests whose prompt chunk asked.
+    """
+
+    sampled: dict[str, int]
+    logprobs: dict[str, LogprobsLists]
+    prompt_logprobs: dict[str, tuple[int, LogprobsLists]]

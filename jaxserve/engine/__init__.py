@@ -9,6 +9,36 @@ import msgspec
 from jaxserve.sampling_params import SamplingParams
 
 
+def child_request_id(request_id: str, index: int, n: int) -> str:
+    """The engine's id of choice ``index`` of a request with ``n`` choices: the request's own
+    id when n is 1, else vLLM's ``f"{index}_{request_id}"``. The API process and the engine
+    both derive choice ids with this one function."""
+    return request_id if n == 1 else f"{index}_{request_id}"
+
+
+class LogprobsLists(msgspec.Struct, array_like=True):
+    """Log-probabilities of some tokens (vLLM V1's name and layout), raw logits' log-softmax.
+
+    Attributes:
+      logprob_token_ids: per token, the token's id then the ids of the k most likely tokens at
+        its position (most likely first).
+      logprobs: the matching log-probabilities.
+      sampled_token_ranks: per token, 1 + the number of tokens more likely than it.
+    """
+
+    logprob_token_ids: list[list[int]] = msgspec.field(default_factory=list)
+    logprobs: list[list[float]] = msgspec.field(default_factory=list)
+    sampled_token_ranks: list[int] = msgspec.field(default_factory=list)
+
+    def extend(self, other: "LogprobsLists") -> None:
+        self.logprob_token_ids += other.logprob_token_ids
+        self.logprobs += other.logprobs
+        self.sampled_token_ranks += other.sampled_token_ranks
+
+    def __len__(self) -> int:
+        return len(self.sampled_token_ranks)
+
+
 class EngineCoreRequest(msgspec.Struct, array_like=True):
     """A request as the engine sees it: tokenized and validated by the InputProcessor.
 
@@ -28,13 +58,16 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     """New tokens of one request from one engine step.
 
     Attributes:
-      request_id: the request.
+      request_id: the choice (``child_request_id``: the request's id when it has one choice).
       new_token_ids: tokens sampled this step (one per step today).
       finish_reason: None while running; "stop" (EOS or a stop token id), "length"
         (max_tokens or max_model_len) or "abort".
       stop_reason: the stop token id that ended it, if any.
       num_prompt_tokens: prompt length, tokens.
       num_cached_tokens: prompt tokens served from the prefix cache, tokens.
+      new_logprobs: log-probabilities of new_token_ids when the request asked for them.
+      new_prompt_logprobs: those of the prompt's tokens after the first (once, with the first
+        output of choice 0) when the request asked for them.
     """
 
     request_id: str
@@ -43,6 +76,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     stop_reason: int | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    new_logprobs: LogprobsLists | None = None
+    new_prompt_logprobs: LogprobsLists | None = None
 
     @property
     def finished(self) -> bool:
@@ -58,3 +93,6 @@ class SchedulerStats(msgspec.Struct):
     num_preemptions_total: int = 0
     prefix_cache_queries: int = 0  # prompt tokens looked up, cumulative
     prefix_cache_hits: int = 0  # prompt tokens found, cumulative
+    # prompt tokens whose K/V the engine computed (cache hits and forked choices excluded,
+    # recomputation after a preemption included), cumulative
+    prompt_tokens_computed: int = 0

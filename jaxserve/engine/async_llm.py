@@ -82,6 +82,7 @@ class AsyncLLM:
         self.max_model_len: int = 0
         self.vocab_size: int = 0
         self.engine_config: dict = {}
+        self.generation_config: dict = {}
         self.allocator_fraction: float = 0.0
         self.metrics: Metrics | None = None
         self.input_processor: InputProcessor | None = None
@@ -114,6 +115,7 @@ class AsyncLLM:
         self.max_model_len = ready.max_model_len
         self.vocab_size = ready.vocab_size
         self.engine_config = ready.config
+        self.generation_config = ready.generation_config
         self.allocator_fraction = ready.allocator_fraction
         self.metrics = Metrics(ready.model_name)
         self.output_processor = OutputProcessor(self.tokenizer, ready.eos_token_ids, self.metrics)
@@ -124,16 +126,18 @@ class AsyncLLM:
     async def _tokenize(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
 
-    async def encode_prompt(self, prompt: str) -> list[int]:
+    async def encode_prompt(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         """Text prompt -> token ids (InputProcessor.tokenize_prompt), off the event loop.
 
         Raises:
           ValueError: naming ``prompt``, when the text is too long to fit max_model_len.
         """
         self.input_processor.check_text_size(len(prompt.encode("utf-8")), "prompt")
-        return await self._tokenize(self.input_processor.tokenize_prompt, prompt)
+        return await self._tokenize(self.input_processor.tokenize_prompt, prompt,
+                                    add_special_tokens)
 
-    async def encode_chat(self, messages: list[dict]) -> list[int]:
+    async def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                          add_special_tokens: bool = False) -> list[int]:
         """Chat messages -> token ids (InputProcessor.tokenize_chat), off the event loop.
 
         Raises:
@@ -142,12 +146,21 @@ class AsyncLLM:
         """
         size = sum(len(m["content"].encode("utf-8")) for m in messages)
         self.input_processor.check_text_size(size, "messages")
-        return (await self._tokenize(self.input_processor.tokenize_chat, messages))[1]
+        return (await self._tokenize(self.input_processor.tokenize_chat, messages,
+                                     add_generation_prompt, add_special_tokens))[1]
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        """Token ids -> text (special tokens kept, as vLLM's /detokenize), off the event loop."""
+        return await self._tokenize(self.tokenizer.decode, token_ids)
 
     def check_request(self, prompt_token_ids: list[int], sp: SamplingParams) -> None:
-        """InputProcessor.check_prompt with the server's rule, and the stop token ids against
-        the vocabulary. Raises ValueError whose message starts with the field at fault."""
-        self.input_processor.check_stop_token_ids(sp.stop_token_ids)
+        """InputProcessor.check_sampling_params and check_prompt with the server's rule.
+
+        Raises:
+          ValueError: its message starts with the field at fault; a ContextLengthError names
+            it in ``param``.
+        """
+        self.input_processor.check_sampling_params(sp)
         self.input_processor.check_prompt(prompt_token_ids, sp.max_tokens)
 
     # -- generation ----------------------------------------------------------------------------
@@ -193,13 +206,15 @@ class AsyncLLM:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        """Abort a live request (no-op if it already finished)."""
-        if self.output_processor is not None and self.output_processor.abort_request(request_id):
-            if not self.engine_core.dead:
-                try:
-                    self.engine_core.abort_requests([request_id])
-                except EngineDeadError:
-                    pass
+        """Abort a live request, every choice of it (no-op if it already finished)."""
+        if self.output_processor is None:
+            return
+        ids = self.output_processor.abort_request(request_id)
+        if ids and not self.engine_core.dead:
+            try:
+                self.engine_core.abort_requests(ids)
+            except EngineDeadError:
+                pass
 
     @property
     def restarting(self) -> bool:
@@ -214,7 +229,7 @@ class AsyncLLM:
         """End every live request with EngineDeadError(message) and abort them in the engine."""
         if self.output_processor is None:
             return
-        ids = list(self.output_processor.requests)
+        ids = [eid for st in self.output_processor.requests.values() for eid in st.engine_ids]
         self.output_processor.propagate_error(None, EngineDeadError(message))
         if ids and not self.engine_core.dead:
             try:

@@ -17,6 +17,7 @@ import numpy as np
 
 from jaxserve import distributed
 from jaxserve.config import EngineConfig
+from jaxserve.sampling_params import describe_sampling_defaults
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.request import Request
 from jaxserve.core.scheduler import Scheduler
@@ -26,7 +27,12 @@ from jaxserve.engine import (
     SchedulerStats,
     kv_sizing,
 )
-from jaxserve.model_loader import load_checkpoint, load_tokenizer_of, resolve_model
+from jaxserve.model_loader import (
+    load_checkpoint,
+    load_generation_config,
+    load_tokenizer_of,
+    resolve_model,
+)
 from jaxserve.models import sharding
 from jaxserve.models.registry import build_params, resolve_dtype, resolve_kv_cache_dtype
 from jaxserve.worker.model_runner import ModelRunner
@@ -99,6 +105,9 @@ class EngineCore:
         self.config = config
         start = time.perf_counter()
         source, fmt = resolve_model(config.model, config.load_format)
+        self.generation_config = load_generation_config(source, fmt, config.generation_config)
+        log(f"sampling defaults for requests that leave them out: "
+            f"{describe_sampling_defaults(self.generation_config)}")
         # The tokenizer (importing transformers: seconds on the GPU machine) loads on a thread
         # while the backend starts and the parameters are built and the steps compiled.
         pool = ThreadPoolExecutor(1)
@@ -191,6 +200,7 @@ class EngineCore:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             eos_token_ids=self.eos_token_ids,
+            max_prompt_logprob_rows=self.runner.prompt_logprob_rows,
         )
         self._rng = random.Random(config.seed)
         self._in_flight = None  # (SchedulerOutput, StepHandle) dispatched, not yet updated
@@ -235,11 +245,18 @@ class EngineCore:
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a request that the InputProcessor checked (non-empty prompt in the vocabulary,
-        shorter than max_model_len; a request id not in use)."""
+        shorter than max_model_len; a request id not in use). Its ``n`` choices run as
+        sequences ``child_request_id(request_id, i, n)``; choice i draws with seed + i (vLLM's
+        rule), choices 1.. fork from choice 0 once its prompt is computed (Scheduler)."""
         seed = request.sampling_params.seed
         if seed is None:
             seed = self._rng.getrandbits(32)
-        self.scheduler.add_request(Request(request, seed & 0xFFFFFFFF))
+        parent = Request(request, seed & 0xFFFFFFFF)
+        for i in range(1, request.sampling_params.n):
+            child = Request(request, (seed + i) & 0xFFFFFFFF, index=i)
+            child.fork_parent = parent
+            parent.fork_children.append(child)
+        self.scheduler.add_request(parent)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)

@@ -14,9 +14,9 @@ never dies of a bad request. A step cannot tell which of its requests broke it, 
 value may be able to: every ``add`` is checked here before the core sees it (SamplingParams'
 bounds run when the frame is decoded; ``check_engine_request`` adds the prompt's length and
 every token id against the model's vocabulary), so a bad value fails its own request, not the
-step. ``Shutdown``, the API process going away (EOF on the pipe, or the parent process dying)
-and SIGTERM end the process cleanly; SIGINT is ignored here because the API process, which gets
-the same Ctrl-C, coordinates the shutdown.
+step. ``Shutdown`` and the API process going away (EOF on the pipe, or the parent process
+dying) end the process cleanly, SIGTERM at once (``os._exit``); SIGINT is ignored here because
+the API process, which gets the same Ctrl-C, coordinates the shutdown.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import traceback
 from multiprocessing.connection import Connection
 
 from jaxserve.config import EngineConfig
-from jaxserve.engine import EngineCoreRequest
+from jaxserve.engine import EngineCoreRequest, child_request_id
 from jaxserve.engine import messages as M
 from jaxserve.engine.input_processor import check_token_ids
 from jaxserve.tokenizer_io import save_tokenizer
@@ -82,6 +82,7 @@ def check_engine_request(req: EngineCoreRequest, vocab_size: int, max_model_len:
         raise ValueError(f"prompt: {n} tokens; a prompt needs 1 to {max_model_len - 1}")
     check_token_ids(req.prompt_token_ids, vocab_size, "prompt")
     check_token_ids(req.sampling_params.stop_token_ids, vocab_size, "stop_token_ids")
+    check_token_ids(req.sampling_params.logit_bias or (), vocab_size, "logit_bias")
 
 
 class EngineCoreProc:
@@ -117,7 +118,9 @@ class EngineCoreProc:
     def _handle(self, msg) -> None:
         if isinstance(msg, M.AddRequest):
             req = msg.request
-            if req.request_id in self.live:
+            n = req.sampling_params.n
+            ids = [child_request_id(req.request_id, i, n) for i in range(n)]
+            if not self.live.isdisjoint(ids):
                 self.send(M.Error([req.request_id], f"duplicate request id {req.request_id!r}",
                                   kind="invalid_request"))
                 return
@@ -130,7 +133,7 @@ class EngineCoreProc:
                 traceback.print_exc()
                 self.send(M.Error([req.request_id], _describe(e), kind="internal"))
             else:
-                self.live.add(req.request_id)
+                self.live.update(ids)
         elif isinstance(msg, M.AbortRequests):
             ids = [r for r in msg.request_ids if r in self.live]
             if ids:
@@ -194,7 +197,10 @@ class EngineCoreProc:
 
 
 def _sigterm(signum, frame):
-    raise SystemExit(0)
+    # Exit at once rather than raise SystemExit: raised from a signal handler it can land inside
+    # a garbage-collection callback (JAX registers one), where Python prints it and swallows it,
+    # and a process still starting up then went on loading the model.
+    os._exit(0)
 
 
 def run_engine_core(config: EngineConfig, conn: Connection, parent_pid: int | None = None) -> None:
@@ -224,6 +230,7 @@ def run_engine_core(config: EngineConfig, conn: Connection, parent_pid: int | No
             tokenizer_dir=tokenizer_dir, eos_token_ids=list(core.eos_token_ids),
             vocab_size=core.vocab_size, config=dataclasses.asdict(core.config),
             allocator_fraction=core.allocator_fraction,
+            generation_config=dict(core.generation_config),
         )))
         EngineCoreProc(core, conn).run()
     except (SystemExit, KeyboardInterrupt, BrokenPipeError, EOFError, OSError):

@@ -7,12 +7,15 @@ CJK character). Stop strings are matched on the decoded text; text that might be
 stop string is held back until it is known not to be one.
 
 Used by the API process (AsyncLLM's OutputProcessor) and by the offline ``jaxserve.LLM``.
+``TokenPieces`` gives single tokens' text and bytes, for log-probabilities.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Sequence
 
+from tokenizers import decoders
 from tokenizers.decoders import DecodeStream
 
 # Text for token ids beyond the tokenizer's vocabulary (dummy-weight models borrow the default
@@ -41,6 +44,9 @@ class IncrementalDetokenizer:
       skip_special_tokens: leave special tokens (e.g. ``<|im_end|>``) out of the text.
       stop: stop strings; generation text ends right before the earliest match, and the match
         is not part of the text (as in OpenAI and vLLM).
+      include_stop_str_in_output: the text ends right after the match instead.
+      min_tokens: stop strings are looked for only once more than this many ids were fed (as
+        vLLM does).
       prompt_token_ids: optional prompt ids; the last few prime the decoder so the first
         generated token is decoded in context. Their text is never emitted.
 
@@ -52,7 +58,8 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer, *, skip_special_tokens: bool = True,
-                 stop: Iterable[str] = (), prompt_token_ids: Sequence[int] | None = None):
+                 stop: Iterable[str] = (), include_stop_str_in_output: bool = False,
+                 min_tokens: int = 0, prompt_token_ids: Sequence[int] | None = None):
         self._tok = _backend(tokenizer)
         self._vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         context = [i for i in (prompt_token_ids or [])[-_PROMPT_CONTEXT_IDS:]
@@ -60,6 +67,8 @@ class IncrementalDetokenizer:
         self._stream = DecodeStream(ids=context or None, skip_special_tokens=skip_special_tokens)
         self._stop = [s for s in stop if s]
         self._max_stop = max((len(s) for s in self._stop), default=0)
+        self._include_stop = include_stop_str_in_output
+        self._min_tokens = min_tokens
         self.output_text = ""
         self.stop_matched: str | None = None
         self.token_ids: list[int] = []
@@ -89,7 +98,7 @@ class IncrementalDetokenizer:
         for token_id in new_token_ids:
             self.token_ids.append(token_id)
             self.output_text += self._decode_one(int(token_id))
-            if self._stop and self._check_stop(start):
+            if self._stop and len(self.token_ids) > self._min_tokens and self._check_stop(start):
                 break
         if self._finished:
             return self._take(len(self.output_text))
@@ -120,14 +129,15 @@ class IncrementalDetokenizer:
         if best is None:
             return False
         i, s = best
-        self.output_text = text[:i]
+        self.output_text = text[: i + len(s) if self._include_stop else i]
         self.stop_matched = s
         self._finished = True
         return True
 
     def _holdback(self) -> int:
-        """Length of the longest suffix of the unemitted text that starts some stop string."""
-        if not self._stop:
+        """Length of the longest suffix of the unemitted text that starts some stop string
+        (none when stop strings end up in the output anyway)."""
+        if not self._stop or self._include_stop:
             return 0
         text = self.output_text
         tail_len = min(self._max_stop - 1, len(text) - self._emitted)
@@ -136,3 +146,57 @@ class IncrementalDetokenizer:
             if any(s.startswith(suffix) for s in self._stop):
                 return n
         return 0
+
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _has_byte_level(decoder) -> bool:
+    if isinstance(decoder, decoders.ByteLevel):
+        return True
+    return isinstance(decoder, decoders.Sequence) and "ByteLevel" in repr(decoder)
+
+
+class TokenPieces:
+    """Each token's own text and UTF-8 bytes, cached per id (log-probabilities name tokens one
+    at a time, where a token may hold only part of a character).
+
+    Bytes: a byte-level BPE vocabulary (GPT-2's byte-to-character map, from transformers) maps
+    back exactly, as do SentencePiece byte-fallback tokens (``<0x41>``); other tokens are their
+    string with SentencePiece's ``▁`` as a space; added tokens (``<|im_end|>``) are their
+    content. Text: the bytes decoded as UTF-8, U+FFFD for a partial character.
+
+    Args:
+      tokenizer: as IncrementalDetokenizer's.
+    """
+
+    def __init__(self, tokenizer):
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+        self._tok = _backend(tokenizer)
+        self._vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self._added = {i: t.content for i, t in self._tok.get_added_tokens_decoder().items()}
+        self._byte_of = ({c: b for b, c in bytes_to_unicode().items()}
+                         if _has_byte_level(self._tok.decoder) else None)
+        self._cache: dict[int, tuple[str, bytes]] = {}
+
+    def piece(self, token_id: int) -> tuple[str, bytes]:
+        """(text, UTF-8 bytes) of one token; ids outside the vocabulary read as UNKNOWN."""
+        hit = self._cache.get(token_id)
+        if hit is None:
+            data = self._bytes(token_id)
+            hit = self._cache[token_id] = (data.decode("utf-8", "replace"), data)
+        return hit
+
+    def _bytes(self, token_id: int) -> bytes:
+        if not 0 <= token_id < self._vocab_size:
+            return UNKNOWN_TOKEN_TEXT.encode()
+        if token_id in self._added:
+            return self._added[token_id].encode()
+        token = self._tok.id_to_token(token_id)
+        if self._byte_of is not None and all(c in self._byte_of for c in token):
+            return bytes(self._byte_of[c] for c in token)
+        fallback = _BYTE_FALLBACK.fullmatch(token)
+        if fallback:
+            return bytes([int(fallback.group(1), 16)])
+        return token.replace("\u2581", " ").encode()

@@ -47,6 +47,19 @@ def check_token_ids(ids: Sequence[int], vocab_size: int, field: str) -> None:
         raise ValueError(f"{field}: token id {bad[0]} is out of range [0, {vocab_size})")
 
 
+class ContextLengthError(ValueError):
+    """A request that does not fit max_model_len (OpenAI's wording).
+
+    Attributes:
+      param: "prompt" when the prompt alone leaves no room, "max_tokens" when the prompt fits
+        but not with the tokens asked for.
+    """
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
 class InputProcessor:
     """Args:
       tokenizer: a transformers fast tokenizer (with a chat template for ``tokenize_chat``).
@@ -77,32 +90,38 @@ class InputProcessor:
                 f"length (max_model_len) of {self.max_model_len} tokens (at most "
                 f"{self.max_text_bytes} bytes could). Please reduce the length of the input.")
 
-    def check_stop_token_ids(self, stop_token_ids: Sequence[int]) -> None:
-        """Raises ValueError (naming ``stop_token_ids``) for an id outside the vocabulary."""
-        check_token_ids(stop_token_ids, self.vocab_size, "stop_token_ids")
+    def check_sampling_params(self, sp) -> None:
+        """Raises ValueError, naming ``stop_token_ids`` or ``logit_bias``, for a token id of
+        the SamplingParams outside the vocabulary."""
+        check_token_ids(sp.stop_token_ids, self.vocab_size, "stop_token_ids")
+        check_token_ids(sp.logit_bias or (), self.vocab_size, "logit_bias")
 
-    def tokenize_prompt(self, prompt: str | Sequence[int]) -> list[int]:
+    def tokenize_prompt(self, prompt: str | Sequence[int],
+                        add_special_tokens: bool = True) -> list[int]:
         """A completion prompt (text, or token ids) -> token ids."""
         if isinstance(prompt, str):
-            return list(self.tokenizer.encode(prompt))
+            return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
         return [int(t) for t in prompt]
 
-    def tokenize_chat(self, messages: Sequence[dict]) -> tuple[str, list[int]]:
-        """Chat messages ([{"role", "content"}, ...]) -> (the rendered template with the
-        assistant generation prompt appended, its token ids).
+    def tokenize_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True,
+                      add_special_tokens: bool = False) -> tuple[str, list[int]]:
+        """Chat messages ([{"role", "content"}, ...]) -> (the rendered template, with the
+        assistant generation prompt appended unless ``add_generation_prompt`` is False, and its
+        token ids; ``add_special_tokens`` adds the tokenizer's own on top, vLLM's /tokenize
+        option).
 
         Raises:
           ValueError: the tokenizer has no chat template, or the template rejected the messages
             (e.g. roles that do not alternate).
         """
         if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("this model has no chat template; use /v1/completions")
+            raise ValueError("messages: this model has no chat template; use /v1/completions")
         try:
-            text = self.tokenizer.apply_chat_template(list(messages), tokenize=False,
-                                                      add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(
+                list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
         except Exception as e:  # jinja errors, raised by the template itself
             raise ValueError(f"messages: the chat template rejected them: {e}") from e
-        return text, list(self.tokenizer.encode(text, add_special_tokens=False))
+        return text, list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def check_prompt(self, prompt_token_ids: Sequence[int], max_tokens: int | None = None) -> None:
         """Check that a prompt can run (OpenAI's wording for the length errors).
@@ -115,20 +134,22 @@ class InputProcessor:
             generation stops at max_model_len with finish_reason "length").
 
         Raises:
-          ValueError: an empty prompt, an id outside the vocabulary, or a prompt that does not fit.
+          ValueError: an empty prompt or an id outside the vocabulary (naming ``prompt``);
+            ContextLengthError for a prompt that does not fit.
         """
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("prompt: the prompt is empty (it tokenizes to no tokens)")
         if n >= self.max_model_len:
-            raise ValueError(
+            raise ContextLengthError(
                 f"This model's maximum context length (max_model_len) is {self.max_model_len} "
                 f"tokens. However, your prompt has {n} tokens, which leaves no room for the "
-                "completion.")
+                "completion.", "prompt")
         if max_tokens is not None and n + max_tokens > self.max_model_len:
-            raise ValueError(
+            raise ContextLengthError(
                 f"This model's maximum context length (max_model_len) is {self.max_model_len} "
                 f"tokens. However, you requested {n + max_tokens} tokens ({n} in the prompt, "
-                f"{max_tokens} for the completion). Please reduce the prompt or max_tokens.")
+                f"{max_tokens} for the completion). Please reduce the prompt or max_tokens.",
+                "max_tokens")
         # After the length check, so a huge id list costs no more than max_model_len looks.
         check_token_ids(prompt_token_ids, self.vocab_size, "prompt")

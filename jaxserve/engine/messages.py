@@ -11,7 +11,7 @@ API -> engine:
 
 Engine -> API:
   ``ready``     {model_name, max_model_len, tokenizer_dir, eos_token_ids, vocab_size, config,
-                 allocator_fraction}
+                 allocator_fraction, generation_config}
   ``outputs``   {outputs: [EngineCoreOutput], stats: SchedulerStats | None}
   ``error``     {request_ids, message, kind, fatal}; ``kind`` is "invalid_request" (the request
                 was rejected) or "internal"; ``fatal`` means the engine is exiting (e.g. the
@@ -53,6 +53,9 @@ class Ready(msgspec.Struct, tag="ready"):
       config: the effective engine configuration (EngineConfig fields, for /v1/models, logs).
       allocator_fraction: XLA_PYTHON_CLIENT_MEM_FRACTION the engine's JAX backend runs with (the
         share of device memory its allocator may take; computed and reported on CPU too).
+      generation_config: sampling defaults for requests that leave them out (SamplingParams
+        names: temperature, top_p, top_k, min_p, repetition_penalty, max_tokens), from the
+        model's generation config (``--generation-config``); empty for none.
     """
 
     model_name: str
@@ -62,6 +65,7 @@ class Ready(msgspec.Struct, tag="ready"):
     vocab_size: int = 0
     config: dict = msgspec.field(default_factory=dict)
     allocator_fraction: float = 0.0
+    generation_config: dict = msgspec.field(default_factory=dict)
 
 
 class Outputs(msgspec.Struct, tag="outputs"):

@@ -2,24 +2,29 @@
 
 The one detokenize-and-stop loop, shared by the server (``AsyncLLM``, on the event loop: each
 request's deltas go to its asyncio queue) and ``jaxserve.LLM`` (no queue: the deltas are
-returned). For each live request it keeps an IncrementalDetokenizer (stop strings are matched
-here, not in the engine), counts tokens, and records request metrics when given a Metrics.
+returned). For each live request it keeps one IncrementalDetokenizer per choice (stop strings
+are matched here, not in the engine), counts tokens, turns log-probabilities into
+``Logprob`` entries, and records request metrics when given a Metrics.
+
+A request with ``n`` choices runs in the engine as ``n`` sequences (``child_request_id``);
+their outputs come back here under those ids and are folded into the request's RequestOutput.
 
 Its outputs are ``jaxserve.outputs.RequestOutput`` objects used as deltas (vLLM's
-RequestOutputKind.DELTA): ``outputs[0].text`` / ``token_ids`` hold what is new since the previous
-one, ``finished`` is True on the last; the sum of the deltas' ``token_ids`` lengths is the number
-of generated tokens (EOS / stop token included; their text is not).
+RequestOutputKind.DELTA): each holds the choices with news, whose ``text`` / ``token_ids`` /
+``logprobs`` are what is new since the previous delta; ``finished`` is True on the last (every
+choice has finished); the sum of a choice's deltas' ``token_ids`` lengths is the number of
+tokens it generated (EOS / stop token included; their text is not).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from jaxserve.engine import EngineCoreOutput
-from jaxserve.engine.detokenizer import IncrementalDetokenizer
-from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.engine import EngineCoreOutput, LogprobsLists, child_request_id
+from jaxserve.engine.detokenizer import IncrementalDetokenizer, TokenPieces
+from jaxserve.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
 
@@ -37,13 +42,33 @@ class RequestError(RuntimeError):
 
 def merge_outputs(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
     """Fold a later delta of the same request into an earlier one (a lagging consumer)."""
-    a, b = earlier.outputs[0], later.outputs[0]
-    a.text += b.text
-    a.token_ids = a.token_ids + b.token_ids
-    a.finish_reason, a.stop_reason = b.finish_reason, b.stop_reason
+    by_index = {c.index: c for c in earlier.outputs}
+    for b in later.outputs:
+        a = by_index.get(b.index)
+        if a is None:
+            earlier.outputs.append(b)
+            by_index[b.index] = b
+            continue
+        a.text += b.text
+        a.token_ids = a.token_ids + b.token_ids
+        if b.logprobs is not None:
+            a.logprobs = (a.logprobs or []) + b.logprobs
+        a.finish_reason, a.stop_reason = b.finish_reason, b.stop_reason
+    earlier.outputs.sort(key=lambda c: c.index)
     earlier.finished = later.finished
     earlier.num_cached_tokens = later.num_cached_tokens
+    if later.prompt_logprobs is not None:
+        earlier.prompt_logprobs = later.prompt_logprobs
     return earlier
+
+
+@dataclass
+class ChoiceState:
+    """One choice's detokenizer and progress."""
+
+    detokenizer: IncrementalDetokenizer
+    num_output_tokens: int = 0
+    finished: bool = False
 
 
 @dataclass
@@ -52,18 +77,22 @@ class RequestState:
     prompt: str | None
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    detokenizer: IncrementalDetokenizer
+    choices: list[ChoiceState]
     queue: asyncio.Queue | None
     arrival_time: float
     first_token_time: float | None = None
-    num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    engine_ids: list[str] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finished for c in self.choices)
 
 
 @dataclass
 class OutputProcessorOutput:
-    """Deltas of requests that have no queue, and ids the engine must abort (a stop string
-    matched before the engine saw a stop)."""
+    """Deltas of requests that have no queue, and engine ids (choices) the engine must abort
+    (a stop string matched before the engine saw a stop)."""
 
     request_outputs: list[RequestOutput]
     reqs_to_abort: list[str]
@@ -76,26 +105,53 @@ class OutputProcessor:
       tokenizer: the transformers tokenizer (for detokenization).
       eos_token_ids: ids that end generation by default; kept out of the text.
       metrics: optional ``jaxserve.metrics.Metrics`` to record finished requests in.
+
+    Attributes:
+      pieces: each token's text and bytes (TokenPieces), for log-probabilities.
     """
 
     def __init__(self, tokenizer, eos_token_ids=(), metrics=None):
         self.tokenizer = tokenizer
         self.eos_token_ids = set(eos_token_ids)
         self.metrics = metrics
+        self.pieces = TokenPieces(tokenizer)
         self.requests: dict[str, RequestState] = {}
+        self._choice_of: dict[str, tuple[RequestState, int]] = {}  # engine id -> choice
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     sampling_params: SamplingParams, queue: asyncio.Queue | None = None) -> None:
         """Track a request. With a ``queue`` its deltas (and errors) go there; without one
         ``process_outputs`` returns them."""
-        detok = IncrementalDetokenizer(self.tokenizer, stop=sampling_params.stop,
-                                       prompt_token_ids=prompt_token_ids)
-        self.requests[request_id] = RequestState(request_id, prompt, prompt_token_ids,
-                                                 sampling_params, detok, queue, time.monotonic())
+        sp = sampling_params
+        choices = [ChoiceState(IncrementalDetokenizer(
+            self.tokenizer, skip_special_tokens=sp.skip_special_tokens, stop=sp.stop,
+            include_stop_str_in_output=sp.include_stop_str_in_output, min_tokens=sp.min_tokens,
+            prompt_token_ids=prompt_token_ids)) for _ in range(sp.n)]
+        st = RequestState(request_id, prompt, prompt_token_ids, sp, choices, queue,
+                          time.monotonic())
+        st.engine_ids = [child_request_id(request_id, i, sp.n) for i in range(sp.n)]
+        self.requests[request_id] = st
+        for i, eid in enumerate(st.engine_ids):
+            self._choice_of[eid] = (st, i)
 
-    def abort_request(self, request_id: str) -> bool:
-        """Forget a request (the caller aborts it in the engine). True if it was live."""
-        return self.requests.pop(request_id, None) is not None
+    def _forget(self, st: RequestState) -> None:
+        self.requests.pop(st.request_id, None)
+        for eid in st.engine_ids:
+            self._choice_of.pop(eid, None)
+
+    def abort_request(self, request_id: str) -> list[str]:
+        """Forget a request; returns the engine ids of its unfinished choices (the caller
+        aborts them in the engine), empty if it was not live."""
+        st = self.requests.get(request_id)
+        if st is None:
+            return []
+        self._forget(st)
+        return [eid for eid, c in zip(st.engine_ids, st.choices) if not c.finished]
+
+    def request_id_of(self, engine_id: str) -> str:
+        """The request an engine id (a choice's, or the request's own) belongs to."""
+        hit = self._choice_of.get(engine_id)
+        return engine_id if hit is None else hit[0].request_id
 
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> OutputProcessorOutput:
         """Detokenize, check stop strings, and queue or return the deltas.
@@ -107,18 +163,20 @@ class OutputProcessor:
         to_abort, returned = [], []
         now = time.monotonic()
         for o in outputs:
-            st = self.requests.get(o.request_id)
-            if st is None:
+            hit = self._choice_of.get(o.request_id)
+            if hit is None:
                 continue  # aborted meanwhile
+            st, index = hit
+            if st.choices[index].finished:
+                continue  # a stop string ended it; tokens already in flight are dropped
             try:
-                out, abort = self._process_one(st, o, now)
+                out, abort = self._process_one(st, index, o, now)
             except Exception as e:
                 if st.queue is None:
                     raise
-                self.requests.pop(o.request_id, None)
+                to_abort += self.abort_request(st.request_id)
                 st.queue.put_nowait(RequestError(
                     f"cannot process the engine's output: {type(e).__name__}: {e}"))
-                to_abort.append(o.request_id)
                 continue
             if abort:
                 to_abort.append(o.request_id)
@@ -128,45 +186,69 @@ class OutputProcessor:
                 st.queue.put_nowait(out)
         return OutputProcessorOutput(returned, to_abort)
 
-    def _process_one(self, st: RequestState, o: EngineCoreOutput,
+    def _logprobs(self, lists: LogprobsLists) -> list[PositionLogprobs]:
+        """LogprobsLists -> one {token id: Logprob} per position; the position's own token
+        first, then the alternatives (an alternative equal to it is the same entry)."""
+        out = []
+        for ids, lps, rank in zip(lists.logprob_token_ids, lists.logprobs,
+                                  lists.sampled_token_ranks):
+            entry = {ids[0]: Logprob(lps[0], rank, self.pieces.piece(ids[0])[0])}
+            for r, (t, lp) in enumerate(zip(ids[1:], lps[1:]), 1):
+                entry.setdefault(t, Logprob(lp, r, self.pieces.piece(t)[0]))
+            out.append(entry)
+        return out
+
+    def _process_one(self, st: RequestState, index: int, o: EngineCoreOutput,
                      now: float) -> tuple[RequestOutput, bool]:
-        """One request's delta, and whether the engine must abort it (a stop string matched
-        before the engine saw a stop). Forgets the request and records metrics when it ends."""
+        """One choice's delta, and whether the engine must abort it (a stop string matched
+        before the engine saw a stop). Forgets the request and records metrics when its last
+        choice ends."""
+        choice = st.choices[index]
+        sp = st.sampling_params
         if st.first_token_time is None and o.new_token_ids:
             st.first_token_time = now
-        st.num_output_tokens += len(o.new_token_ids)
-        st.num_cached_tokens = o.num_cached_tokens
+        choice.num_output_tokens += len(o.new_token_ids)
+        # Choices forked from choice 0 report no hits of their own: keep the request's.
+        st.num_cached_tokens = max(st.num_cached_tokens, o.num_cached_tokens)
         ids = list(o.new_token_ids)
         text_ids = ids
-        if o.finish_reason == "stop" and ids:
-            stoppers = self.eos_token_ids | set(st.sampling_params.stop_token_ids)
+        if o.finish_reason == "stop" and ids and not sp.include_stop_str_in_output:
+            stoppers = self.eos_token_ids | set(sp.stop_token_ids)
             if ids[-1] in stoppers:
                 text_ids = ids[:-1]  # the EOS / stop token is not part of the text
-        text = st.detokenizer.update(text_ids)
+        text = choice.detokenizer.update(text_ids)
         finish_reason, stop_reason = o.finish_reason, o.stop_reason
         abort = False
-        if st.detokenizer.stop_matched is not None:
-            finish_reason, stop_reason = "stop", st.detokenizer.stop_matched
+        if choice.detokenizer.stop_matched is not None:
+            finish_reason, stop_reason = "stop", choice.detokenizer.stop_matched
             abort = not o.finished
         elif finish_reason is not None:
-            text += st.detokenizer.flush()
-        finished = finish_reason is not None
+            text += choice.detokenizer.flush()
+        choice.finished = finish_reason is not None
+        logprobs = None if o.new_logprobs is None else self._logprobs(o.new_logprobs)
+        prompt_logprobs = None
+        if o.new_prompt_logprobs is not None:
+            prompt_logprobs = [None] + self._logprobs(o.new_prompt_logprobs)
         out = RequestOutput(
             st.request_id, st.prompt, st.prompt_token_ids,
-            [CompletionOutput(0, text, ids, finish_reason, stop_reason)],
-            num_cached_tokens=st.num_cached_tokens, finished=finished)
-        if finished:
-            del self.requests[o.request_id]
+            [CompletionOutput(index, text, ids, finish_reason, stop_reason, logprobs)],
+            num_cached_tokens=st.num_cached_tokens, finished=st.finished,
+            prompt_logprobs=prompt_logprobs)
+        if out.finished:
+            self._forget(st)
             if self.metrics is not None:
                 self.metrics.record_finished(
-                    finish_reason, len(st.prompt_token_ids), st.num_output_tokens,
+                    finish_reason, len(st.prompt_token_ids),
+                    sum(c.num_output_tokens for c in st.choices),
                     (st.first_token_time or now) - st.arrival_time, now - st.arrival_time)
         return out, abort
 
     def propagate_error(self, request_ids, exc: BaseException) -> None:
-        """Fail the given requests (all live ones if ``request_ids`` is None) with ``exc``."""
+        """Fail the given requests (engine ids or request ids; all live ones if
+        ``request_ids`` is None) with ``exc``."""
         ids = list(self.requests) if request_ids is None else request_ids
-        for rid in ids:
-            st = self.requests.pop(rid, None)
+        for rid in dict.fromkeys(self.request_id_of(i) for i in ids):
+            st = self.requests.get(rid)
             if st is not None:
+                self._forget(st)
                 st.queue.put_nowait(exc)

@@ -1,13 +1,15 @@
 """The aiohttp application: routes, API-key check, OpenAI error bodies.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models (those three handled
-in serving.py), GET /health, GET /version, GET /metrics. Every error, including unknown routes
-and unexpected exceptions, is an OpenAI error body ``{"error": {"message", "type", "param",
-"code"}}``; tracebacks go to the server log only.
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{model},
+POST /tokenize, POST /detokenize (handled in serving.py), GET /health, GET /version,
+GET /metrics. Every error, including unknown routes and unexpected exceptions, is an OpenAI
+error body ``{"error": {"message", "type", "param", "code"}}``; tracebacks go to the server log
+only.
 
 ``/health``, ``/version`` and ``/metrics`` need no API key, as in vLLM: Prometheus scrapers
 seldom send one, and the metrics hold counts, no request content (docs/reliability.md: restrict
-them at a reverse proxy if that matters).
+them at a reverse proxy if that matters). ``/tokenize`` and ``/detokenize`` need it (vLLM
+leaves them open).
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ from jaxserve.entrypoints.safe_log import clip
 from jaxserve.metrics import CONTENT_TYPE
 
 logger = logging.getLogger("jaxserve.api")
+# Paths the API key guards: the OpenAI API and the tokenizer endpoints (vLLM leaves the latter
+# open; they use the server's one tokenizer thread, so here they need the key too).
+_GUARDED = ("/v1", "/tokenize", "/detokenize")
 
 
 def _version() -> str:
@@ -56,7 +61,7 @@ async def _errors_middleware(request: web.Request, handler):
 def _auth_middleware(api_key: str | None):
     @web.middleware
     async def check(request: web.Request, handler):
-        if api_key and request.path.startswith("/v1"):
+        if api_key and request.path.startswith(_GUARDED):
             # aiohttp decodes header bytes as UTF-8 with surrogateescape: encode them back the
             # same way, so any bytes a client sends compare (and never raise).
             got = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
@@ -107,6 +112,9 @@ def build_app(llm: AsyncLLM, *, served_model_name: str | None = None,
     app.router.add_post("/v1/completions", serving.create_completion)
     app.router.add_post("/v1/chat/completions", serving.create_chat_completion)
     app.router.add_get("/v1/models", serving.show_available_models)
+    app.router.add_get("/v1/models/{model}", serving.retrieve_model)
+    app.router.add_post("/tokenize", serving.tokenize)
+    app.router.add_post("/detokenize", serving.detokenize)
     app.router.add_get("/health", _health)
     app.router.add_get("/version", _version_route)
     app.router.add_get("/metrics", _metrics)

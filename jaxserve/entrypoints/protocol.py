@@ -6,15 +6,18 @@ is later packed into: integers fit int32 (``seed``: int64), floats are finite, a
 can be encoded as UTF-8 (JSON's ``"\\ud800"`` escape gives a lone surrogate, which no encoder
 downstream accepts); lists stop at their first bad item. Semantic ranges (temperature in
 [0, 2], ...) are SamplingParams' checks. Fields OpenAI defines that jaxserve does not support
-yet are accepted only at their neutral value
-(``unsupported_field`` names the first offender); fields nobody defines are kept in
-``model_extra`` so the server can log and ignore them.
+(``best_of``, ``suffix``, ``tools``, a ``response_format`` other than text) are accepted only at
+their neutral value (``unsupported_field`` names the first offender); fields nobody defines are
+kept in ``model_extra`` so the server can log and ignore them. The model's generation config
+fills in the sampling fields of GENERATION_DEFAULTS a request leaves out.
 
 Responses: every body the server sends (completions and chat completions, their streamed chunks,
-usage, /v1/models, errors). Fields are declared in the order they go on the wire. Optional fields
-that OpenAI's format leaves out when unused (the token ids of vLLM's ``return_token_ids``, a
-chunk's ``usage``, a delta's ``role`` / ``content``) are omitted when None; the others
-(``logprobs``, ``finish_reason``, error ``param`` / ``code``) are sent as null.
+usage, /v1/models, /tokenize, /detokenize, errors), shaped to validate against OpenAI's OpenAPI
+schema for the endpoint (``tests/data/openai_openapi_subset.yaml``; the tests check every body).
+Fields are declared in the order they go on the wire. Optional fields that OpenAI's format
+leaves out when unused (the token ids of vLLM's ``return_token_ids``, a chunk's ``usage``, a
+delta's ``role`` / ``content``) are omitted when None; the others (``logprobs``,
+``finish_reason``, a message's ``refusal``, error ``param`` / ``code``) are sent as null.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from jaxserve.sampling_params import INT32_MAX, SamplingParams
+from jaxserve.sampling_params import INT32_MAX, MAX_LOGPROBS, SamplingParams
 
 
 def _utf8(s: str) -> str:
@@ -58,59 +61,86 @@ class StreamOptions(_Base):
     continuous_usage_stats: bool = False
 
 
+# Request fields that the model's generation config fills in when a request leaves them out
+# (vLLM's --generation-config auto), named as SamplingParams names them.
+GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                       "max_tokens")
+
+
 class _SamplingFields(_Base):
-    """Fields shared by both endpoints (OpenAI's, plus vLLM's top_k / stop_token_ids / ignore_eos)."""
+    """Fields shared by both endpoints: OpenAI's, plus vLLM's sampling extensions (top_k,
+    min_p, repetition_penalty, min_tokens, stop_token_ids, include_stop_str_in_output,
+    ignore_eos, skip_special_tokens, spaces_between_special_tokens, return_token_ids)."""
 
     model: Text | None = None
+    n: Int32 | None = 1
     temperature: float | None = None
     top_p: float | None = None
     top_k: Int32 | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
     seed: Int64 | None = None
     stop: Text | Items(Text) | None = None
     stop_token_ids: Items(TokenId) | None = None
+    min_tokens: Int32 = 0
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     return_token_ids: bool = False  # vLLM's extension: token ids in each choice
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: Int32 | None = 1
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
-    logit_bias: dict[str, Any] | None = None  # unsupported: any non-empty value is a 400
-    user: Text | None = None
+    user: Text | None = None  # accepted, as OpenAI's end-user id; not used
 
-    def _unsupported_common(self) -> str | None:
-        if self.n not in (None, 1):
-            return "n"
-        if self.presence_penalty not in (None, 0):
-            return "presence_penalty"
-        if self.frequency_penalty not in (None, 0):
-            return "frequency_penalty"
-        if self.logit_bias:
-            return "logit_bias"
+    def unsupported_field(self) -> str | None:
+        """The first OpenAI field set to a value jaxserve does not support, or None."""
         return None
 
-    def sampling_params(self, max_tokens: int | None) -> SamplingParams:
-        """The request's SamplingParams. Raises ValueError naming the field out of range."""
+    def _logprobs(self) -> tuple[int | None, int | None]:
+        """(SamplingParams.logprobs, .prompt_logprobs) the request asks for."""
+        return None, None
+
+    def sampling_params(self, max_tokens: int | None, defaults: dict) -> SamplingParams:
+        """The request's SamplingParams; fields of GENERATION_DEFAULTS it leaves out come from
+        ``defaults`` (the model's generation config), then SamplingParams' own defaults.
+
+        Raises:
+          ValueError: whose message starts with the field out of range (SamplingParams' names).
+        """
         kw: dict[str, Any] = {"max_tokens": max_tokens}
-        if self.temperature is not None:
-            kw["temperature"] = self.temperature
-        if self.top_p is not None:
-            kw["top_p"] = self.top_p
-        if self.top_k is not None:
-            kw["top_k"] = self.top_k
-        if self.seed is not None:
-            kw["seed"] = self.seed
+        for name in GENERATION_DEFAULTS:
+            value = kw.get(name, getattr(self, name, None))
+            kw[name] = defaults.get(name) if value is None else value
+        for name in ("n", "presence_penalty", "frequency_penalty", "seed", "stop_token_ids"):
+            if getattr(self, name) is not None:
+                kw[name] = getattr(self, name)
         if self.stop is not None:
             kw["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
-        if self.stop_token_ids:
-            kw["stop_token_ids"] = list(self.stop_token_ids)
-        kw["ignore_eos"] = self.ignore_eos
-        return SamplingParams(**kw)
+        if self.logit_bias:
+            kw["logit_bias"] = {_token_id_key(k): v for k, v in self.logit_bias.items()}
+        kw["logprobs"], kw["prompt_logprobs"] = self._logprobs()
+        for name in ("min_tokens", "include_stop_str_in_output", "ignore_eos",
+                     "skip_special_tokens", "spaces_between_special_tokens"):
+            kw[name] = getattr(self, name)
+        return SamplingParams(**{k: v for k, v in kw.items() if v is not None or k in (
+            "max_tokens", "logprobs", "prompt_logprobs")})
+
+
+def _token_id_key(key: str) -> int:
+    """A logit_bias key: a token id written as a JSON object key (a string of digits)."""
+    try:
+        return int(key)
+    except ValueError:
+        raise ValueError(f"logit_bias: {key[:40]!r} is not a token id (keys are token ids, "
+                         "as strings of digits)") from None
 
 
 class CompletionRequest(_SamplingFields):
-    """POST /v1/completions. ``prompt`` is a string, a list of token ids, or a list holding one
-    of those (one prompt per request: batched prompts are not supported yet)."""
+    """POST /v1/completions. ``prompt`` is a string, a list of token ids, or a list of either
+    (one prompt each: the response has ``n`` choices per prompt, prompt after prompt)."""
 
     prompt: Text | Items(TokenId) | Items(Text) | Items(Items(TokenId))
     max_tokens: Int32 | None = 16
@@ -120,29 +150,32 @@ class CompletionRequest(_SamplingFields):
     suffix: Text | None = None
 
     def unsupported_field(self) -> str | None:
-        """The first OpenAI field set to a value jaxserve does not support, or None."""
-        if isinstance(self.prompt, list) and self.prompt and not isinstance(self.prompt[0], int):
-            if len(self.prompt) != 1:
-                return "prompt"
-        for name in ("logprobs", "suffix"):
-            if getattr(self, name) not in (None, ""):
-                return name
-        if self.echo:
-            return "echo"
-        if self.best_of not in (None, 1):
+        if self.suffix:
+            return "suffix"
+        if self.best_of not in (None, 1):  # vLLM V1 dropped best_of too
             return "best_of"
-        return self._unsupported_common()
+        return None
 
-    def single_prompt(self) -> str | list[int]:
+    def _logprobs(self) -> tuple[int | None, int | None]:
+        # Echoed prompt tokens carry their log-probabilities too (OpenAI's legacy format).
+        return self.logprobs, self.logprobs if self.echo else None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, one list entry each. Raises ValueError (naming ``prompt``) for none."""
         p = self.prompt
-        if isinstance(p, list) and p and not isinstance(p[0], int):
-            return p[0]
-        return p
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        if not p:
+            raise ValueError("prompt: the prompt is empty")
+        return list(p)
 
 
 class TextPart(_Base):
-    type: Literal["text"]
-    text: Text
+    """A content part of a chat message. Only ``text`` parts are supported; any other type
+    (``image_url``, ``input_audio``, ``file``) is refused by ``ChatCompletionMessageParam.text``."""
+
+    type: Text
+    text: Text | None = None
 
 
 class ChatCompletionMessageParam(_Base):
@@ -152,11 +185,21 @@ class ChatCompletionMessageParam(_Base):
     content: Text | Items(TextPart) | None = None
     name: Text | None = None
 
-    def text(self) -> str:
+    def text(self, where: str) -> str:
+        """The message's text (its text parts joined).
+
+        Raises:
+          ValueError: naming ``where`` and the part, for a part that is not text.
+        """
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
+        for j, part in enumerate(self.content):
+            if part.type != "text" or part.text is None:
+                kind = "images" if part.type == "image_url" else f"{part.type!r} content parts"
+                raise ValueError(f"{where}.content.{j}: {kind} are not supported: this server "
+                                 "serves a text-only model (send text parts)")
         return "".join(p.text for p in self.content)
 
 
@@ -167,33 +210,65 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: Int32 | None = None
     max_completion_tokens: Int32 | None = None
     logprobs: bool | None = False
-    top_logprobs: Int32 | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
 
     def unsupported_field(self) -> str | None:
-        """The first OpenAI field set to a value jaxserve does not support, or None."""
-        if self.logprobs:
-            return "logprobs"
-        if self.top_logprobs not in (None, 0):
-            return "top_logprobs"
         if self.tools:
             return "tools"
         if self.tool_choice not in (None, "none", "auto"):
             return "tool_choice"
         if self.response_format and self.response_format.get("type", "text") != "text":
             return "response_format"
-        return self._unsupported_common()
+        return None
+
+    def _logprobs(self) -> tuple[int | None, int | None]:
+        if not self.logprobs:
+            if self.top_logprobs:
+                raise ValueError("top_logprobs: set logprobs to true to use it")
+            return None, None
+        return self.top_logprobs or 0, None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def template_messages(self) -> list[dict]:
-        """Messages for the chat template ("developer" is OpenAI's new name for "system")."""
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                for m in self.messages]
+        return template_messages(self.messages)
+
+
+def template_messages(messages: list[ChatCompletionMessageParam]) -> list[dict]:
+    """Messages for the chat template ("developer" is OpenAI's new name for "system").
+
+    Raises:
+      ValueError: naming the message, for a content part that is not text.
+    """
+    return [{"role": "system" if m.role == "developer" else m.role,
+             "content": m.text(f"messages.{i}")} for i, m in enumerate(messages)]
+
+
+class TokenizeRequest(_Base):
+    """POST /tokenize (vLLM's shapes): a ``prompt``, or chat ``messages`` rendered through the
+    chat template."""
+
+    model: Text | None = None
+    prompt: Text | None = None
+    messages: Annotated[list[ChatCompletionMessageParam], Field(fail_fast=True)] | None = None
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    def template_messages(self) -> list[dict]:
+        return template_messages(self.messages or [])
+
+
+class DetokenizeRequest(_Base):
+    """POST /detokenize."""
+
+    model: Text | None = None
+    tokens: Items(TokenId)
 
 
 # -- responses --------------------------------------------------------------------------------
@@ -238,10 +313,19 @@ class UsageInfo(OpenAIBaseModel):
     prompt_tokens_details: PromptTokenUsageInfo
 
 
+class CompletionLogProbs(OpenAIBaseModel):
+    """OpenAI's legacy completions log-probabilities of a choice's tokens (or of a chunk's)."""
+
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+
+
 class CompletionResponseChoice(OpenAIBaseModel):
     index: int = 0
     text: str
-    logprobs: None = None  # jaxserve computes no logprobs (a request for them is a 400)
+    logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     # vLLM's return_token_ids: the prompt's ids and the generated ids (EOS / stop token included).
     prompt_token_ids: list[int] | None = _omitted_if_none()
@@ -263,7 +347,7 @@ class CompletionResponseStreamChoice(OpenAIBaseModel):
 
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     token_ids: list[int] | None = _omitted_if_none()
     prompt_token_ids: list[int] | None = _omitted_if_none()
@@ -280,17 +364,36 @@ class CompletionStreamResponse(OpenAIBaseModel):
     usage: UsageInfo | None = _omitted_if_none()
 
 
+class ChatCompletionLogProb(OpenAIBaseModel):
+    token: str
+    logprob: float  # at least -9999.0 (OpenAI's value for "very unlikely"; JSON has no -inf)
+    bytes: list[int] | None = None
+
+
+class ChatCompletionLogProbsContent(ChatCompletionLogProb):
+    top_logprobs: list[ChatCompletionLogProb] = Field(default_factory=list)
+
+
+class ChatCompletionLogProbs(OpenAIBaseModel):
+    """A chat choice's log-probabilities: one entry per generated token."""
+
+    content: list[ChatCompletionLogProbsContent] | None = None
+    refusal: list[ChatCompletionLogProbsContent] | None = None  # jaxserve never refuses
+
+
 class ChatMessage(OpenAIBaseModel):
-    """The assistant's message in a non-streamed chat completion."""
+    """The assistant's message in a non-streamed chat completion (``refusal`` is required and
+    nullable in OpenAI's schema)."""
 
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    refusal: str | None = None
 
 
 class ChatCompletionResponseChoice(OpenAIBaseModel):
     index: int = 0
     message: ChatMessage
-    logprobs: None = None
+    logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None
     prompt_token_ids: list[int] | None = _omitted_if_none()
     token_ids: list[int] | None = _omitted_if_none()
@@ -315,7 +418,7 @@ class DeltaMessage(OpenAIBaseModel):
 class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
     index: int = 0
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None
     token_ids: list[int] | None = _omitted_if_none()
     prompt_token_ids: list[int] | None = _omitted_if_none()
@@ -347,3 +450,17 @@ class ModelList(OpenAIBaseModel):
 
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeResponse(OpenAIBaseModel):
+    """POST /tokenize: the ids, their count, the model's context length and, when asked, each
+    token's vocabulary string."""
+
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(OpenAIBaseModel):
+    prompt: str

@@ -1,50 +1,52 @@
-"""Handlers of POST /v1/completions, POST /v1/chat/completions (OpenAI format, SSE streaming)
-and GET /v1/models.
+"""Handlers of POST /v1/completions, POST /v1/chat/completions (OpenAI format, SSE streaming),
+GET /v1/models, GET /v1/models/{model}, and vLLM's POST /tokenize and POST /detokenize.
 
 Both generation endpoints admit the request (503 with ``Retry-After`` past
 ``--max-waiting-requests``), read the body within ``--body-timeout`` (408) and the size limit
-(413), parse and validate it (JSON, pydantic, then SamplingParams), tokenize (chat template for
-chat) off the event loop, check the length against max_model_len, then either collect the whole
-output or stream Server-Sent Events: one ``data: {chunk}`` per text delta, an optional usage
-chunk, then ``data: [DONE]``. Once a stream's headers are sent, any error (the engine's, a
-``--request-timeout``, a bug) becomes one SSE error event followed by ``[DONE]``, never a second
-HTTP response. A client that goes away mid-request (handler cancelled, or a failed write) closes
-the generator, which aborts the request in the engine. Every body is one of protocol.py's
-response models, built by the endpoint's ``_Bodies``.
+(413), parse and validate it (JSON, pydantic, then SamplingParams, the model's generation
+config filling in the sampling fields it leaves out), tokenize (chat template for chat) off the
+event loop, check the length against max_model_len, then either collect the whole output or
+stream Server-Sent Events: one ``data: {chunk}`` per choice update (text, or with logprobs or
+``return_token_ids`` any new token), an optional usage chunk, then ``data: [DONE]``. Once a
+stream's headers are sent, any error (the engine's, a ``--request-timeout``, a bug) becomes one
+SSE error event followed by ``[DONE]``, never a second HTTP response. A client that goes away
+mid-request (handler cancelled, or a failed write) closes the generator, which aborts the
+request in the engine. A completions request with several prompts runs one engine request per
+prompt, all at once. Every body is one of protocol.py's response models, built by the
+endpoint's ``Bodies`` (bodies.py).
 """
 
 from __future__ import annotations
 
-import abc
 import asyncio
 import contextlib
 import itertools
 import json
 import logging
-import time
 import uuid
+from collections.abc import AsyncIterator
 
 import pydantic
 from aiohttp import web
 
 from jaxserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestError
+from jaxserve.engine.input_processor import ContextLengthError, check_token_ids
 from jaxserve.entrypoints.app_state import LLM_KEY, STATE_KEY
+from jaxserve.entrypoints.bodies import Bodies, ChatBodies, ChoiceState, CompletionBodies, usage
 from jaxserve.entrypoints.errors import APIError, error_body
-from jaxserve.entrypoints.protocol import (
-    ChatCompletionRequest, ChatCompletionResponse, ChatCompletionResponseChoice,
-    ChatCompletionResponseStreamChoice, ChatCompletionStreamResponse, ChatMessage,
-    CompletionRequest, CompletionResponse, CompletionResponseChoice,
-    CompletionResponseStreamChoice, CompletionStreamResponse, DeltaMessage, ErrorResponse,
-    ModelCard, ModelList, OpenAIBaseModel, PromptTokenUsageInfo, UsageInfo)
 from jaxserve.entrypoints.limits import ServerLimits
+from jaxserve.entrypoints.protocol import (
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
+    ErrorResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse)
 from jaxserve.entrypoints.responses import SSEStream, json_response
 from jaxserve.entrypoints.safe_log import clip
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.outputs import RequestOutput
+from jaxserve.sampling_params import MAX_N, SamplingParams
 
 logger = logging.getLogger("jaxserve.api")
 
-# Longest first: an error about "stop_token_ids" also starts with "stop".
-_SP_FIELDS = ("stop_token_ids", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+# SamplingParams' fields: an error message that starts with one names it.
+_REQUEST_FIELDS = frozenset(SamplingParams.__struct_fields__) | {"top_logprobs"}
 _MAX_LOGGED_FIELDS = 10  # unknown field names quoted in one warning
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict"}  # pydantic's union member tags
 
@@ -156,7 +158,7 @@ async def _parse(request: web.Request, model_cls):
         more = len(req.model_extra) - _MAX_LOGGED_FIELDS
         logger.warning("ignoring unknown fields in %s request: %s%s", request.path,
                        ", ".join(clip(n) for n in names), f" and {more} more" if more > 0 else "")
-    bad = req.unsupported_field()
+    bad = req.unsupported_field() if hasattr(req, "unsupported_field") else None
     if bad:
         raise APIError(400, f"{bad}: this value is not supported by jaxserve yet", param=bad)
     return req
@@ -170,33 +172,42 @@ def _check_model(request: web.Request, model: str | None) -> str:
     return name
 
 
-def _sampling_params(req, max_tokens: int | None) -> SamplingParams:
+def _sampling_params(llm: AsyncLLM, req, max_tokens: int | None,
+                     renames: dict[str, str]) -> SamplingParams:
+    """The request's SamplingParams, the model's generation config filling in what it leaves
+    out. A value out of range is a 400 naming the request's field (``renames``: SamplingParams'
+    name -> the request's, where they differ); so is ``n`` above the server's limit."""
     try:
-        return req.sampling_params(max_tokens)
+        sp = req.sampling_params(max_tokens, llm.generation_config)
     except ValueError as e:
         msg = str(e)
-        field = next((f for f in _SP_FIELDS if msg.startswith(f)), None)
+        field = msg.split(" ", 1)[0].rstrip(":")
+        field = renames.get(field, field) if field in _REQUEST_FIELDS else None
         raise APIError(400, msg, param=field) from None
+    limit = min(MAX_N, llm.engine_config.get("max_num_seqs") or MAX_N)
+    if sp.n > limit:
+        raise APIError(400, f"n: at most {limit} choices per request on this server (the "
+                       "engine runs at most --max-num-seqs sequences at once)", param="n")
+    return sp
 
 
-def _usage(num_prompt: int, num_output: int, num_cached: int) -> UsageInfo:
-    return UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_output,
-                     total_tokens=num_prompt + num_output,
-                     prompt_tokens_details=PromptTokenUsageInfo(cached_tokens=num_cached))
-
-
-def _check_request(llm: AsyncLLM, ids: list[int], sp: SamplingParams, field: str) -> None:
-    """AsyncLLM.check_request; a 400 names ``stop_token_ids`` or else ``field`` (the prompt's
-    field, or the max_tokens field that made the request too long)."""
+def _check_request(llm: AsyncLLM, ids: list[int], sp: SamplingParams, prompt_field: str,
+                   max_tokens_field: str) -> None:
+    """AsyncLLM.check_request; a 400 names ``stop_token_ids`` / ``logit_bias``, the prompt's
+    field, or the field of max_tokens when the prompt fits but not with the tokens asked."""
     try:
         llm.check_request(ids, sp)
+    except ContextLengthError as e:
+        param = prompt_field if e.param == "prompt" else max_tokens_field
+        raise APIError(400, str(e), param=param) from None
     except ValueError as e:
         msg = str(e)
-        raise APIError(400, msg, param="stop_token_ids" if msg.startswith("stop_token_ids")
-                       else field) from None
+        field = msg.split(":", 1)[0]
+        raise APIError(400, msg, param=field if field in ("stop_token_ids", "logit_bias")
+                       else prompt_field) from None
 
 
-async def _encode(coro, field: str) -> list[int]:
+async def _encode(coro, field: str):
     """Awaits a tokenization; its ValueError (too long, template error) is a 400 on ``field``."""
     try:
         return await coro
@@ -230,129 +241,125 @@ def _error_event(request: web.Request, e: Exception) -> ErrorResponse:
     return error_body("internal server error", "server_error")
 
 
-class _Bodies(abc.ABC):
-    """The OpenAI bodies of one request, whole and streamed. They share the request's id,
-    creation time and model name; subclasses say how the endpoint's choice looks.
+async def _outputs(llm: AsyncLLM, prompts: list[list[int]], sp: SamplingParams,
+                   request_id: str) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, RequestOutput delta) of each prompt's engine request, as they come.
+    Closing this iterator aborts the requests still running."""
+    if len(prompts) == 1:
+        async with contextlib.aclosing(llm.generate(prompts[0], sp, request_id)) as gen:
+            async for out in gen:
+                yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
 
-    ``fields`` are the choice's ``finish_reason``, ``prompt_token_ids`` and ``token_ids`` (the
-    last two None, so left out, unless the request asked for ``return_token_ids``).
-    """
+    async def pump(i: int, ids: list[int]) -> None:
+        try:
+            async with contextlib.aclosing(llm.generate(ids, sp, f"{request_id}-{i}")) as gen:
+                async for out in gen:
+                    queue.put_nowait((i, out))
+            queue.put_nowait((i, None))
+        except Exception as e:  # noqa: BLE001 - the consumer raises it
+            queue.put_nowait((i, e))
 
-    response_cls: type[OpenAIBaseModel]
-    stream_cls: type[OpenAIBaseModel]
-
-    def __init__(self, request_id: str, model: str):
-        self.request_id = request_id
-        self.created = int(time.time())
-        self.model = model
-
-    @abc.abstractmethod
-    def _choice(self, text: str, **fields) -> OpenAIBaseModel:
-        """A choice of the non-streamed body."""
-
-    @abc.abstractmethod
-    def _stream_choice(self, text: str, **fields) -> OpenAIBaseModel:
-        """A choice of a streamed chunk."""
-
-    def _body(self, cls, choices: list, usage: UsageInfo | None = None) -> OpenAIBaseModel:
-        return cls(id=self.request_id, created=self.created, model=self.model, choices=choices,
-                   usage=usage)
-
-    def response(self, text: str, usage: UsageInfo, **fields) -> OpenAIBaseModel:
-        """The non-streamed body: the whole text."""
-        return self._body(self.response_cls, [self._choice(text, **fields)], usage)
-
-    def first_chunk(self) -> OpenAIBaseModel | None:
-        """The chunk that opens the stream, before any text; None for none."""
-        return None
-
-    def chunk(self, text: str, **fields) -> OpenAIBaseModel:
-        """A streamed chunk: the text (and token ids) new since the last one."""
-        return self._body(self.stream_cls, [self._stream_choice(text, **fields)])
-
-    def usage_chunk(self, usage: UsageInfo) -> OpenAIBaseModel:
-        """The chunk with ``stream_options.include_usage``: usage, no choices, last before
-        ``[DONE]``."""
-        return self._body(self.stream_cls, [], usage)
+    tasks = [asyncio.create_task(pump(i, ids)) for i, ids in enumerate(prompts)]
+    try:
+        left = len(tasks)
+        while left:
+            i, item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            if item is None:
+                left -= 1
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
-class _CompletionBodies(_Bodies):
-    response_cls = CompletionResponse
-    stream_cls = CompletionStreamResponse
+class _Progress:
+    """Turns the deltas of a request's prompts into per-choice updates: the text (with the
+    echoed prompt first, when asked), the token ids and the log-probability entries new since
+    the choice's last update."""
 
-    def _choice(self, text: str, **fields) -> CompletionResponseChoice:
-        return CompletionResponseChoice(text=text, **fields)
+    def __init__(self, prompts: list[list[int]], echo_texts: list[str] | None,
+                 sp: SamplingParams):
+        self.prompts = prompts
+        self.echo_texts = echo_texts
+        self.n = sp.n
+        self.want_logprobs = sp.logprobs is not None
+        self.choices = [ChoiceState(i, token_ids=[], entries=[] if self.want_logprobs else None)
+                        for i in range(len(prompts) * sp.n)]
+        self.num_cached = [0] * len(prompts)
+        self._prompt_entries: list[list | None] = [None] * len(prompts)
 
-    def _stream_choice(self, text: str, **fields) -> CompletionResponseStreamChoice:
-        return CompletionResponseStreamChoice(text=text, **fields)
+    def updates(self, p: int, out: RequestOutput):
+        """(choice, delta, new text, new entries or None) for each choice in ``out``."""
+        if out.prompt_logprobs is not None:
+            self._prompt_entries[p] = list(zip(self.prompts[p], out.prompt_logprobs))
+        self.num_cached[p] = out.num_cached_tokens
+        for c in out.outputs:
+            ch = self.choices[p * self.n + c.index]
+            text = c.text
+            entries = list(zip(c.token_ids, c.logprobs or ())) if self.want_logprobs else None
+            if not ch.started:
+                ch.started = True
+                if self.echo_texts is not None:
+                    text = self.echo_texts[p] + text
+                    if entries is not None:
+                        entries = (self._prompt_entries[p]
+                                   or [(t, None) for t in self.prompts[p]]) + entries
+            ch.token_ids += c.token_ids
+            ch.finish_reason = c.finish_reason
+            yield ch, c, text, entries
+
+    def usage(self):
+        return usage(sum(map(len, self.prompts)), sum(len(c.token_ids) for c in self.choices),
+                     sum(self.num_cached))
 
 
-class _ChatBodies(_Bodies):
-    response_cls = ChatCompletionResponse
-    stream_cls = ChatCompletionStreamResponse
-
-    def _choice(self, text: str, **fields) -> ChatCompletionResponseChoice:
-        return ChatCompletionResponseChoice(message=ChatMessage(content=text), **fields)
-
-    def _stream_choice(self, text: str, **fields) -> ChatCompletionResponseStreamChoice:
-        # No new text (the finishing chunk, or token ids alone): an empty delta, {}.
-        return ChatCompletionResponseStreamChoice(delta=DeltaMessage(content=text or None),
-                                                  **fields)
-
-    def first_chunk(self) -> ChatCompletionStreamResponse:
-        """The role chunk OpenAI opens a chat stream with."""
-        choice = ChatCompletionResponseStreamChoice(
-            delta=DeltaMessage(role="assistant", content=""))
-        return self._body(self.stream_cls, [choice])
-
-
-async def _run(request, llm: AsyncLLM, ids: list[int], sp: SamplingParams, bodies: _Bodies,
-               *, stream: bool, include_usage: bool, return_token_ids: bool,
-               deadline: float | None):
-    """Shared body of both endpoints: generates, and answers with ``bodies``' response or
-    chunks. ``return_token_ids`` adds ``prompt_token_ids`` and ``token_ids`` (generated ids,
-    EOS / stop token included; deltas when streaming) to the choice, as vLLM does. ``deadline``
-    (event loop time, None for none) ends the request: 504, or an error event in a stream."""
-    gen = llm.generate(ids, sp, bodies.request_id)
-    prompt_token_ids = list(ids) if return_token_ids else None
+async def _run(request, llm: AsyncLLM, prompts: list[list[int]], sp: SamplingParams,
+               bodies: Bodies, *, stream: bool, include_usage: bool,
+               echo_texts: list[str] | None, deadline: float | None):
+    """Shared body of both endpoints: generates every prompt's ``n`` choices, and answers
+    with ``bodies``' response or chunks (a chunk per choice update). ``echo_texts``: each
+    prompt's text, to start its choices with (completions' ``echo``). ``deadline`` (event
+    loop time, None for none) ends the request: 504, or an error event in a stream."""
+    progress = _Progress(prompts, echo_texts, sp)
+    gen = _outputs(llm, prompts, sp, bodies.request_id)
     if not stream:
-        text, out, out_ids = [], None, []
         try:
             async with contextlib.aclosing(gen), asyncio.timeout_at(deadline):
-                async for out in gen:
-                    text.append(out.outputs[0].text)
-                    out_ids += out.outputs[0].token_ids
+                async for p, out in gen:
+                    for ch, _, text, entries in progress.updates(p, out):
+                        ch.text += text
+                        if entries is not None:
+                            ch.entries += entries
         except (EngineDeadError, RequestError) as e:
             _raise_for(e)
         except TimeoutError:
             llm.metrics.record_rejected("timeout")
             raise APIError(504, _timeout_message(request), code="request_timeout") from None
-        usage = _usage(len(ids), len(out_ids), out.num_cached_tokens)
-        return json_response(bodies.response(
-            "".join(text), usage, finish_reason=out.outputs[0].finish_reason,
-            prompt_token_ids=prompt_token_ids, token_ids=out_ids if return_token_ids else None))
+        return json_response(bodies.response(progress.choices, prompts, sp.n, progress.usage()))
 
     sse = SSEStream(request)
     await sse.start()
+    token_news = bodies.return_token_ids or progress.want_logprobs
     try:
         try:
             async with contextlib.aclosing(gen), asyncio.timeout_at(deadline):
-                first = bodies.first_chunk()
-                if first is not None:
+                for first in bodies.first_chunks(len(progress.choices)):
                     await sse.send(first)
-                out, n_out = None, 0
-                async for out in gen:
-                    c = out.outputs[0]
-                    n_out += len(c.token_ids)
-                    if c.text or out.finished or (return_token_ids and c.token_ids):
-                        # The prompt's ids ride along with the first generated ids.
-                        first_ids = n_out == len(c.token_ids)
-                        await sse.send(bodies.chunk(
-                            c.text, finish_reason=c.finish_reason,
-                            prompt_token_ids=prompt_token_ids if first_ids else None,
-                            token_ids=list(c.token_ids) if return_token_ids else None))
-            if include_usage and out is not None:
-                await sse.send(bodies.usage_chunk(_usage(len(ids), n_out, out.num_cached_tokens)))
+                async for p, out in gen:
+                    for ch, c, text, entries in progress.updates(p, out):
+                        if text or c.finished or (token_news and c.token_ids):
+                            # The prompt's ids ride along with the choice's first token ids.
+                            first_ids = len(ch.token_ids) == len(c.token_ids)
+                            await sse.send(bodies.chunk(ch, text, c, entries,
+                                                        prompts[p] if first_ids else None))
+            if include_usage:
+                await sse.send(bodies.usage_chunk(progress.usage()))
         except ConnectionError:
             raise
         except Exception as e:  # noqa: BLE001 - headers are out: the error goes in the stream
@@ -371,6 +378,12 @@ def _deadline(request: web.Request) -> float | None:
     return None if timeout is None else asyncio.get_running_loop().time() + timeout
 
 
+def _bodies(cls, prefix: str, model: str, llm: AsyncLLM, sp: SamplingParams, req) -> Bodies:
+    piece = None if sp.logprobs is None else llm.output_processor.pieces.piece
+    return cls(f"{prefix}-{uuid.uuid4().hex}", model, num_logprobs=sp.logprobs, piece=piece,
+               return_token_ids=req.return_token_ids)
+
+
 async def create_completion(request: web.Request) -> web.StreamResponse:
     llm = _llm(request)
     _require_ready(llm)
@@ -378,18 +391,24 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     with _admitted(request):
         req: CompletionRequest = await _parse(request, CompletionRequest)
         model = _check_model(request, req.model)
-        sp = _sampling_params(req, req.max_tokens)
-        prompt = req.single_prompt()
-        if isinstance(prompt, str):
-            ids = await _encode(llm.encode_prompt(prompt), "prompt")
-        else:
-            ids = list(prompt)
-        _check_request(llm, ids, sp, "prompt")
-        bodies = _CompletionBodies(f"cmpl-{uuid.uuid4().hex}", model)
+        sp = _sampling_params(llm, req, req.max_tokens, {})
+        try:
+            prompts = req.prompts()
+        except ValueError as e:
+            raise APIError(400, str(e), param="prompt") from None
+        ids_list = []
+        for prompt in prompts:
+            ids = (await _encode(llm.encode_prompt(prompt), "prompt")
+                   if isinstance(prompt, str) else list(prompt))
+            _check_request(llm, ids, sp, "prompt", "max_tokens")
+            ids_list.append(ids)
+        echo_texts = None
+        if req.echo:
+            echo_texts = [p if isinstance(p, str) else await llm.detokenize(p) for p in prompts]
+        bodies = _bodies(CompletionBodies, "cmpl", model, llm, sp, req)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return await _run(request, llm, ids, sp, bodies, stream=bool(req.stream),
-                          include_usage=include_usage, return_token_ids=req.return_token_ids,
-                          deadline=deadline)
+        return await _run(request, llm, ids_list, sp, bodies, stream=bool(req.stream),
+                          include_usage=include_usage, echo_texts=echo_texts, deadline=deadline)
 
 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
@@ -401,22 +420,74 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
         model = _check_model(request, req.model)
         max_tokens = req.requested_max_tokens()
         field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        sp = _sampling_params(req, max_tokens)
-        ids = await _encode(llm.encode_chat(req.template_messages()), "messages")
-        _check_request(llm, ids, sp, "messages" if max_tokens is None else field)
+        sp = _sampling_params(llm, req, max_tokens, {"logprobs": "top_logprobs",
+                                                     "max_tokens": field})
+        messages = _template_messages(req)
+        ids = await _encode(llm.encode_chat(messages), "messages")
+        _check_request(llm, ids, sp, "messages", field)
         if sp.max_tokens is None:  # OpenAI's and vLLM's meaning: up to the context
             sp.max_tokens = llm.max_model_len - len(ids)
-        bodies = _ChatBodies(f"chatcmpl-{uuid.uuid4().hex}", model)
+        bodies = _bodies(ChatBodies, "chatcmpl", model, llm, sp, req)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return await _run(request, llm, ids, sp, bodies, stream=bool(req.stream),
-                          include_usage=include_usage, return_token_ids=req.return_token_ids,
-                          deadline=deadline)
+        return await _run(request, llm, [ids], sp, bodies, stream=bool(req.stream),
+                          include_usage=include_usage, echo_texts=None, deadline=deadline)
+
+
+def _template_messages(req) -> list[dict]:
+    """The request's messages for the chat template; a non-text part is a 400 on messages."""
+    try:
+        return req.template_messages()
+    except ValueError as e:
+        raise APIError(400, str(e), param="messages") from None
+
+
+def _model_card(request: web.Request) -> ModelCard:
+    llm = _llm(request)
+    return ModelCard(id=_served_name(request), created=request.app[STATE_KEY]["created"],
+                     root=llm.model_name, max_model_len=llm.max_model_len)
 
 
 async def show_available_models(request: web.Request) -> web.Response:
     """GET /v1/models: the one model served."""
+    _require_ready(_llm(request))
+    return json_response(ModelList(data=[_model_card(request)]))
+
+
+async def retrieve_model(request: web.Request) -> web.Response:
+    """GET /v1/models/{model}: the model's card, or 404 for a name this server does not serve."""
+    _require_ready(_llm(request))
+    _check_model(request, request.match_info["model"])
+    return json_response(_model_card(request))
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    """POST /tokenize (vLLM's): a prompt, or chat messages through the chat template, to token
+    ids."""
     llm = _llm(request)
     _require_ready(llm)
-    card = ModelCard(id=_served_name(request), created=request.app[STATE_KEY]["created"],
-                     root=llm.model_name, max_model_len=llm.max_model_len)
-    return json_response(ModelList(data=[card]))
+    req: TokenizeRequest = await _parse(request, TokenizeRequest)
+    _check_model(request, req.model)
+    if (req.prompt is None) == (req.messages is None):
+        raise APIError(400, "give exactly one of prompt and messages", param="prompt")
+    if req.prompt is not None:
+        ids = await _encode(llm.encode_prompt(req.prompt, req.add_special_tokens is not False),
+                            "prompt")
+    else:
+        ids = await _encode(llm.encode_chat(_template_messages(req), req.add_generation_prompt,
+                                            bool(req.add_special_tokens)), "messages")
+    strs = llm.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+    return json_response(TokenizeResponse(count=len(ids), max_model_len=llm.max_model_len,
+                                          tokens=ids, token_strs=strs))
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    """POST /detokenize (vLLM's): token ids to text."""
+    llm = _llm(request)
+    _require_ready(llm)
+    req: DetokenizeRequest = await _parse(request, DetokenizeRequest)
+    _check_model(request, req.model)
+    try:
+        check_token_ids(req.tokens, llm.vocab_size, "tokens")
+    except ValueError as e:
+        raise APIError(400, str(e), param="tokens") from None
+    return json_response(DetokenizeResponse(prompt=await llm.detokenize(req.tokens)))

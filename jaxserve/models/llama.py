@@ -157,6 +157,7 @@ def forward(
     *,
     attention_fn: Callable,
     mesh: Mesh | None = None,
+    hidden_indices: jax.Array | None = None,
 ):
     """One model step over a flattened ragged batch.
 
@@ -177,10 +178,12 @@ def forward(
         from pallas_kernels (reference or Pallas).
       mesh: the tensor-parallel mesh the params and pool are split over (``sharding``), None
         for one device.
+      hidden_indices: optional [R] int32 rows whose last hidden states (before the final norm)
+        are returned too, for ``compute_logits`` later (prompt log-probabilities).
 
     Returns:
       (logits [S, V] float32 over the whole vocabulary, replicated on a mesh; k_cache, v_cache
-      updated in place).
+      updated in place), plus the [R, E] hidden rows when hidden_indices is given.
     """
     c = config
     inv_freq = jnp.asarray(rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling))
@@ -195,14 +198,24 @@ def forward(
             hidden, p, k_cache[i], v_cache[i], cos, sin, md, num_heads=c.num_heads,
             eps=c.rms_norm_eps, attention_fn=attention_fn, mesh=mesh)
 
-    hidden = _rms_norm(hidden[logits_indices], params["norm"], c.rms_norm_eps)
-    lm_head = params.get("lm_head", embed)
+    logits = compute_logits(c, params, hidden[logits_indices], mesh)
+    if hidden_indices is None:
+        return logits, k_cache, v_cache
+    return logits, k_cache, v_cache, hidden[hidden_indices]
+
+
+def compute_logits(config: ModelConfig, params: dict, hidden: jax.Array,
+                   mesh: Mesh | None = None) -> jax.Array:
+    """The final norm and the LM head: last hidden states [N, E] -> logits [N, V] float32, over
+    the whole vocabulary (gathered on a mesh)."""
+    hidden = _rms_norm(hidden, params["norm"], config.rms_norm_eps)
+    lm_head = params.get("lm_head", params["embed_tokens"])
     logits = jnp.einsum("se,ve->sv", hidden, lm_head, preferred_element_type=jnp.float32)
     if mesh is not None:  # the sampler sees the whole vocabulary
         logits = sharding.gather_logits(logits, mesh)
-    if lm_head.shape[0] != c.vocab_size:  # rows padded to a multiple of the mesh
-        logits = logits[:, : c.vocab_size]
-    return logits, k_cache, v_cache
+    if lm_head.shape[0] != config.vocab_size:  # rows padded to a multiple of the mesh
+        logits = logits[:, : config.vocab_size]
+    return logits
 
 
 # HF names of the tensors outside the decoder layers -> param names (same layouts).

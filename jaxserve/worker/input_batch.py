@@ -8,7 +8,7 @@ new requests, newly allocated pages) to these arrays instead of rebuilding them,
 
 import numpy as np
 
-from jaxserve.core.scheduler_output import SchedulerOutput
+from jaxserve.core.scheduler_output import NewRequestData, SchedulerOutput
 
 
 class InputBatch:
@@ -22,7 +22,13 @@ class InputBatch:
         compute.
       block_table: [max_num_seqs, max_pages_per_seq] int32 page ids (0, the null page, pads).
       num_blocks: [max_num_seqs] int32 valid entries of each block_table row.
-      temperature, top_k, top_p, seeds: [max_num_seqs] sampling settings.
+      temperature, top_k, top_p, min_p, presence_penalty, frequency_penalty,
+        repetition_penalty, seeds: [max_num_seqs] sampling settings.
+      min_tokens: [max_num_seqs] int32.
+      penalized: [max_num_seqs] bool, some penalty applies (the sampler counts its tokens).
+      logit_bias: [max_num_seqs] bool, the request has a logit bias.
+      logprobs, prompt_logprobs: [max_num_seqs] int32, top log-probabilities wanted per
+        sampled token / prompt token, -1 for none.
       in_flight_row, in_flight_step: [max_num_seqs] int32, the row and the step (a counter)
         whose sampled token is this request's newest token while the host does not know it yet
         (async scheduling), else -1 and -1. The step after that one reads the token from the
@@ -40,15 +46,27 @@ class InputBatch:
         self.temperature = np.zeros(n, np.float32)
         self.top_k = np.zeros(n, np.int32)
         self.top_p = np.ones(n, np.float32)
+        self.min_p = np.zeros(n, np.float32)
+        self.presence_penalty = np.zeros(n, np.float32)
+        self.frequency_penalty = np.zeros(n, np.float32)
+        self.repetition_penalty = np.ones(n, np.float32)
+        self.min_tokens = np.zeros(n, np.int32)
+        self.penalized = np.zeros(n, bool)
+        self.logit_bias = np.zeros(n, bool)
+        self.logprobs = np.full(n, -1, np.int32)
+        self.prompt_logprobs = np.full(n, -1, np.int32)
         self.seeds = np.zeros(n, np.uint32)
         self.in_flight_row = np.full(n, -1, np.int32)
         self.in_flight_step = np.full(n, -1, np.int64)
         self.req_index: dict[str, int] = {}
         self._free_slots = list(range(n - 1, -1, -1))
 
-    def update_states(self, sched: SchedulerOutput) -> None:
+    def update_states(self, sched: SchedulerOutput) -> list[tuple[int, NewRequestData]]:
         """Apply a step's changes: drop requests that left, add new ones, append new pages.
-        Ids it does not hold (a request aborted before it ever ran) are ignored."""
+        Ids it does not hold (a request aborted before it ever ran) are ignored. Returns the
+        new requests (with their slots) whose sampler state row must be written (penalties, a
+        logit bias or min_tokens)."""
+        needs_state = []
         for rid in sched.finished_req_ids:
             i = self.req_index.pop(rid, None)
             if i is not None:
@@ -68,13 +86,25 @@ class InputBatch:
             self.temperature[i] = sp.temperature
             self.top_k[i] = sp.top_k
             self.top_p[i] = sp.top_p
+            self.min_p[i] = sp.min_p
+            self.presence_penalty[i] = sp.presence_penalty
+            self.frequency_penalty[i] = sp.frequency_penalty
+            self.repetition_penalty[i] = sp.repetition_penalty
+            self.min_tokens[i] = sp.min_tokens
+            self.penalized[i] = sp.penalized
+            self.logit_bias[i] = sp.logit_bias is not None
+            self.logprobs[i] = -1 if sp.logprobs is None else sp.logprobs
+            self.prompt_logprobs[i] = -1 if sp.prompt_logprobs is None else sp.prompt_logprobs
             self.seeds[i] = r.seed
+            if self.penalized[i] or self.logit_bias[i] or sp.min_tokens:
+                needs_state.append((i, r))
             self.in_flight_row[i] = self.in_flight_step[i] = -1
         for rid, pages in sched.new_block_ids.items():
             i = self.req_index[rid]
             b = self.num_blocks[i]
             self.block_table[i, b : b + len(pages)] = pages
             self.num_blocks[i] = b + len(pages)
+        return needs_state
 
     def record_sampled(self, step: int, rows: np.ndarray, req_ids: list[str],
                        tokens: np.ndarray) -> None:

@@ -29,16 +29,29 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxserve.config import ModelConfig
-from jaxserve.core.scheduler_output import SchedulerOutput
+from jaxserve.core.scheduler_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from jaxserve.engine import LogprobsLists
 from jaxserve.models import llama, sharding
+from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
 from jaxserve.worker.input_batch import InputBatch
 from jaxserve.worker.sampler import (
+    FilterMetadata,
+    Logprobs,
     SamplingMetadata,
+    compute_logprobs,
     filtered_rows,
+    init_state,
     sample_filtered,
     sample_unfiltered,
+    write_state_row,
 )
 from pallas_kernels import kv_quant
+
+# Prompt positions whose log-probabilities one step computes (the scheduler caps the prompt
+# chunks of such requests to it): the step returns this many hidden rows, and a separate
+# executable turns them into [rows, V] logits, so full-vocabulary logits never exist for more
+# than this many prompt positions at once.
+PROMPT_LOGPROB_ROWS = 128
 
 
 def powers_of_two_up_to(limit: int, start: int = 1) -> list[int]:
@@ -64,37 +77,79 @@ def _bucket(buckets: list[int], n: int) -> int:
 
 
 def _step(config, attention_fn, mesh, max_num_seqs, branch_free, params, token_ids, prev_rows,
-          prev_sampled, md, k_cache, v_cache, logits_indices, sm):
+          prev_sampled, md, k_cache, v_cache, logits_indices, hidden_indices, sm):
     """prev_rows[T]: for each input token, the row of ``prev_sampled`` (the previous step's
     sampled tokens) that holds it, or -1 to take ``token_ids``. Returns the greedy and plain
     rows' tokens padded to [max_num_seqs] (so that the next step's prev_sampled has one shape
-    in every bucket), the logits [S, V] for ``_filter`` and the updated KV pool.
+    in every bucket), the logits [S, V] for ``_filter``, the hidden rows [R, E] at
+    ``hidden_indices`` for ``_prompt_logprobs`` and the updated KV pool.
     ``branch_free``: no control flow (the GPU; see the sampler's module docstring). ``mesh``:
     the tensor-parallel mesh (None: one device)."""
     token_ids = jnp.where(prev_rows >= 0, prev_sampled[jnp.maximum(prev_rows, 0)], token_ids)
-    logits, k_cache, v_cache = llama.forward(
-        config, params, token_ids, md, k_cache, v_cache, logits_indices, attention_fn=attention_fn,
-        mesh=mesh)
+    logits, k_cache, v_cache, hidden = llama.forward(
+        config, params, token_ids, md, k_cache, v_cache, logits_indices,
+        attention_fn=attention_fn, mesh=mesh, hidden_indices=hidden_indices)
     sampled = sample_unfiltered(logits, sm, branch_free=branch_free)
-    return jnp.pad(sampled, (0, max_num_seqs - sampled.shape[0])), logits, k_cache, v_cache
+    return (jnp.pad(sampled, (0, max_num_seqs - sampled.shape[0])), logits, hidden, k_cache,
+            v_cache)
 
 
-def _filter(logits, sampled, sm):
-    """The step's tokens ([max_num_seqs]) with its top-k / top-p rows drawn (a step's S rows
-    come first)."""
+def _filter(logits, sampled, sm, fm, state):
+    """The step's tokens ([max_num_seqs]) with the rows of ``fm`` drawn again (a step's S rows
+    come first), the sampler state with their tokens counted, and their Logprobs."""
     s = logits.shape[0]
-    return sampled.at[:s].set(sample_filtered(logits, sampled[:s], sm))
+    tokens, state, logprobs = sample_filtered(logits, sampled[:s], sm, fm, state)
+    return sampled.at[:s].set(tokens), state, logprobs
+
+
+def _prompt_logprobs(config, mesh, params, hidden, targets):
+    """Logprobs of ``targets`` [R] from the hidden rows [R, E] that precede them."""
+    return compute_logprobs(llama.compute_logits(config, params, hidden, mesh), targets)
+
+
+def _copy_pages(k_cache, v_cache, src, dst):
+    """Copy KV pages ``src`` [N] to ``dst`` [N] in every layer (0 -> 0 pads: the null page)."""
+    copy = lambda pool: jax.tree.map(lambda a: a.at[:, dst].set(a[:, src]), pool)  # noqa: E731
+    return [copy(k) for k in k_cache], [copy(v) for v in v_cache]
+
+
+def _trim(lp: dict, rows, ks) -> LogprobsLists:
+    """LogprobsLists of the given rows of host Logprobs arrays, k alternatives each."""
+    return LogprobsLists(
+        [[int(lp["ids"][r])] + lp["top_ids"][r, :k].tolist() for r, k in zip(rows, ks)],
+        [[float(lp["lps"][r])] + lp["top_lps"][r, :k].tolist() for r, k in zip(rows, ks)],
+        [int(lp["ranks"][r]) for r in rows])
+
+
+def _host_logprobs(lp: Logprobs, token_ids: np.ndarray) -> dict:
+    return {"ids": token_ids, "top_ids": np.asarray(lp.top_ids),
+            "top_lps": np.asarray(lp.top_logprobs), "lps": np.asarray(lp.token_logprobs),
+            "ranks": np.asarray(lp.token_ranks)}
 
 
 @dataclass
 class StepHandle:
     """A dispatched step: its counter, its sampled tokens (on the device until ``get_output``),
-    and which rows hold a request's next token."""
+    which rows hold a request's next token, and the log-probabilities it computed.
+
+    Attributes:
+      logprobs: Logprobs of the step's rows (device), or None when no row asked.
+      logprob_ks: per entry of ``rows``, the alternatives its request wants (-1: none).
+      prompt_logprobs: Logprobs of PROMPT_LOGPROB_ROWS prompt positions (device), or None.
+      prompt_spans: (req_id, index of the first prompt token covered, first row, rows, k) per
+        request in ``prompt_logprobs``.
+      prompt_targets: [PROMPT_LOGPROB_ROWS] the prompt tokens those rows predict.
+    """
 
     step: int
     sampled: jax.Array
     rows: np.ndarray
     req_ids: list[str]
+    logprobs: Logprobs | None = None
+    logprob_ks: np.ndarray | None = None
+    prompt_logprobs: Logprobs | None = None
+    prompt_spans: list[tuple[str, int, int, int, int]] | None = None
+    prompt_targets: np.ndarray | None = None
 
 
 class ModelRunner:
@@ -142,6 +197,8 @@ class ModelRunner:
         self.kv_dtype = kv_dtype
         self.k_cache = self.v_cache = None  # allocate_kv_cache, once the pool is sized
         self.input_batch = InputBatch(max_num_seqs, max_model_len, self.max_pages_per_seq)
+        self.max_model_len = max_model_len
+        self.prompt_logprob_rows = min(PROMPT_LOGPROB_ROWS, max_num_batched_tokens)
         if branch_free is None:
             branch_free = not on_cpu
         step = partial(_step, config, attention_fn, mesh, max_num_seqs, branch_free)
@@ -149,20 +206,34 @@ class ModelRunner:
         self._replicated = None if mesh is None else sharding.replicated(mesh)
         if mesh is None:
             self._jitted = jax.jit(step, donate_argnums=(5, 6))
-            self._filter_jitted = jax.jit(_filter)
+            self._filter_jitted = jax.jit(_filter, donate_argnums=(4,))
         else:
             # Params as split by the Megatron layout, the pool by KV head.
             rep, kv = self._replicated, sharding.kv_sharding(mesh)
             self._jitted = jax.jit(
                 step, donate_argnums=(5, 6),
                 in_shardings=(sharding.param_shardings(params, mesh), rep, rep, rep, rep, kv, kv,
-                              rep, rep),
-                out_shardings=(rep, rep, kv, kv))
-            self._filter_jitted = jax.jit(_filter, in_shardings=rep, out_shardings=rep)
+                              rep, rep, rep),
+                out_shardings=(rep, rep, rep, kv, kv))
+            self._filter_jitted = jax.jit(_filter, donate_argnums=(4,), in_shardings=rep,
+                                          out_shardings=rep)
+        # The other programs a step may dispatch, each compiled once at start-up.
+        self._aux_jitted = {
+            "state writer": jax.jit(write_state_row, donate_argnums=(0,)),
+            "page copy": jax.jit(_copy_pages, donate_argnums=(0, 1)),
+            "prompt logprobs": jax.jit(partial(_prompt_logprobs, config, mesh)),
+        }
         self._prev_sampled = jnp.zeros(max_num_seqs, jnp.int32, device=self._replicated)
         self._compiled: dict[int, Callable] = {}
         self._filter_compiled: dict[int, Callable] = {}  # by S
+        self._aux_compiled: dict[str, Callable] = {}
         self._step_count = 0
+        # Penalty counts, logit biases, stop ids per slot, on the device (sampler.py); stop ids
+        # hold the request's own and the model's EOS ids (config's and the tokenizer's).
+        self.sampling_state = init_state(max_num_seqs, config.vocab_size, MAX_LOGIT_BIAS,
+                                         MAX_STOP_TOKEN_IDS + len(config.eos_token_ids) + 1)
+        if mesh is not None:
+            self.sampling_state = jax.device_put(self.sampling_state, self._replicated)
 
     def _kv_pool(self, num_pages: int):
         """(shape [KV, num_pages, page_size, D] of one layer's K (or V) pool, KV the layout's,
@@ -209,12 +280,33 @@ class ModelRunner:
             query_start_loc=np.zeros(s + 1, np.int32), seq_lens=np.zeros(s, np.int32),
             block_tables=np.zeros((s, p), np.int32),
         )
-        sm = SamplingMetadata(
-            temperature=np.zeros(s, np.float32), top_k=np.zeros(s, np.int32),
-            top_p=np.ones(s, np.float32), seeds=np.zeros(s, np.uint32), steps=np.zeros(s, np.int32),
-        )
         return (zeros_t, np.full(t, -1, np.int32), np.zeros(self.max_num_seqs, np.int32), md,
-                np.zeros(s, np.int32), sm)
+                np.zeros(s, np.int32), np.zeros(self.prompt_logprob_rows, np.int32),
+                self._dummy_sampling(s)[0])
+
+    @staticmethod
+    def _dummy_sampling(s: int) -> tuple[SamplingMetadata, FilterMetadata]:
+        f32, i32, off = np.zeros(s, np.float32), np.zeros(s, np.int32), np.zeros(s, bool)
+        sm = SamplingMetadata(temperature=f32, top_k=i32, top_p=np.ones(s, np.float32),
+                              seeds=np.zeros(s, np.uint32), steps=i32)
+        fm = FilterMetadata(rows=off, slots=i32, min_p=f32, presence_penalty=f32,
+                            frequency_penalty=f32, repetition_penalty=np.ones(s, np.float32),
+                            logit_bias=off, suppress_stop=off, count=off, logprobs=off)
+        return sm, fm
+
+    def _aux_args(self, name: str):
+        """Placeholder arguments of the auxiliary programs, for their compilation."""
+        st = self.sampling_state
+        if name == "state writer":
+            return (st, np.int32(0), np.zeros(self.max_model_len, np.int32), np.int32(0),
+                    np.int32(0), np.asarray(st.bias_ids[0]), np.asarray(st.bias_values[0]),
+                    np.asarray(st.stop_ids[0]))
+        if name == "page copy":
+            pages = np.zeros(self.max_num_seqs, np.int32)
+            return self.k_cache, self.v_cache, pages, pages
+        hidden = jax.ShapeDtypeStruct((self.prompt_logprob_rows, self.config.hidden_size),
+                                      self.params["embed_tokens"].dtype)
+        return self.params, hidden, np.zeros(self.prompt_logprob_rows, np.int32)
 
     def compile_buckets(self, log: Callable[[str], None] = print) -> None:
         """Compile the step for every token bucket and the top-k/top-p sampler for every
@@ -226,7 +318,7 @@ class ModelRunner:
         start = time.perf_counter()
         vocab = self.config.vocab_size
         seq_counts = sorted({self.num_seqs_for(t) for t in self.token_buckets})
-        total = len(self.token_buckets) + len(seq_counts)
+        total = len(self.token_buckets) + len(seq_counts) + len(self._aux_jitted)
         with ThreadPoolExecutor(min(total, os.cpu_count() or 1)) as pool:
             futures = {}
             for t in self.token_buckets:
@@ -237,33 +329,61 @@ class ModelRunner:
             for s in seq_counts:
                 logits = jax.ShapeDtypeStruct((s, vocab), jnp.float32, sharding=self._replicated)
                 lowered = self._filter_jitted.lower(logits, self._prev_sampled,
-                                                    self._dummy_inputs(s)[5])
+                                                    *self._dummy_sampling(s), self.sampling_state)
                 futures[pool.submit(lowered.compile)] = ("filter", s)
+            for name, fn in self._aux_jitted.items():
+                futures[pool.submit(fn.lower(*self._aux_args(name)).compile)] = (name, None)
             log(f"traced and lowered {total} programs ({len(self.token_buckets)} token buckets, "
-                f"{len(seq_counts)} samplers) in {time.perf_counter() - start:.1f}s")
+                f"{len(seq_counts)} samplers, {len(self._aux_jitted)} others) in "
+                f"{time.perf_counter() - start:.1f}s")
             for i, done in enumerate(as_completed(futures), 1):
                 kind, n = futures[done]
-                (self._compiled if kind == "step" else self._filter_compiled)[n] = done.result()
-                log(f"compiling (or loading from the cache): {i}/{total} "
-                    f"({kind} {'tokens' if kind == 'step' else 'seqs'}={n}) "
+                table = {"step": self._compiled, "filter": self._filter_compiled}.get(kind)
+                if table is None:
+                    self._aux_compiled[kind] = done.result()
+                    what = kind
+                else:
+                    table[n] = done.result()
+                    what = f"{kind} {'tokens' if kind == 'step' else 'seqs'}={n}"
+                log(f"compiling (or loading from the cache): {i}/{total} ({what}) "
                     f"{time.perf_counter() - start:.1f}s")
 
+    def _write_state_row(self, slot: int, r: NewRequestData) -> None:
+        """Dispatch the sampler-state row of a request entering the batch (sampler.py)."""
+        st = self.sampling_state
+        vocab = self.config.vocab_size
+        tokens = np.zeros(self.max_model_len, np.int32)
+        tokens[: len(r.token_ids)] = r.token_ids
+        bias = r.sampling_params.logit_bias or {}
+        bias_ids = np.full(st.bias_ids.shape[1], vocab, np.int32)
+        bias_ids[: len(bias)] = list(bias)
+        bias_values = np.zeros(st.bias_values.shape[1], np.float32)
+        bias_values[: len(bias)] = list(bias.values())
+        stop_ids = np.full(st.stop_ids.shape[1], vocab, np.int32)
+        stop_ids[: len(r.stop_token_ids)] = r.stop_token_ids
+        self.sampling_state = self._aux_compiled["state writer"](
+            st, np.int32(slot), tokens, np.int32(r.num_prompt_tokens), np.int32(len(r.token_ids)),
+            bias_ids, bias_values, stop_ids)
+
     def execute(self, sched: SchedulerOutput) -> StepHandle | None:
-        """Apply the step's changes to the InputBatch and dispatch the step (no wait). None if
-        nothing is scheduled.
+        """Apply the step's changes to the InputBatch and dispatch the step (no wait), then,
+        when some row needs them, the filtered sampler, the page copies of forked choices and
+        the prompt log-probabilities. None if nothing is scheduled.
 
         Raises:
           RuntimeError: the step's token bucket was not compiled at start-up, or a token the
             host does not know is not the previous step's (a scheduling bug).
         """
         b = self.input_batch
-        b.update_states(sched)
+        for slot, r in b.update_states(sched):
+            self._write_state_row(slot, r)
         n_tok = sched.total_num_scheduled_tokens
         if n_tok == 0:
             return None
         req_ids = list(sched.num_scheduled_tokens)
         n_seq = len(req_ids)
-        t = _bucket(self.token_buckets, n_tok)
+        # Forked choices are rows without tokens, so a step may hold more rows than tokens.
+        t = _bucket(self.token_buckets, max(n_tok, n_seq))
         s = self.num_seqs_for(t)
         ps = self.page_size
         slots = np.fromiter((b.req_index[r] for r in req_ids), np.int32, n_seq)
@@ -288,48 +408,127 @@ class ModelRunner:
         qsl = np.full(s + 1, n_tok, np.int32)
         qsl[0] = 0
         qsl[1 : n_seq + 1] = ends
+        context = computed + counts  # each sequence's length after this step
         seq_lens = np.zeros(s, np.int32)
-        seq_lens[:n_seq] = computed + counts
+        seq_lens[:n_seq] = np.where(counts > 0, context, 0)  # a forked row attends to nothing
         block_tables = np.zeros((s, self.max_pages_per_seq), np.int32)
         block_tables[:n_seq] = b.block_table[slots]
         logits_indices = np.zeros(s, np.int32)
         logits_indices[:n_seq] = ends - 1
+        if sched.forked_from:
+            row_of = {r: i for i, r in enumerate(req_ids)}
+            for child, parent in sched.forked_from.items():
+                logits_indices[row_of[child]] = logits_indices[row_of[parent]]
+        samples = np.fromiter((sched.samples[r] for r in req_ids), bool, n_seq)
+        hidden_indices, prompt_spans, targets = self._prompt_logprob_rows(
+            sched, req_ids, slots, computed, counts, ends)
 
         def per_seq(values, fill, dtype):
             out = np.full(s, fill, dtype)
             out[:n_seq] = values
             return out
 
+        # tokens generated before the one sampled now: its position minus the prompt
+        steps = context - b.num_prompt_tokens[slots]
         sm = SamplingMetadata(
             temperature=per_seq(b.temperature[slots], 0, np.float32),
             top_k=per_seq(b.top_k[slots], 0, np.int32),
             top_p=per_seq(b.top_p[slots], 1, np.float32),
             seeds=per_seq(b.seeds[slots], 0, np.uint32),
-            # tokens generated before the one sampled now: its position minus the prompt
-            steps=per_seq(seq_lens[:n_seq] - b.num_prompt_tokens[slots], 0, np.int32),
+            steps=per_seq(steps, 0, np.int32),
         )
         md = llama.AttentionMetadata(positions, slot_mapping, qsl, seq_lens, block_tables)
         step = self._compiled.get(t)
         if step is None:
             raise RuntimeError(f"bucket tokens={t} was not compiled at start-up")
-        sampled, logits, self.k_cache, self.v_cache = step(
+        sampled, logits, hidden, self.k_cache, self.v_cache = step(
             self.params, token_ids, prev_rows, self._prev_sampled, md, self.k_cache, self.v_cache,
-            logits_indices, sm)
-        if filtered_rows(sm, self.config.vocab_size).any():
-            sampled = self._filter_compiled[s](logits, sampled, sm)
+            logits_indices, hidden_indices, sm)
+        logprobs = None
+        logprob_ks = b.logprobs[slots]
+        suppress = b.min_tokens[slots] > steps
+        redraw = (b.penalized[slots] | b.logit_bias[slots] | suppress
+                  | ((b.temperature[slots] > 0) & (b.min_p[slots] > 0)))
+        redraw |= filtered_rows(sm, self.config.vocab_size)[:n_seq]
+        want_logprobs = samples & (logprob_ks >= 0)
+        if redraw.any() or want_logprobs.any():
+            fm = FilterMetadata(
+                rows=per_seq(redraw, False, bool), slots=per_seq(slots, 0, np.int32),
+                min_p=per_seq(b.min_p[slots], 0, np.float32),
+                presence_penalty=per_seq(b.presence_penalty[slots], 0, np.float32),
+                frequency_penalty=per_seq(b.frequency_penalty[slots], 0, np.float32),
+                repetition_penalty=per_seq(b.repetition_penalty[slots], 1, np.float32),
+                logit_bias=per_seq(b.logit_bias[slots], False, bool),
+                suppress_stop=per_seq(suppress, False, bool),
+                count=per_seq(samples & b.penalized[slots], False, bool),
+                logprobs=per_seq(want_logprobs, False, bool))
+            sampled, self.sampling_state, lp = self._filter_compiled[s](
+                logits, sampled, sm, fm, self.sampling_state)
+            logprobs = lp if want_logprobs.any() else None
+        if sched.copy_pages:
+            src = np.zeros(self.max_num_seqs, np.int32)
+            dst = np.zeros(self.max_num_seqs, np.int32)
+            src[: len(sched.copy_pages)], dst[: len(sched.copy_pages)] = zip(*sched.copy_pages)
+            self.k_cache, self.v_cache = self._aux_compiled["page copy"](
+                self.k_cache, self.v_cache, src, dst)
+        prompt_logprobs = None
+        if prompt_spans:
+            prompt_logprobs = self._aux_compiled["prompt logprobs"](self.params, hidden, targets)
         self._prev_sampled = sampled
         self._step_count += 1
-        b.num_computed_tokens[slots] = seq_lens[:n_seq]
-        samples = np.fromiter((sched.samples[r] for r in req_ids), bool, n_seq)
+        b.num_computed_tokens[slots] = context
         rows = np.flatnonzero(samples).astype(np.int32)
         b.in_flight_row[slots[rows]] = rows
         b.in_flight_step[slots[rows]] = self._step_count - 1
-        return StepHandle(self._step_count - 1, sampled, rows, [req_ids[i] for i in rows])
+        return StepHandle(self._step_count - 1, sampled, rows, [req_ids[i] for i in rows],
+                          logprobs, logprob_ks[rows], prompt_logprobs, prompt_spans, targets)
 
-    def get_output(self, handle: StepHandle) -> dict[str, int]:
-        """Wait for a dispatched step; returns req_id -> its newly sampled token, for the
-        requests whose step ended at their last token (prompt chunks sample nothing)."""
+    def _prompt_logprob_rows(self, sched, req_ids, slots, computed, counts, ends):
+        """For the requests in ``sched.prompt_logprobs``: the flat-batch rows of their scheduled
+        prompt positions that predict a next prompt token, padded to PROMPT_LOGPROB_ROWS, the
+        spans (see StepHandle) and the tokens predicted."""
+        rows = np.zeros(self.prompt_logprob_rows, np.int32)
+        targets = np.zeros(self.prompt_logprob_rows, np.int32)
+        spans, used = [], 0
+        if not sched.prompt_logprobs:
+            return rows, spans, targets
+        b = self.input_batch
+        for i, rid in enumerate(req_ids):
+            if rid not in sched.prompt_logprobs:
+                continue
+            slot = slots[i]
+            first = computed[i]  # position of the chunk's first token
+            n = min(computed[i] + counts[i], b.num_prompt_tokens[slot] - 1) - first
+            if n <= 0:
+                continue
+            if used + n > len(rows):
+                raise RuntimeError("prompt log-probability rows exceed the step's capacity")
+            rows[used : used + n] = ends[i] - counts[i] + np.arange(n)
+            targets[used : used + n] = b.token_ids[slot, first + 1 : first + 1 + n]
+            k = b.prompt_logprobs[slot]
+            spans.append((rid, int(first) + 1, used, int(n), int(k)))
+            used += n
+        return rows, spans, targets
+
+    def get_output(self, handle: StepHandle) -> ModelRunnerOutput:
+        """Wait for a dispatched step; returns its sampled tokens (for the requests whose step
+        ended at their last token; prompt chunks sample nothing) and log-probabilities."""
         # This process's copy (with a mesh over several hosts, the others are not addressable).
-        tokens = np.asarray(handle.sampled.addressable_data(0))[handle.rows]
+        sampled = np.asarray(handle.sampled.addressable_data(0))
+        tokens = sampled[handle.rows]
         self.input_batch.record_sampled(handle.step, handle.rows, handle.req_ids, tokens)
-        return dict(zip(handle.req_ids, tokens.tolist()))
+        logprobs = {}
+        if handle.logprobs is not None:
+            lp = _host_logprobs(handle.logprobs, sampled)
+            for rid, row, k in zip(handle.req_ids, handle.rows.tolist(),
+                                   handle.logprob_ks.tolist()):
+                if k >= 0:
+                    logprobs[rid] = _trim(lp, [row], [k])
+        prompt_logprobs = {}
+        if handle.prompt_logprobs is not None:
+            lp = _host_logprobs(handle.prompt_logprobs, handle.prompt_targets)
+            for rid, first, start, n, k in handle.prompt_spans:
+                rows = range(start, start + n)
+                prompt_logprobs[rid] = (first, _trim(lp, rows, [k] * n))
+        return ModelRunnerOutput(dict(zip(handle.req_ids, tokens.tolist())), logprobs,
+                                 prompt_logprobs)

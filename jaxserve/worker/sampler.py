@@ -1,4 +1,5 @@
-"""Token sampling from a step's logits: greedy, temperature, top-k, top-p, per-request seeds.
+"""Token sampling from a step's logits: greedy, temperature, top-k, top-p, min-p, penalties,
+logit bias, min_tokens, per-request seeds, and log-probabilities (vLLM V1's sampler, on JAX).
 
 Each row takes one of four paths, chosen from its own settings alone, so its token never depends
 on what else is in the batch:
@@ -11,20 +12,39 @@ on what else is in the batch:
 - sort (top_k > K_MAX, or top-p without top-k): the full-vocabulary sort, of those rows alone
   when they are at most an eighth of the batch.
 
+Before a row is drawn, the logits processors of vLLM V1 run in its order: min_tokens (EOS and
+stop token ids at -inf until enough tokens), logit bias, then the repetition, frequency and
+presence penalties (vLLM's definitions: repetition over prompt and output tokens, the other two
+over output tokens); greedy takes the argmax of the result; temperature, then min-p, then
+top-k / top-p apply to sampled rows. Log-probabilities are the log-softmax of the raw logits
+(before all of that), vLLM V1's default; the sampled token's rank counts the tokens more likely
+than it, plus one.
+
+Penalties need each request's token counts: ``SamplingState`` keeps them on the device, one row
+per InputBatch slot (output token counts, the prompt's tokens as a mask, and fixed-width tables
+of the request's logit biases and stop token ids). ``write_state_row`` fills a row when a
+request that needs it enters the batch (from its prompt and any tokens generated before a
+preemption); ``sample_filtered`` adds each step's drawn token to the counts of the rows that
+ask, so the counts are never rebuilt per step.
+
 Two functions split the work so that the model step holds no control flow on the GPU: there an
 XLA conditional copies its predicate to the host and blocks the dispatching thread until the
 device reaches it, which stalled async scheduling (docs/performance.md). ``sample_unfiltered``
 (greedy and plain; branch-free on the GPU, while on the CPU, where a conditional is cheap, it
-skips the noise when every row is greedy) runs inside every step; ``sample_filtered`` (candidates and
-sort, each under a ``lax.cond`` so that it runs only when some row takes it) is a separate
-executable that the runner dispatches only in steps where ``filtered_rows`` marks a row.
+skips the noise when every row is greedy) runs inside every step; ``sample_filtered`` (every
+row that needs more: processors, min-p, candidates and sort, each costly path under a
+``lax.cond`` so that it runs only when some row takes it; and the log-probabilities) is a
+separate executable that the runner dispatches only in steps that hold such a row.
 ``sample`` is the two in a row.
 """
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from jaxserve.sampling_params import MAX_LOGPROBS
 
 # Covers the top_k values clients use in practice (20, 40, 50, 100). On CPU lax.top_k(256) is a
 # partial sort (about 0.3 ms a 128,256-token row against 40 ms for the sort). On GPU, XLA has a
@@ -57,6 +77,163 @@ class SamplingMetadata:
 jax.tree_util.register_dataclass(
     SamplingMetadata, data_fields=["temperature", "top_k", "top_p", "seeds", "steps"], meta_fields=[]
 )
+
+
+@dataclass(frozen=True)
+class FilterMetadata:
+    """Per-sequence settings of ``sample_filtered``, padded to the step's S (built only in
+    steps that dispatch it).
+
+    Attributes:
+      rows: [S] bool, the rows ``sample_filtered`` draws again (the others keep their token).
+      slots: [S] int32, each row's row of the SamplingState.
+      min_p: [S] float32 in [0, 1]; 0 disables.
+      presence_penalty, frequency_penalty: [S] float32; 0 disables.
+      repetition_penalty: [S] float32 > 0; 1 disables.
+      logit_bias: [S] bool, add the slot's logit-bias table.
+      suppress_stop: [S] bool, the slot's stop token ids (EOS included) at -inf (min_tokens not
+        reached yet).
+      count: [S] bool, add the drawn token to the slot's output counts (a penalized row whose
+        token is its next output).
+      logprobs: [S] bool, rows whose log-probabilities are wanted.
+    """
+
+    rows: jax.Array
+    slots: jax.Array
+    min_p: jax.Array
+    presence_penalty: jax.Array
+    frequency_penalty: jax.Array
+    repetition_penalty: jax.Array
+    logit_bias: jax.Array
+    suppress_stop: jax.Array
+    count: jax.Array
+    logprobs: jax.Array
+
+
+jax.tree_util.register_dataclass(
+    FilterMetadata,
+    data_fields=["rows", "slots", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty", "logit_bias", "suppress_stop", "count", "logprobs"],
+    meta_fields=[],
+)
+
+
+@dataclass(frozen=True)
+class SamplingState:
+    """Per-slot sampling state that lives on the device across steps (one row per InputBatch
+    slot; ``N`` = max_num_seqs, ``V`` = vocabulary).
+
+    Attributes:
+      output_counts: [N, V] int32, times each token was generated (penalized requests only).
+      prompt_mask: [N, V] bool, tokens of the prompt (for the repetition penalty).
+      bias_ids: [N, B] int32 token ids of the request's logit_bias; V pads (dropped).
+      bias_values: [N, B] float32 their biases.
+      stop_ids: [N, M] int32 the ids min_tokens holds back (EOS unless ignore_eos, and
+        stop_token_ids); V pads.
+    """
+
+    output_counts: jax.Array
+    prompt_mask: jax.Array
+    bias_ids: jax.Array
+    bias_values: jax.Array
+    stop_ids: jax.Array
+
+
+jax.tree_util.register_dataclass(
+    SamplingState,
+    data_fields=["output_counts", "prompt_mask", "bias_ids", "bias_values", "stop_ids"],
+    meta_fields=[],
+)
+
+
+class Logprobs(NamedTuple):
+    """Log-probabilities of R tokens (sampled ones, or prompt tokens) and of the NUM_LOGPROBS
+    most likely tokens at their positions.
+
+    Attributes:
+      top_ids: [R, NUM_LOGPROBS] int32, most likely first.
+      top_logprobs: [R, NUM_LOGPROBS] float32.
+      token_logprobs: [R] float32, the token's own.
+      token_ranks: [R] int32, 1 + the number of tokens more likely than it.
+    """
+
+    top_ids: jax.Array
+    top_logprobs: jax.Array
+    token_logprobs: jax.Array
+    token_ranks: jax.Array
+
+
+NUM_LOGPROBS = MAX_LOGPROBS  # computed on the device for every row that asks; the host trims
+
+
+def init_state(num_slots: int, vocab: int, bias_width: int, stop_width: int) -> SamplingState:
+    """A zeroed SamplingState on the device: [num_slots, vocab] counts and mask, tables of the
+    given widths (MAX_LOGIT_BIAS; MAX_STOP_TOKEN_IDS plus the model's EOS ids)."""
+    return SamplingState(
+        output_counts=jnp.zeros((num_slots, vocab), jnp.int32),
+        prompt_mask=jnp.zeros((num_slots, vocab), bool),
+        bias_ids=jnp.full((num_slots, bias_width), vocab, jnp.int32),
+        bias_values=jnp.zeros((num_slots, bias_width), jnp.float32),
+        stop_ids=jnp.full((num_slots, stop_width), vocab, jnp.int32))
+
+
+def write_state_row(state: SamplingState, slot, token_ids, num_prompt_tokens, num_tokens,
+                    bias_ids, bias_values, stop_ids) -> SamplingState:
+    """Fill one slot's row for a request entering the batch (donate ``state``).
+
+    Args:
+      state: the SamplingState.
+      slot: int32 scalar, the row.
+      token_ids: [L] int32 the request's known tokens, prompt first (L = max_model_len; entries
+        from ``num_tokens`` on are ignored).
+      num_prompt_tokens, num_tokens: int32 scalars.
+      bias_ids, bias_values: [B] the request's logit_bias, padded with the vocabulary size.
+      stop_ids: [M] its stop token ids, padded likewise.
+
+    Returns:
+      The state with that row's counts (tokens from the prompt's end up to num_tokens), prompt
+      mask and tables replaced.
+    """
+    vocab = state.output_counts.shape[1]
+    pos = jnp.arange(token_ids.shape[0])
+    in_prompt = jnp.where(pos < num_prompt_tokens, token_ids, vocab)
+    in_output = jnp.where((pos >= num_prompt_tokens) & (pos < num_tokens), token_ids, vocab)
+    counts = jnp.zeros(vocab, jnp.int32).at[in_output].add(1, mode="drop")
+    mask = jnp.zeros(vocab, bool).at[in_prompt].set(True, mode="drop")
+    return SamplingState(
+        output_counts=state.output_counts.at[slot].set(counts),
+        prompt_mask=state.prompt_mask.at[slot].set(mask),
+        bias_ids=state.bias_ids.at[slot].set(bias_ids),
+        bias_values=state.bias_values.at[slot].set(bias_values),
+        stop_ids=state.stop_ids.at[slot].set(stop_ids))
+
+
+def apply_processors(logits: jax.Array, fm: FilterMetadata, state: SamplingState) -> jax.Array:
+    """vLLM V1's logits processors and penalties, in its order: min_tokens, logit bias, then
+    repetition, frequency and presence penalties. [S, V] float32 -> [S, V] float32; rows whose
+    settings are neutral come back unchanged."""
+    s, vocab = logits.shape
+    row = jnp.arange(s)[:, None]
+    stop_ids = jnp.where(fm.suppress_stop[:, None], state.stop_ids[fm.slots], vocab)
+    logits = logits.at[row, stop_ids].set(-jnp.inf, mode="drop")
+    bias_ids = jnp.where(fm.logit_bias[:, None], state.bias_ids[fm.slots], vocab)
+    logits = logits.at[row, bias_ids].add(state.bias_values[fm.slots], mode="drop")
+    counts = state.output_counts[fm.slots]
+    seen = state.prompt_mask[fm.slots] | (counts > 0)
+    rep = jnp.where(seen, fm.repetition_penalty[:, None], 1.0)
+    logits = jnp.where(logits > 0, logits / rep, logits * rep)
+    return (logits - fm.frequency_penalty[:, None] * counts
+            - fm.presence_penalty[:, None] * (counts > 0))
+
+
+def compute_logprobs(logits: jax.Array, token_ids: jax.Array) -> Logprobs:
+    """Log-softmax of ``logits`` ([R, V] float32, raw) at ``token_ids`` ([R] int32), with the
+    NUM_LOGPROBS most likely tokens of each row and the token's rank."""
+    lp = jax.nn.log_softmax(logits, axis=-1)
+    top_lp, top_ids = jax.lax.top_k(lp, min(NUM_LOGPROBS, lp.shape[-1]))
+    token_lp = jnp.take_along_axis(lp, token_ids[:, None], axis=-1)
+    ranks = jnp.sum(lp > token_lp, axis=-1, dtype=jnp.int32) + 1
+    return Logprobs(top_ids.astype(jnp.int32), top_lp, token_lp[:, 0], ranks)
 
 
 def _top_p_keep(probs: jax.Array, top_p: jax.Array) -> jax.Array:
@@ -184,39 +361,88 @@ def sample_unfiltered(logits: jax.Array, sm: SamplingMetadata, *,
     return jax.lax.cond(jnp.any(sampled), with_draws, lambda: greedy)
 
 
-def sample_filtered(logits: jax.Array, tokens: jax.Array, sm: SamplingMetadata) -> jax.Array:
-    """``tokens`` ([S] int32, from ``sample_unfiltered``) with the top-k and top-p rows'
-    tokens drawn: [S, V] float32 logits -> [S] int32."""
+def sample_filtered(logits: jax.Array, tokens: jax.Array, sm: SamplingMetadata,
+                    fm: FilterMetadata, state: SamplingState | None = None):
+    """``tokens`` ([S] int32, from ``sample_unfiltered``) with ``fm.rows`` drawn again after the
+    logits processors, min-p, top-k and top-p.
+
+    Args:
+      logits: [S, V] float32, the step's raw logits.
+      tokens: [S] int32.
+      sm, fm: the rows' settings.
+      state: the SamplingState (donate it); None when no row has penalties, a logit bias or
+        min_tokens (then nothing is read or counted).
+
+    Returns:
+      (tokens [S] int32, the state with the drawn tokens counted (or None), Logprobs of the
+      final tokens (zeros unless some row has ``fm.logprobs``)).
+    """
     vocab = logits.shape[-1]
-    scaled, keys = _scaled_and_keys(logits, sm)
+    processed = logits if state is None else apply_processors(logits, fm, state)
+    scaled, keys = _scaled_and_keys(processed, sm)
+    # min-p on the tempered distribution: p < min_p * p_max  <=>  scaled < max + log(min_p).
+    floor = jnp.max(scaled, axis=-1, keepdims=True) + jnp.log(fm.min_p)[:, None]
+    scaled = jnp.where((fm.min_p[:, None] > 0) & (scaled < floor), -jnp.inf, scaled)
     k = jnp.where((sm.top_k > 0) & (sm.top_k < vocab), sm.top_k, 0)
-    filtered = filtered_rows(sm, vocab)
-    candidates = filtered & (k > 0) & (k <= K_MAX)
-    sort = filtered & ~candidates
+    sampled = fm.rows & (sm.temperature > 0)
+    candidates = sampled & (k > 0) & (k <= K_MAX)
+    sort = sampled & ~candidates & ((k > 0) | (sm.top_p < 1))
+    plain = sampled & ~candidates & ~sort
     zeros = jnp.zeros(logits.shape[:1], jnp.int32)
 
     def run_if(rows, fn):
         return jax.lax.cond(jnp.any(rows), fn, lambda: zeros)
 
+    tokens = jnp.where(fm.rows & ~sampled, jnp.argmax(processed, axis=-1).astype(jnp.int32),
+                       tokens)
+    tokens = jnp.where(plain, run_if(plain, lambda: jax.vmap(jax.random.categorical)(
+        keys, scaled).astype(jnp.int32)), tokens)
     tokens = jnp.where(
         candidates,
         run_if(candidates, lambda: _sample_top_k(scaled, k, sm.top_p, keys, min(K_MAX, vocab))),
         tokens,
     )
-    return jnp.where(
-        sort, run_if(sort, lambda: _sample_sorted_rows(scaled, k, sm.top_p, keys, sort)), tokens
-    )
+    tokens = jnp.where(
+        sort, run_if(sort, lambda: _sample_sorted_rows(scaled, k, sm.top_p, keys, sort)), tokens)
+    if state is not None:
+        counts = state.output_counts.at[fm.slots, tokens].add(fm.count.astype(jnp.int32))
+        state = SamplingState(counts, state.prompt_mask, state.bias_ids, state.bias_values,
+                              state.stop_ids)
+    k_lp = min(NUM_LOGPROBS, vocab)
+    no_logprobs = Logprobs(jnp.zeros((len(tokens), k_lp), jnp.int32),
+                           jnp.zeros((len(tokens), k_lp), jnp.float32),
+                           jnp.zeros(len(tokens), jnp.float32), jnp.zeros(len(tokens), jnp.int32))
+    logprobs = jax.lax.cond(jnp.any(fm.logprobs), lambda: compute_logprobs(logits, tokens),
+                            lambda: no_logprobs)
+    return tokens, state, logprobs
 
 
-def sample(logits: jax.Array, sm: SamplingMetadata) -> jax.Array:
+def plain_filter_metadata(sm: SamplingMetadata, vocab: int) -> FilterMetadata:
+    """FilterMetadata that draws the top-k / top-p rows of ``sm`` and nothing else."""
+    n = sm.temperature.shape[0]
+    off = jnp.zeros(n, bool)
+    return FilterMetadata(
+        rows=filtered_rows(sm, vocab), slots=jnp.zeros(n, jnp.int32),
+        min_p=jnp.zeros(n, jnp.float32), presence_penalty=jnp.zeros(n, jnp.float32),
+        frequency_penalty=jnp.zeros(n, jnp.float32), repetition_penalty=jnp.ones(n, jnp.float32),
+        logit_bias=off, suppress_stop=off, count=off, logprobs=off)
+
+
+def sample(logits: jax.Array, sm: SamplingMetadata, fm: FilterMetadata | None = None,
+           state: SamplingState | None = None):
     """Pick one token per row (``sample_unfiltered`` then ``sample_filtered``).
 
     Args:
       logits: [S, V] float32.
       sm: the rows' sampling settings.
+      fm, state: as ``sample_filtered``; None for ``fm`` draws the top-k / top-p rows only.
 
     Returns:
-      [S] int32 token ids. Greedy rows take the argmax. A row's token depends only on its own
-      logits, settings, seed and step.
+      [S] int32 token ids when ``fm`` is None, else ``sample_filtered``'s triple. Greedy rows
+      take the argmax (of the processed logits). A row's token depends only on its own logits,
+      settings, state row, seed and step.
     """
-    return sample_filtered(logits, sample_unfiltered(logits, sm, branch_free=False), sm)
+    tokens = sample_unfiltered(logits, sm, branch_free=False)
+    if fm is None:
+        return sample_filtered(logits, tokens, sm, plain_filter_metadata(sm, logits.shape[-1]))[0]
+    return sample_filtered(logits, tokens, sm, fm, state)

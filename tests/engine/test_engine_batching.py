@@ -39,12 +39,21 @@ def test_no_compilation_after_warmup(smollm_llm):
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
         prompts = sharegpt_prompts(50, max_chars=300, skip=100)
+        # Every sampler path and program: top-k/top-p, min-p, penalties, logit bias,
+        # min_tokens, logprobs, prompt logprobs (echo) and n (a forked choice, a page copy).
+        extra = [dict(), dict(min_p=0.1), dict(frequency_penalty=1.0, presence_penalty=0.5),
+                 dict(repetition_penalty=1.3), dict(logit_bias={100: 5.0}),
+                 dict(min_tokens=2), dict(logprobs=3), dict(prompt_logprobs=2, logprobs=0),
+                 dict(n=3)]
         params = [
             SamplingParams(temperature=0.7 * (i % 3), top_p=0.9, top_k=20 * (i % 2), seed=i,
-                           max_tokens=4 + i % 9)
+                           max_tokens=4 + i % 9, **extra[i % len(extra)])
             for i in range(50)
         ]
         outs = smollm_llm.generate(prompts, params, use_tqdm=False)
+        assert all(len(o.outputs) == p.n for o, p in zip(outs, params))
+        assert all(o.prompt_logprobs is not None for o, p in zip(outs, params)
+                   if p.prompt_logprobs is not None)
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
     assert len(outs) == 50 and all(o.outputs[0].token_ids for o in outs)

@@ -33,6 +33,7 @@ class StubEngineCore:
         self.eos_token_ids = (self.tokenizer.eos_token_id,)
         self.vocab_size = len(self.tokenizer)
         self.allocator_fraction = 0.0  # the stub starts no JAX backend
+        self.generation_config = {}
         self.text_ids = self.tokenizer.encode(TEXT, add_special_tokens=False)
         self.reqs = {}
 

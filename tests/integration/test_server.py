@@ -345,14 +345,14 @@ def _assert_error(status, body, want_status, param="unset", contains=None):
     (json.dumps({"prompt": "hi", "temperature": -0.5}), "temperature"),
     (json.dumps({"prompt": "hi", "top_p": 0}), "top_p"),
     (json.dumps({"prompt": "hi", "max_tokens": 0}), "max_tokens"),
-    (json.dumps({"prompt": "hi", "n": 2}), "n"),
-    (json.dumps({"prompt": "hi", "logprobs": 3}), "logprobs"),
-    (json.dumps({"prompt": "hi", "echo": True}), "echo"),
+    (json.dumps({"prompt": "hi", "n": 129}), "n"),
+    (json.dumps({"prompt": "hi", "logprobs": 21}), "logprobs"),
+    (json.dumps({"prompt": "hi", "best_of": 3}), "best_of"),
     (json.dumps({"prompt": "hi", "stream": "yes"}), "stream"),
     (json.dumps({"prompt": ""}), "prompt"),
     (json.dumps({"prompt": [1, 2, 10**9]}), "prompt"),
     (json.dumps({"prompt": "word " * 2000}), "prompt"),
-    (json.dumps({"prompt": "hi", "max_tokens": MAX_MODEL_LEN}), "prompt"),
+    (json.dumps({"prompt": "hi", "max_tokens": MAX_MODEL_LEN}), "max_tokens"),
 ])
 def test_completion_bad_requests_400(server, body, param):
     _assert_error(*_post(server, "/v1/completions", body), 400, param)
@@ -361,7 +361,8 @@ def test_completion_bad_requests_400(server, body, param):
 @pytest.mark.parametrize("body,param", [
     (json.dumps({"messages": []}), "messages"),
     (json.dumps({"messages": [{"role": "wizard", "content": "hi"}]}), "messages"),
-    (json.dumps({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}), "logprobs"),
+    (json.dumps({"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                 "top_logprobs": 21}), "top_logprobs"),
     (json.dumps({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}),
      "tools"),
     (json.dumps({"messages": [{"role": "user", "content": "hi " * 1500}]}), "messages"),

@@ -107,7 +107,7 @@ def test_an_output_that_fails_fails_its_own_request_only(tokenizer):
         good, bad = asyncio.Queue(), asyncio.Queue()
         op.add_request("good", None, [1], SamplingParams(), good)
         op.add_request("bad", None, [1], SamplingParams(), bad)
-        op.requests["bad"].detokenizer = None  # any failure while handling its output
+        op.requests["bad"].choices[0].detokenizer = None  # any failure while handling its output
         result = op.process_outputs([EngineCoreOutput("bad", [5]), EngineCoreOutput("good", [5])])
         return result.reqs_to_abort, bad.get_nowait(), good.get_nowait()
 

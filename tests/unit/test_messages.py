@@ -3,7 +3,7 @@
 import msgspec
 import pytest
 
-from jaxserve.engine import EngineCoreOutput, EngineCoreRequest, SchedulerStats
+from jaxserve.engine import EngineCoreOutput, EngineCoreRequest, LogprobsLists, SchedulerStats
 from jaxserve.engine import messages as M
 from jaxserve.sampling_params import SamplingParams
 
@@ -24,6 +24,15 @@ MESSAGES = [
                                 num_prompt_tokens=30, num_cached_tokens=16)],
               SchedulerStats(num_running_reqs=2, kv_cache_usage=0.25, num_preemptions_total=1)),
     M.Outputs([], None),
+    M.AddRequest(EngineCoreRequest("n", [5, 6], SamplingParams(
+        n=3, logprobs=2, prompt_logprobs=1, logit_bias={7: -100.0, 9: 2.5}, min_p=0.1,
+        presence_penalty=0.5, frequency_penalty=-1.0, repetition_penalty=1.2, min_tokens=2,
+        include_stop_str_in_output=True, skip_special_tokens=False))),
+    M.Outputs([EngineCoreOutput("0_n", [17], new_logprobs=LogprobsLists([[17, 3]], [[-0.5, -0.1]], [2]),
+                                new_prompt_logprobs=LogprobsLists([[6]], [[-3.25]], [40]))],
+              SchedulerStats(prompt_tokens_computed=12)),
+    M.Ready(model_name="m", max_model_len=8, tokenizer_dir="/t",
+            generation_config={"temperature": 0.3, "top_p": 0.4}),
     M.Error(["a"], "prompt is too long", kind="invalid_request"),
     M.Error([], "cannot load model", fatal=True),
 ]

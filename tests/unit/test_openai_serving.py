@@ -26,6 +26,7 @@ class FakeLLM:
     ready, errored, shutting_down, restarting = True, False, False, False
     model_name, max_model_len = "fake-model", 64
     engine_config = {"max_num_seqs": 2}
+    generation_config = {}
 
     def __init__(self, fail: Exception | None = None):
         self.fail = fail
@@ -103,7 +104,7 @@ def test_chat_response_with_token_ids():
                                                 "return_token_ids": True})
     assert _body(text) == {
         "object": "chat.completion", "model": "fake-model",
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hello é"},
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hello é", "refusal": None},
                      "logprobs": None, "finish_reason": "stop",
                      "prompt_token_ids": PROMPT_IDS, "token_ids": [10, 11, 12, 2]}],
         "usage": USAGE}

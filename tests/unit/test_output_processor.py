@@ -106,21 +106,20 @@ def test_without_a_queue_deltas_are_returned(tokenizer):
 
 
 @pytest.mark.parametrize("body,field", [
-    ({"prompt": "x", "n": 3}, "n"), ({"prompt": "x", "logprobs": 1}, "logprobs"),
-    ({"prompt": "x", "echo": True}, "echo"), ({"prompt": "x", "best_of": 2}, "best_of"),
-    ({"prompt": ["a", "b"]}, "prompt"), ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
-    ({"prompt": "x", "logit_bias": {"5": 1.0}}, "logit_bias"), ({"prompt": "x"}, None),
-    ({"prompt": ["x"], "n": 1, "logprobs": None}, None),
+    ({"prompt": "x", "best_of": 2}, "best_of"), ({"prompt": "x", "suffix": "y"}, "suffix"),
+    ({"prompt": "x", "n": 3, "logprobs": 2, "echo": True, "presence_penalty": 0.5,
+      "logit_bias": {"5": 1.0}}, None),
+    ({"prompt": ["a", "b"], "best_of": 1}, None),
 ])
 def test_completion_unsupported_fields(body, field):
     assert CompletionRequest.model_validate(body).unsupported_field() == field
 
 
 @pytest.mark.parametrize("body,field", [
-    ({"logprobs": True}, "logprobs"), ({"top_logprobs": 2}, "top_logprobs"),
     ({"tools": [{"type": "function"}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"), ({"n": 2}, "n"),
-    ({"response_format": {"type": "text"}}, None), ({}, None),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"response_format": {"type": "text"}, "n": 2, "logprobs": True, "top_logprobs": 3}, None),
 ])
 def test_chat_unsupported_fields(body, field):
     req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], **body})
@@ -134,8 +133,39 @@ def test_protocol_types_are_strict_and_extras_kept():
         CompletionRequest.model_validate({"prompt": "x", "stream": "true"})
     req = CompletionRequest.model_validate({"prompt": "x", "temperature": 1, "whatever": 3})
     assert req.temperature == 1.0 and req.model_extra == {"whatever": 3}
-    sp = req.sampling_params(req.max_tokens)
+    sp = req.sampling_params(req.max_tokens, {})
     assert sp.max_tokens == 16 and sp.temperature == 1.0
+
+
+def test_request_fields_to_sampling_params():
+    """OpenAI's and vLLM's request fields land in SamplingParams under vLLM's names; the
+    generation config fills in only what the request leaves out."""
+    defaults = {"temperature": 0.2, "top_p": 0.9, "max_tokens": 50}
+    req = CompletionRequest.model_validate({
+        "prompt": "x", "n": 3, "logprobs": 2, "echo": True, "presence_penalty": 0.5,
+        "frequency_penalty": -1, "repetition_penalty": 1.2, "min_p": 0.1, "min_tokens": 2,
+        "logit_bias": {"5": 1.5, "07": -100}, "top_p": 0.5, "seed": 4,
+        "include_stop_str_in_output": True, "skip_special_tokens": False, "user": "u1"})
+    sp = req.sampling_params(req.max_tokens, defaults)
+    assert (sp.n, sp.logprobs, sp.prompt_logprobs, sp.logit_bias) == (3, 2, 2, {5: 1.5, 7: -100})
+    assert (sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty) == (0.5, -1, 1.2)
+    assert (sp.min_p, sp.min_tokens, sp.seed) == (0.1, 2, 4)
+    assert sp.include_stop_str_in_output and not sp.skip_special_tokens
+    assert (sp.temperature, sp.top_p, sp.max_tokens) == (0.2, 0.5, 16)
+    chat = ChatCompletionRequest.model_validate({
+        "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 4})
+    sp = chat.sampling_params(chat.requested_max_tokens(), defaults)
+    assert (sp.logprobs, sp.prompt_logprobs, sp.max_tokens, sp.temperature) == (4, None, 50, 0.2)
+    with pytest.raises(pydantic.ValidationError, match="top_logprobs"):
+        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}],
+                                              "logprobs": True, "top_logprobs": 21})
+    for body, field in [({"top_logprobs": 2}, "top_logprobs"), ({"logit_bias": {"a": 1}}, "logit_bias"),
+                        ({"min_p": 1.5}, "min_p"), ({"n": 0}, "n"),
+                        ({"presence_penalty": 3}, "presence_penalty")]:
+        chat = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}],
+                                                     **body})
+        with pytest.raises(ValueError, match=f"^{field}"):
+            chat.sampling_params(None, {})
 
 
 def test_chat_content_parts_and_developer_role():
@@ -146,6 +176,35 @@ def test_chat_content_parts_and_developer_role():
     assert req.template_messages() == [{"role": "system", "content": "be brief"},
                                        {"role": "user", "content": "ab"}]
     assert req.requested_max_tokens() == 7
-    with pytest.raises(pydantic.ValidationError):
-        ChatCompletionRequest.model_validate({"messages": [
-            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]})
+    req = ChatCompletionRequest.model_validate({"messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "user", "content": [{"type": "text", "text": "a"},
+                                     {"type": "image_url", "image_url": {"url": "x"}}]}]})
+    with pytest.raises(ValueError, match=r"^messages\.1\.content\.1: images are not supported"):
+        req.template_messages()
+
+
+def test_choices_of_one_request_and_their_logprobs(tokenizer):
+    """n choices come back under their engine ids and fold into one request; each finishes on
+    its own, a stop string aborts that choice alone; log-probabilities become Logprob entries
+    holding the token and its alternatives."""
+    from jaxserve.engine import LogprobsLists
+
+    a, b = (tokenizer.encode(x, add_special_tokens=False)[0] for x in ("a", "b"))
+    op = OutputProcessor(tokenizer, eos_token_ids=[2])
+    op.add_request("r", None, [1], SamplingParams(n=2, stop=["b"], logprobs=1))
+    lp = LogprobsLists([[a, b]], [[-0.5, -0.25]], [2])
+    out = op.process_outputs([EngineCoreOutput("0_r", [a], new_logprobs=lp),
+                              EngineCoreOutput("1_r", [b], new_logprobs=lp)])
+    assert out.reqs_to_abort == ["1_r"]
+    first, second = out.request_outputs
+    assert first.outputs[0].index == 0 and second.outputs[0].index == 1
+    assert second.outputs[0].finish_reason == "stop" and not second.finished
+    entry = first.outputs[0].logprobs[0]
+    assert list(entry) == [a, b] and (entry[a].rank, entry[b].rank) == (2, 1)
+    assert entry[b].decoded_token == "b"
+    merged = merge_outputs(first, second)
+    assert [c.index for c in merged.outputs] == [0, 1]
+    last = op.process_outputs([EngineCoreOutput("0_r", [2], "stop", 2, new_logprobs=lp)])
+    assert last.request_outputs[0].finished and not op.requests
+    assert op.abort_request("r") == []

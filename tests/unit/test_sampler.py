@@ -180,3 +180,117 @@ def test_branch_free_draws_equal_the_branching_ones(temperatures):
     a = sample_unfiltered(logits, m, branch_free=True)
     b = sample_unfiltered(logits, m, branch_free=False)
     assert np.asarray(a).tolist() == np.asarray(b).tolist()
+
+
+# -- logits processors, penalties, min-p, logprobs (the filtered executable) -------------------
+
+from jaxserve.worker.sampler import (  # noqa: E402
+    FilterMetadata, apply_processors, compute_logprobs, init_state, write_state_row)
+
+V = 12
+
+
+def fmeta(n, **kw):
+    """FilterMetadata for n rows, rows i using slot i, everything off unless given."""
+    base = dict(rows=np.ones(n, bool), slots=np.arange(n, dtype=np.int32),
+                min_p=np.zeros(n, np.float32), presence_penalty=np.zeros(n, np.float32),
+                frequency_penalty=np.zeros(n, np.float32),
+                repetition_penalty=np.ones(n, np.float32), logit_bias=np.zeros(n, bool),
+                suppress_stop=np.zeros(n, bool), count=np.zeros(n, bool),
+                logprobs=np.zeros(n, bool))
+    base.update({k: np.asarray(v, base[k].dtype) for k, v in kw.items()})
+    return FilterMetadata(**base)
+
+
+def state_with(rows):
+    """A SamplingState whose slot i holds rows[i] = (tokens, num_prompt, bias dict, stop ids)."""
+    st = init_state(len(rows), V, 4, 3)
+    for i, (tokens, num_prompt, bias, stops) in enumerate(rows):
+        t = np.zeros(16, np.int32)
+        t[: len(tokens)] = tokens
+        bias_ids = np.full(4, V, np.int32)
+        bias_ids[: len(bias)] = list(bias)
+        bias_vals = np.zeros(4, np.float32)
+        bias_vals[: len(bias)] = list(bias.values())
+        stop_ids = np.full(3, V, np.int32)
+        stop_ids[: len(stops)] = stops
+        st = write_state_row(st, np.int32(i), t, np.int32(num_prompt), np.int32(len(tokens)),
+                             bias_ids, bias_vals, stop_ids)
+    return st
+
+
+def test_state_rows_count_outputs_and_mark_the_prompt():
+    st = state_with([([3, 4, 5, 5, 7, 5], 3, {}, [])])
+    assert np.asarray(st.output_counts[0]).tolist() == [0, 0, 0, 0, 0, 2, 0, 1, 0, 0, 0, 0]
+    assert np.flatnonzero(np.asarray(st.prompt_mask[0])).tolist() == [3, 4, 5]
+
+
+def test_penalties_bias_and_min_tokens_follow_vllms_definitions():
+    """Row 0: repetition 2 over prompt + output, frequency 0.5 and presence 1 over the output;
+    row 1: a logit bias and min_tokens holding its stop ids back; row 2: all neutral."""
+    rng = np.random.default_rng(3)
+    logits = rng.standard_normal((3, V)).astype(np.float32) * 3
+    st = state_with([([1, 2, 5, 5, 6], 2, {}, []), ([1], 1, {4: 2.5, 9: -100.0}, [2, 7]),
+                     ([1], 1, {0: 50.0}, [3])])
+    fm = fmeta(3, repetition_penalty=[2, 1, 1], frequency_penalty=[0.5, 0, 0],
+               presence_penalty=[1, 0, 0], logit_bias=[False, True, False],
+               suppress_stop=[False, True, False])
+    out = np.asarray(apply_processors(jnp.asarray(logits), fm, st))
+    want = logits.copy()
+    counts = np.bincount([5, 5, 6], minlength=V)
+    seen = np.isin(np.arange(V), [1, 2, 5, 6])
+    r = want[0]
+    r[seen] = np.where(r[seen] > 0, r[seen] / 2, r[seen] * 2)
+    want[0] = r - 0.5 * counts - 1.0 * (counts > 0)
+    want[1, 4] += 2.5
+    want[1, 9] -= 100
+    want[1, [2, 7]] = -np.inf
+    np.testing.assert_allclose(out, want, rtol=1e-6)
+
+
+def test_min_p_keeps_tokens_within_its_share_of_the_best():
+    """min_p after temperature: the support is the tokens with p >= min_p * p_max, drawn in
+    proportion (chi-square); min_p 1 is greedy."""
+    logits = np.log(np.array([0.4, 0.3, 0.15, 0.1, 0.05], np.float32))
+    n = N_DRAWS
+    sm = meta(n, temperature=1.0)
+    fm = fmeta(n, min_p=np.full(n, 0.3))
+    tokens = np.asarray(jax.jit(sample)(jnp.tile(logits, (n, 1)), sm, fm, None)[0])
+    p = np.array([0.4, 0.3, 0.15, 0, 0])  # 0.1 < 0.3 * 0.4: out
+    assert_follows(tokens, p / p.sum())
+    fm1 = fmeta(8, min_p=np.ones(8))
+    assert set(np.asarray(jax.jit(sample)(jnp.tile(logits, (8, 1)), meta(8, temperature=2.0),
+                                          fm1, None)[0])) == {0}
+
+
+def test_logprobs_are_the_raw_log_softmax_with_ranks():
+    rng = np.random.default_rng(5)
+    logits = rng.standard_normal((4, 300)).astype(np.float32) * 4
+    tokens = np.array([0, 5, int(logits[2].argmax()), 299], np.int32)
+    lp = compute_logprobs(jnp.asarray(logits), jnp.asarray(tokens))
+    ref = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+        - logits.max(-1, keepdims=True)
+    np.testing.assert_allclose(np.asarray(lp.token_logprobs), ref[np.arange(4), tokens], atol=1e-5)
+    top = np.asarray(lp.top_logprobs)
+    assert (np.diff(top, axis=-1) <= 0).all()
+    np.testing.assert_allclose(top, -np.sort(-ref, axis=-1)[:, : top.shape[1]], atol=1e-5)
+    ranks = 1 + (ref > ref[np.arange(4), tokens][:, None]).sum(-1)
+    assert np.asarray(lp.token_ranks).tolist() == ranks.tolist() and ranks[2] == 1
+
+
+def test_filtered_rows_count_their_tokens_and_greedy_takes_the_processed_argmax():
+    """A greedy row with a penalty takes the argmax after the penalty; the count flag adds the
+    drawn token to that slot only; rows not marked keep their token."""
+    logits = np.zeros((3, V), np.float32)
+    logits[:, 5] = 3.0
+    logits[:, 6] = 2.5
+    st = state_with([([1, 5], 1, {}, []), ([1], 1, {}, []), ([1], 1, {}, [])])
+    sm = meta(3, temperature=0.0)
+    fm = fmeta(3, rows=[True, True, False], frequency_penalty=[1.0, 0, 0],
+               count=[True, True, False], logprobs=[True, False, False])
+    tokens, st2, lp = jax.jit(sample)(jnp.asarray(logits), sm, fm, st)
+    assert np.asarray(tokens).tolist() == [6, 5, 5]  # row 0: 3.0 - 1 < 2.5
+    counts = np.asarray(st2.output_counts)
+    assert counts[0, 6] == 1 and counts[0, 5] == 1 and counts[1, 5] == 1 and counts[2].sum() == 0
+    # Log-probabilities are of the raw logits, whatever the penalty did.
+    assert float(lp.token_logprobs[0]) == pytest.approx(2.5 - np.log(np.exp(logits[0]).sum()), abs=1e-5)

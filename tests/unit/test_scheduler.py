@@ -202,3 +202,101 @@ def test_async_scheduling_gives_the_same_outputs():
             assert asyn == sync
             assert any(len(v) < 20 for v in sync.values())  # some stopped on a stop token
     assert s2.num_preemptions > 0
+
+
+def run_choices(prompts, n, async_scheduling=False, **kw):
+    """Each prompt as one request with n choices (choice i seeded i); returns outputs by
+    engine id and the scheduler."""
+    sched, runner = make(**kw)
+    for i, p in enumerate(prompts):
+        sched.add_request(make_request(i, p, max_tokens=8, n=n))
+    out = run_to_completion(sched, runner, on_step=check_invariants(sched),
+                            async_scheduling=async_scheduling)
+    assert not sched.requests and sched.kv.usage() == 0
+    assert sched.kv.block_pool.num_free_pages == sched.kv.block_pool.num_usable_pages
+    return out, sched
+
+
+def alone(prompt, seed, **kw):
+    """One sequence of ``prompt`` seeded ``seed``, by itself: what a choice must produce."""
+    sched, runner = make(**kw)
+    req = make_request("x", prompt, max_tokens=8)
+    req.seed = seed
+    sched.add_request(req)
+    return run_to_completion(sched, runner)["x"]
+
+
+def test_n_choices_fork_once_the_prompt_is_computed():
+    """Choices 1.. fork in the step that computes choice 0's prompt (pages shared, the partly
+    filled last page copied): each choice's tokens equal its seed's run alone (so every step
+    read the right K/V), and the prompt is computed once, with prefix caching on or off, for
+    prompts that end mid-page and on a page boundary, chunked or not, sync or async."""
+    prompts = [list(range(100, 137)), list(range(200, 232))]  # 37 tokens, and 8 pages of 4
+    for caching in (False, True):
+        for async_scheduling in (False, True):
+            for budget in (64, 16):
+                out, sched = run_choices(prompts, 3, async_scheduling, caching=caching,
+                                         budget=budget, max_seqs=8)
+                for i, p in enumerate(prompts):
+                    for c in range(3):
+                        assert out[f"{c}_{i}"] == alone(p, c, caching=caching), (i, c)
+                assert sched.prompt_tokens_computed == sum(map(len, prompts))
+                assert sched.num_preemptions == 0
+
+
+def test_choices_without_room_start_on_their_own():
+    """With fewer sequence slots than choices, the others wait and run as requests of their
+    own: same tokens, the prompt computed again for them."""
+    p = list(range(100, 137))
+    out, sched = run_choices([p], 4, max_seqs=2, caching=False)
+    assert [out[f"{c}_0"] for c in range(4)] == [alone(p, c) for c in range(4)]
+    assert sched.prompt_tokens_computed == 4 * len(p)
+
+
+def test_aborting_a_choice_before_the_fork():
+    """Aborting choice 0 before its prompt is done starts the others on their own; aborting a
+    waiting choice drops it alone."""
+    p = list(range(100, 170))
+    sched, runner = make(budget=16, max_seqs=8)
+    sched.add_request(make_request("a", p, max_tokens=8, n=3))
+    sched.update(out := sched.schedule(), runner.execute(out))  # a first prompt chunk
+    sched.abort_requests(["2_a", "0_a"])
+    assert [r.request_id for r in sched.waiting] == ["1_a"]
+    out = run_to_completion(sched, runner)
+    assert list(out) == ["1_a"] and out["1_a"] == alone(p, 1, budget=16)
+    assert not sched.requests and sched.kv.usage() == 0
+
+
+def test_prompt_logprob_requests_skip_cache_hits_and_cap_their_chunks():
+    """A request wanting prompt log-probabilities computes every prompt position (no prefix
+    cache hits) in chunks of at most max_prompt_logprob_rows positions a step, shared by all
+    such requests of the step."""
+    prefix = list(range(300, 340))
+    sched, runner = make(budget=64, max_seqs=8)
+    sched.max_prompt_logprob_rows = 12
+    sched.add_request(make_request("warm", prefix + [5], max_tokens=1))
+    run_to_completion(sched, runner)
+    sched.add_request(make_request("a", prefix + [6, 7], max_tokens=2, prompt_logprobs=2))
+    sched.add_request(make_request("b", prefix + [8], max_tokens=2, prompt_logprobs=0))
+    sched.add_request(make_request("c", prefix + [9], max_tokens=2))
+    a, b = sched.requests["a"], sched.requests["b"]
+    out = sched.schedule()
+    assert a.num_cached_tokens == 0
+    assert out.prompt_logprobs == {"a"}  # a took all 12 rows: b waits, c with it (FIFO)
+    assert out.num_scheduled_tokens == {"a": 12}
+    sched.update(out, runner.execute(out))
+
+    def capped(o):
+        assert sum(n for r, n in o.num_scheduled_tokens.items() if r in o.prompt_logprobs) <= 12
+
+    for async_scheduling in (False, True):
+        if async_scheduling:
+            a = make_request("a2", prefix + [6, 7], max_tokens=2, prompt_logprobs=2)
+            b = make_request("b2", prefix + [8], max_tokens=2, prompt_logprobs=1)
+            sched.add_request(a)
+            sched.add_request(b)
+        run_to_completion(sched, runner, on_step=capped, async_scheduling=async_scheduling)
+        assert not sched.requests
+        # Every prompt token after the first, once, in order.
+        assert [ids[0] for ids in a.prompt_logprobs.logprob_token_ids] == a.prompt_token_ids[1:]
+        assert [ids[0] for ids in b.prompt_logprobs.logprob_token_ids] == b.prompt_token_ids[1:]

@@ -13,7 +13,7 @@ import numpy as np
 from jaxserve.config import ModelConfig
 from jaxserve.models import llama
 from jaxserve.worker.model_runner import ModelRunner
-from jaxserve.worker.sampler import SamplingMetadata, sample_filtered
+from jaxserve.worker.sampler import SamplingMetadata, plain_filter_metadata, sample_filtered
 
 CONTROL_FLOW = re.compile(r"stablehlo\.(if|case|while)\b")
 
@@ -51,5 +51,5 @@ def test_the_separate_top_k_top_p_sampler_is_where_the_branches_are():
     sm = SamplingMetadata(*(np.zeros(s, dt) for dt in (np.float32, np.int32, np.float32,
                                                       np.uint32, np.int32)))
     text = jax.jit(sample_filtered).lower(np.zeros((s, 256), np.float32), np.zeros(s, np.int32),
-                                          sm).as_text()
+                                          sm, plain_filter_metadata(sm, 256)).as_text()
     assert CONTROL_FLOW.search(text)

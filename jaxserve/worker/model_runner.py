@@ -230,10 +230,12 @@ class ModelRunner:
         self._step_count = 0
         # Penalty counts, logit biases, stop ids per slot, on the device (sampler.py); stop ids
         # hold the request's own and the model's EOS ids (config's and the tokenizer's).
-        self.sampling_state = init_state(max_num_seqs, config.vocab_size, MAX_LOGIT_BIAS,
-                                         MAX_STOP_TOKEN_IDS + len(config.eos_token_ids) + 1)
-        if mesh is not None:
-            self.sampling_state = jax.device_put(self.sampling_state, self._replicated)
+        # Created by a jitted call so that on a mesh (several hosts too) each device makes its
+        # own replica.
+        self.sampling_state = jax.jit(
+            partial(init_state, max_num_seqs, config.vocab_size, MAX_LOGIT_BIAS,
+                    MAX_STOP_TOKEN_IDS + len(config.eos_token_ids) + 1),
+            out_shardings=self._replicated)()
 
     def _kv_pool(self, num_pages: int):
         """(shape [KV, num_pages, page_size, D] of one layer's K (or V) pool, KV the layout's,

@@ -101,7 +101,13 @@ class EngineConfig:
             "checkpoint format; auto: from the path; dummy: random weights for --model PRESET "
             "or config.json")})
     dtype: Literal["auto", "bfloat16", "float32"] = field(default="auto", metadata={
-        "help": "weights and KV cache dtype; auto: bfloat16 on GPU, float32 on CPU"})
+        "help": "weights dtype (and the KV cache's with --kv-cache-dtype auto); auto: bfloat16 "
+                "on GPU, float32 on CPU"})
+    kv_cache_dtype: Literal["auto", "bfloat16", "float32", "fp8"] = field(
+        default="auto", metadata={"help": (
+            "KV cache dtype; auto: the weights' dtype; fp8: float8_e4m3fn with a float32 scale "
+            "per token and KV head (about half the bytes of bfloat16, so about twice the "
+            "tokens fit)")})
     max_model_len: int | None = field(default=None, metadata={"help": (
         "longest sequence, prompt + output, tokens; None: the model's max_position_embeddings "
         "on GPU, at most 4096 on CPU"), "valid": _POSITIVE})
@@ -115,7 +121,8 @@ class EngineConfig:
         "help": "tokens per KV page (block)",
         "valid": Valid(lambda v: v > 0 and v & (v - 1) == 0, "a power of two")})
     kv_cache_gib: float = field(default=2.0, metadata={
-        "help": "KV pool size on CPU, GiB", "valid": _POSITIVE})
+        "help": "KV pool size on CPU, GiB (of each device, with --tensor-parallel-size)",
+        "valid": _POSITIVE})
     gpu_memory_utilization: float = field(default=0.9, metadata={
         "help": "fraction of the GPU's total memory the engine may use (weights, activations, "
                 "KV pool)",
@@ -127,6 +134,20 @@ class EngineConfig:
                 "sampled tokens one step late); --no-async-scheduling waits for each step"})
     attention_backend: Literal["auto", "pallas", "reference"] = field(default="auto", metadata={
         "help": "auto: Pallas kernels on GPU, the pure-JAX reference on CPU"})
+    tensor_parallel_size: int = field(default=1, metadata={
+        "help": "devices the model is split over (Megatron-style tensor parallelism on a "
+                "jax.sharding mesh; docs/parallelism.md); must divide the model's attention "
+                "heads", "valid": _POSITIVE})
+    num_hosts: int = field(default=1, metadata={
+        "help": "hosts (processes) the --tensor-parallel-size devices span; above 1, each host "
+                "starts with the same flags and its own --host-id, host 0 serves and the others "
+                "follow its steps (jax.distributed; docs/parallelism.md)", "valid": _POSITIVE})
+    host_id: int = field(default=0, metadata={
+        "help": "this host's index, 0 to --num-hosts - 1; host 0 runs the server, the others "
+                "run without one", "valid": Valid(lambda v: v >= 0, "non-negative")})
+    distributed_coordinator: str | None = field(default=None, metadata={"help": (
+        "host:port where host 0 runs the jax.distributed coordinator (with --num-hosts above "
+        "1); None: JAX detects it from the cluster's environment (SLURM, Open MPI, ...)")})
     generation_config: str = field(default="auto", metadata={"help": (
         "sampling defaults for requests that leave them out (temperature, top_p, top_k, min_p, "
         "repetition_penalty, max_tokens): auto: the model's generation_config.json (the default "

@@ -6,6 +6,8 @@ the engine process, and serves until SIGINT/SIGTERM. Shutdown stops accepting co
 in-flight requests finish for ``--shutdown-timeout`` seconds, ends the rest with an error, and
 waits for the engine process to exit. An engine process that dies is restarted up to
 ``--max-engine-restarts`` times (docs/reliability.md); after that the server exits with code 3.
+With ``--num-hosts`` above 1, host 0 does all that and every other host (``--host-id`` > 0) runs
+only the engine, in this process, following host 0's steps (docs/parallelism.md).
 
 Exit codes: 0 after a clean shutdown, 2 for a bad flag or a model the engine cannot load (one
 line on stderr naming it, no traceback), 3 when the engine died and could not be restarted, 1 for
@@ -23,6 +25,7 @@ import signal
 import socket
 import sys
 
+from jaxserve.distributed import check_hosts
 from jaxserve.engine.arg_utils import HelpFormatter, add_cli_args, bounded, from_cli_args
 from jaxserve.entrypoints.limits import ServerLimits
 
@@ -116,6 +119,14 @@ def parse_args(argv=None):
         args.model = path
     if args.api_key is None:
         args.api_key = os.environ.get("JAXSERVE_API_KEY") or None
+    try:
+        check_hosts(from_cli_args(args))
+    except ValueError as e:
+        raise UsageError(f"argument --host-id: {e}") from None
+    if args.num_hosts > 1 and args.max_engine_restarts:
+        # The other hosts' processes end with host 0's engine: one could not restart alone.
+        _say(f"--num-hosts {args.num_hosts}: no engine restarts (--max-engine-restarts 0)")
+        args.max_engine_restarts = 0
     return args
 
 
@@ -215,6 +226,23 @@ async def serve(args, sock: socket.socket) -> int:
     return code
 
 
+def follow(args) -> int:
+    """A host other than 0 (``--host-id`` > 0): the engine in this process, without a server,
+    running host 0's steps until host 0 ends (docs/parallelism.md). Returns the exit code."""
+    from jaxserve.engine.core import EngineCore
+
+    try:
+        core = EngineCore(from_cli_args(args), log=_say)
+    except ValueError as e:
+        print(f"{PROG}: error: cannot start the engine for --model {args.model or 'default'}: "
+              f"{e}", file=sys.stderr, flush=True)
+        return 2
+    _say(f"ready: host {args.host_id} of {args.num_hosts}, following host 0")
+    core.follow()
+    _say("host 0 has ended; stopped")
+    return 0
+
+
 def main(argv=None) -> int:
     from jaxserve.entrypoints.safe_log import SafeFormatter
 
@@ -223,12 +251,12 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, handlers=[handler])
     try:
         args = parse_args(argv)
-        sock = bind_socket(args.host, args.port)
+        sock = None if args.host_id else bind_socket(args.host, args.port)
     except UsageError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
         return 2
     try:
-        return asyncio.run(serve(args, sock))
+        return follow(args) if args.host_id else asyncio.run(serve(args, sock))
     except KeyboardInterrupt:
         return 130
     except Exception as e:  # noqa: BLE001 - one line, the traceback only with JAXSERVE_DEBUG

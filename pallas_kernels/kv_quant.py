@@ -7,7 +7,10 @@ can overflow (e4m3fn has no infinity; an unscaled value above 448 would become N
 still clips, so rounding at the edge cannot overflow either. A row reads back as
 ``values * scale``; the kernels fold the scales into the scores (keys) and the probabilities
 (values), so the dots run on the 8-bit values widened to bfloat16 and the KV read is about half
-of bfloat16's (D bytes + 4 per row against 2 D).
+of bfloat16's (D bytes + 4 per row against 2 D). The pool stores the 8-bit patterns as uint8
+(bitcast on the way in and out, free): XLA scatters float8 (and bfloat16) on the CPU by
+converting the whole operand, i.e. copying the pool every write (~100 ms a layer at 2 GiB),
+and uint8 in place.
 
 Source: the OCP 8-bit floating point specification (E4M3: 4 exponent bits, 3 mantissa bits,
 no infinities, max 448); per-token scaling as in KIVI / vLLM's per-token-head KV quantization.
@@ -21,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 FP8_DTYPE = jnp.float8_e4m3fn
+STORAGE_DTYPE = jnp.uint8  # the pool holds FP8_DTYPE's bit patterns
 FP8_MAX = float(jnp.finfo(FP8_DTYPE).max)  # 448
 # The dtype the kernels widen FP8 keys and values to for their dots (and cast queries to).
 FP8_COMPUTE_DTYPE = jnp.bfloat16
@@ -32,7 +36,7 @@ class QuantizedPages:
     ``[KV, num_pages, page_size, D]`` pool would be.
 
     Attributes:
-      values: [KV, num_pages, page_size, D] float8_e4m3fn.
+      values: [KV, num_pages, page_size, D] uint8, the bits of float8_e4m3fn values.
       scales: [KV, num_pages, page_size] float32; a row is ``values * scales[..., None]``.
     """
 
@@ -45,7 +49,8 @@ class QuantizedPages:
 
     @property
     def dtype(self):
-        return self.values.dtype
+        """The values' logical dtype, float8_e4m3fn."""
+        return jnp.dtype(FP8_DTYPE)
 
     @property
     def nbytes(self) -> int:
@@ -55,9 +60,34 @@ class QuantizedPages:
 jax.tree_util.register_dataclass(QuantizedPages, data_fields=["values", "scales"], meta_fields=[])
 
 
+def is_fp8(dtype) -> bool:
+    return jnp.dtype(dtype) == jnp.dtype(FP8_DTYPE)
+
+
 def zeros(shape: tuple[int, int, int, int]) -> QuantizedPages:
-    """An empty pool of ``shape`` [KV, num_pages, page_size, D] (all rows read back as 0)."""
-    return QuantizedPages(jnp.zeros(shape, FP8_DTYPE), jnp.zeros(shape[:-1], jnp.float32))
+    """An empty FP8 pool of ``shape`` [KV, num_pages, page_size, D] (rows read back as 0)."""
+    return QuantizedPages(jnp.zeros(shape, STORAGE_DTYPE), jnp.zeros(shape[:-1], jnp.float32))
+
+
+def pool_zeros(shape: tuple[int, int, int, int], dtype, sharding=None):
+    """An empty pool of ``shape`` in ``dtype`` (placed with ``sharding``, default: the default
+    device): a QuantizedPages for FP8, else an array."""
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype, device=s.sharding),
+                        pool_struct(shape, dtype, sharding))
+
+
+def pool_struct(shape: tuple[int, int, int, int], dtype, sharding=None):
+    """``pool_zeros``'s shapes, dtypes and sharding only (ShapeDtypeStructs, for lowering)."""
+    s = jax.ShapeDtypeStruct
+    if is_fp8(dtype):
+        return QuantizedPages(s(shape, STORAGE_DTYPE, sharding=sharding),
+                              s(shape[:-1], jnp.float32, sharding=sharding))
+    return s(shape, dtype, sharding=sharding)
+
+
+def scale_bytes(dtype) -> int:
+    """Bytes of scale each stored row (token, KV head) carries in a pool of ``dtype``."""
+    return 4 if is_fp8(dtype) else 0
 
 
 def quantize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -72,9 +102,28 @@ def quantize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return values, scales
 
 
+def to_storage(values: jax.Array) -> jax.Array:
+    """float8_e4m3fn values -> their uint8 bit patterns (the pool's storage)."""
+    return jax.lax.bitcast_convert_type(values, STORAGE_DTYPE)
+
+
+def from_storage(values: jax.Array) -> jax.Array:
+    """The pool's uint8 bit patterns -> float8_e4m3fn (values already in FP8 pass through)."""
+    if values.dtype == jnp.dtype(STORAGE_DTYPE):
+        return jax.lax.bitcast_convert_type(values, FP8_DTYPE)
+    return values
+
+
+def quantize_pages(x: jax.Array) -> QuantizedPages:
+    """A whole pool [KV, num_pages, page_size, D] quantized row by row."""
+    values, scales = quantize(x)
+    return QuantizedPages(to_storage(values), scales)
+
+
 def dequantize(values: jax.Array, scales: jax.Array) -> jax.Array:
-    """(values [..., D] float8_e4m3fn, scales [...]) -> [..., D] float32."""
-    return values.astype(jnp.float32) * scales[..., None]
+    """(values [..., D] float8_e4m3fn or the pool's uint8 bits, scales [...]) -> [..., D]
+    float32."""
+    return from_storage(values).astype(jnp.float32) * scales[..., None]
 
 
 def read_pages(pool, pages) -> jax.Array:
@@ -82,9 +131,9 @@ def read_pages(pool, pages) -> jax.Array:
     page_size, D])."""
     if isinstance(pool, QuantizedPages):
         return dequantize(pool.values[:, pages], pool.scales[:, pages])
-    return pool[:, pages].astype(jnp.float32)
+    return jnp.asarray(pool)[:, pages].astype(jnp.float32)
 
 
 def compute_dtype(pool_dtype):
     """The dtype attention computes its dots in for a pool of ``pool_dtype``."""
-    return FP8_COMPUTE_DTYPE if jnp.dtype(pool_dtype) == jnp.dtype(FP8_DTYPE) else pool_dtype
+    return FP8_COMPUTE_DTYPE if is_fp8(pool_dtype) else pool_dtype

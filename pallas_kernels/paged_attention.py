@@ -23,6 +23,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import kv_quant
 from pallas_kernels.kv_quant import QuantizedPages, compute_dtype
 from pallas_kernels.online_softmax import (
     LOG2E,
@@ -101,7 +102,8 @@ def load_kv(k_ref, v_ref, scale_refs, slots, dtype):
     if not scale_refs:
         return k, v, None, None
     ks_ref, vs_ref = scale_refs
-    return k.astype(dtype), v.astype(dtype), ks_ref[slots][None, :], vs_ref[slots]
+    k, v = (kv_quant.from_storage(x).astype(dtype) for x in (k, v))
+    return k, v, ks_ref[slots][None, :], vs_ref[slots]
 
 
 def _decode_kernel(

@@ -87,7 +87,7 @@ def make_batch(
             v[:, page, off] = rng.standard_normal((num_kv_heads, head_dim))
     q = rng.standard_normal((num_tokens, num_heads, head_dim)).astype(np.float32)
     k, v = k * kv_scale, v * kv_scale
-    pool = (lambda x: QuantizedPages(*kv_quant.quantize(jnp.asarray(x)))) if fp8 else (
+    pool = (lambda x: kv_quant.quantize_pages(jnp.asarray(x))) if fp8 else (
         lambda x: jnp.asarray(x, dtype))
     return Batch(
         q=jnp.asarray(q, dtype),

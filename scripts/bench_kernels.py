@@ -154,7 +154,7 @@ def run_decode_fp8(bench: Bench, name, batch, ctx, cfg):
     from pallas_kernels import kv_quant
 
     q, kp, vp, bt, sl = decode_inputs(jax.random.PRNGKey(batch * 7 + ctx), batch, ctx, **cfg)
-    kq, vq = (kv_quant.QuantizedPages(*kv_quant.quantize(p)) for p in (kp, vp))
+    kq, vq = (kv_quant.quantize_pages(p) for p in (kp, vp))
     rows = 2 * cfg["kv_heads"] * batch * ctx
     interp = bench.smoke
     ours = jax.jit(lambda *x: paged_attention(*x, interpret=interp))

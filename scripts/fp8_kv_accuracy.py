@@ -1,12 +1,13 @@
 """Accuracy of the FP8 KV cache against the unquantized pool, in the same run.
 
-    python scripts/fp8_kv_accuracy.py [--model M] [--num-prompts 20] [--max-tokens 32]
+    python scripts/fp8_kv_accuracy.py [--model M] [--num-prompts 20] [--max-tokens 32] \
+        [--kv-cache-dtype fp8|bfloat16]
 
 For each of ``--num-prompts`` real prompts (the first human turns of the repository's ShareGPT
 sample, ``--dataset`` for another file, each cut to ``--max-prompt-tokens``):
   1. greedy-decodes ``--max-tokens`` tokens twice at the model level (``llama.forward``, the
-     engine's attention ops), once with the pool in the model's dtype and once in FP8
-     (``pallas_kernels.kv_quant``), and compares the two token lists with docs/design.md's
+     engine's attention ops), once with the pool in the model's dtype and once in
+     ``--kv-cache-dtype`` (FP8: ``pallas_kernels.kv_quant``; bfloat16 for scale), and compares the two token lists with docs/design.md's
      near-tie rule (equal up to the unquantized run's first near-tie: its two best logits within
      1e-3);
   2. feeds the prompt plus the unquantized run's tokens once through each pool and compares the
@@ -26,11 +27,9 @@ import numpy as np
 
 from jaxserve.model_loader import load_checkpoint
 from jaxserve.models import llama
-from jaxserve.models.registry import build_params, resolve_dtype
+from jaxserve.models.registry import build_params, resolve_dtype, resolve_kv_cache_dtype
 from pallas_kernels import get_attention_fn, kv_quant
-
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
-from sharegpt import SAMPLE, first_turns  # noqa: E402
+from sharegpt import SAMPLE, first_turns
 
 NEAR_TIE = 1e-3
 PAGE_SIZE = 16
@@ -39,14 +38,13 @@ PAGE_SIZE = 16
 class Sequence:
     """One sequence's model-level steps over its own pool of ``max_len`` tokens (pages 1..)."""
 
-    def __init__(self, config, params, max_len: int, fp8: bool, dtype, step):
+    def __init__(self, config, params, max_len: int, kv_dtype, step):
         self.params, self.step = params, step
         self.bucket = max_len
         pages = -(-max_len // PAGE_SIZE)
         shape = (config.num_kv_heads, pages + 1, PAGE_SIZE, config.head_dim)
-        pool = (lambda: kv_quant.zeros(shape)) if fp8 else (lambda: jnp.zeros(shape, dtype))
-        self.k = [pool() for _ in range(config.num_layers)]
-        self.v = [pool() for _ in range(config.num_layers)]
+        self.k = [kv_quant.pool_zeros(shape, kv_dtype) for _ in range(config.num_layers)]
+        self.v = [kv_quant.pool_zeros(shape, kv_dtype) for _ in range(config.num_layers)]
         self.block_table = np.arange(1, pages + 1, dtype=np.int32)[None, :]
 
     def run(self, tokens: list[int], start: int, logits_rows: list[int]) -> np.ndarray:
@@ -92,11 +90,13 @@ def main(argv=None) -> int:
     ap.add_argument("--num-prompts", type=int, default=20)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--max-prompt-tokens", type=int, default=480)
+    ap.add_argument("--kv-cache-dtype", default="fp8", choices=("fp8", "bfloat16"))
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
     ckpt = load_checkpoint(args.model, args.load_format)
     dtype = resolve_dtype(args.dtype)
+    kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype)
     config, params = build_params(ckpt.hf_config, ckpt.weights, dtype)
     tok = ckpt.tokenizer
     attention_fn = get_attention_fn("auto")
@@ -107,18 +107,15 @@ def main(argv=None) -> int:
     rows, agree_prompts, agree_tokens = [], 0, 0
     for i, text in enumerate(prompts):
         ids = tok(text)["input_ids"][: args.max_prompt_tokens]
-        make = {fp8: (lambda fp8=fp8: Sequence(config, params, bucket, fp8, dtype, step))
-                for fp8 in (False, True)}
+        make = {quantized: (lambda d=d: Sequence(config, params, bucket, d, step))
+                for quantized, d in ((False, dtype), (True, kv_dtype))}
         ref, margins = greedy(make[False], ids, args.max_tokens)
         out, _ = greedy(make[True], ids, args.max_tokens)
-        same, compared = args.max_tokens, args.max_tokens
-        for j in range(args.max_tokens):
-            if margins[j] < NEAR_TIE:
-                compared = j
-                break
-            if out[j] != ref[j]:
-                same = compared = j
-                break
+        # Compared up to the unquantized run's first near-tie; identical if no token differs
+        # before it.
+        compared = next((j for j in range(args.max_tokens) if margins[j] < NEAR_TIE),
+                        args.max_tokens)
+        same = next((j for j in range(args.max_tokens) if out[j] != ref[j]), args.max_tokens)
         identical = same >= compared
         # Teacher-forced: the prompt plus the unquantized run's tokens through each pool.
         full = ids + ref[:-1]
@@ -131,16 +128,18 @@ def main(argv=None) -> int:
                "max_abs_logit_diff": float(diff.max()), "mean_abs_logit_diff": float(diff.mean())}
         rows.append(row)
         agree_prompts += identical
-        agree_tokens += same if not identical else args.max_tokens
+        agree_tokens += same
         print(f"prompt {i:2d} ({len(ids)} tokens): greedy {'same' if identical else 'DIFFERS'}"
               f" (compared {compared}{'' if identical else f', first difference at {same}'}); "
-              f"logits |fp8 - {jnp.dtype(dtype).name}| max {diff.max():.4f} "
+              f"logits |{args.kv_cache_dtype} - {jnp.dtype(dtype).name}| max {diff.max():.4f} "
               f"mean {diff.mean():.5f}", flush=True)
     summary = {
         "model": args.model or "default", "dtype": jnp.dtype(dtype).name,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "backend": jax.default_backend(), "prompts": len(rows),
         "greedy_identical_prompts": agree_prompts,
         "tokens_before_first_difference_mean": agree_tokens / max(1, len(rows)),
+        "tokens_compared_mean": float(np.mean([r["compared"] for r in rows])),
         "max_abs_logit_diff": max(r["max_abs_logit_diff"] for r in rows),
         "mean_abs_logit_diff": float(np.mean([r["mean_abs_logit_diff"] for r in rows])),
     }

@@ -4,6 +4,7 @@ The HTTP server runs it in its own process (core_proc); ``jaxserve.LLM`` runs it
 Token ids in, token ids out: no text here.
 """
 
+import atexit
 import dataclasses
 import os
 import random
@@ -14,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import jax
 import numpy as np
 
+from jaxserve import distributed
 from jaxserve.config import EngineConfig
 from jaxserve.sampling_params import describe_sampling_defaults
 from jaxserve.core.kv_cache_manager import KVCacheManager
@@ -31,9 +33,10 @@ from jaxserve.model_loader import (
     load_tokenizer_of,
     resolve_model,
 )
-from jaxserve.models.registry import build_params, resolve_dtype
+from jaxserve.models import sharding
+from jaxserve.models.registry import build_params, resolve_dtype, resolve_kv_cache_dtype
 from jaxserve.worker.model_runner import ModelRunner
-from pallas_kernels import get_attention_fn
+from pallas_kernels import get_attention_fn, kv_quant
 
 CPU_MAX_MODEL_LEN = 4096
 # Scheduler limits where the flags are left unset. GPU: measured on the H200 with the 8B shape
@@ -69,11 +72,13 @@ def resolve_scheduler_limits(config: EngineConfig, on_gpu: bool, max_model_len: 
     return config
 
 
-def kv_bytes_per_page(model_config, page_size: int, dtype) -> int:
+def kv_bytes_per_page(model_config, layout: sharding.Layout, page_size: int, kv_dtype) -> int:
+    """K and V bytes of one page on one device: the KV heads the layout gives each device, and
+    an FP8 pool's scales."""
     c = model_config
     return kv_sizing.kv_bytes_per_page(
-        c.num_layers, c.num_kv_heads, c.head_dim, page_size, np.dtype(dtype).itemsize
-    )
+        c.num_layers, layout.kv_heads_per_device, c.head_dim, page_size,
+        np.dtype(kv_dtype).itemsize, kv_quant.scale_bytes(kv_dtype))
 
 
 
@@ -96,6 +101,7 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig, log: Callable[[str], None] = print):
         enable_compilation_cache()
+        distributed.initialize(config)  # before the first use of a JAX backend
         self.config = config
         start = time.perf_counter()
         source, fmt = resolve_model(config.model, config.load_format)
@@ -115,21 +121,26 @@ class EngineCore:
         self.allocator_fraction = kv_sizing.allocator_fraction_env(
             config.gpu_memory_utilization, os.environ)
         on_gpu = jax.default_backend() == "gpu"
+        mesh = sharding.make_mesh(config.tensor_parallel_size)
+        if config.num_hosts > 1:
+            distributed.check_mesh_spans_hosts(mesh, config.num_hosts)
         log(f"allocator fraction {self.allocator_fraction:g} of device memory "
             f"(XLA_PYTHON_CLIENT_MEM_FRACTION: --gpu-memory-utilization "
             f"{config.gpu_memory_utilization:g} plus the allocator's slack; "
             f"{jax.default_backend()} backend{'' if on_gpu else ', where it has no effect'})")
         t0 = time.perf_counter()
-        ckpt = load_checkpoint(source, fmt, with_tokenizer=False)
+        ckpt = load_checkpoint(source, fmt, with_tokenizer=False, mesh=mesh)
         self.model_name = ckpt.name
         dtype = resolve_dtype(config.dtype)
         t1 = time.perf_counter()
-        self.model_config, params = build_params(ckpt.hf_config, ckpt.weights, dtype, config.seed)
+        self.model_config, params = build_params(ckpt.hf_config, ckpt.weights, dtype, config.seed,
+                                                 mesh)
         del ckpt
         mc = self.model_config
         t2 = time.perf_counter()
         log(f"loaded {self.model_name} ({mc.architecture}, {np.dtype(dtype).name}) in "
-            f"{t2 - t0:.1f}s (checkpoint {t1 - t0:.1f}s, parameters on the device {t2 - t1:.1f}s)")
+            f"{t2 - t0:.1f}s (checkpoint {t1 - t0:.1f}s, parameters on the device {t2 - t1:.1f}s)"
+            + ("" if mesh is None else f"; split over {mesh.size} devices (tensor parallel)"))
 
         limit = mc.max_position_embeddings if on_gpu else min(mc.max_position_embeddings, CPU_MAX_MODEL_LEN)
         self.max_model_len = config.max_model_len or limit
@@ -141,26 +152,30 @@ class EngineCore:
         config = self.config = resolve_scheduler_limits(config, on_gpu, self.max_model_len)
         log(f"scheduler: max_num_seqs {config.max_num_seqs}, max_num_batched_tokens "
             f"{config.max_num_batched_tokens}, max_model_len {self.max_model_len}")
-        per_page = kv_bytes_per_page(mc, config.page_size, dtype)
+        kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
         backend = config.attention_backend
         self.runner = ModelRunner(
             mc, params, page_size=config.page_size,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=self.max_model_len, kv_dtype=dtype,
-            attention_fn=get_attention_fn(backend),
+            max_model_len=self.max_model_len, kv_dtype=kv_dtype,
+            attention_fn=get_attention_fn(backend), mesh=mesh,
         )
         del params
+        per_page = kv_bytes_per_page(mc, self.runner.layout, config.page_size, kv_dtype)
         if on_gpu:
             num_pages = self._gpu_num_pages(per_page, log)
             hint = "raise --gpu-memory-utilization or lower --max-model-len"
         else:
             num_pages = kv_sizing.cpu_num_pages(config.kv_cache_gib, per_page)
             hint = "raise --kv-cache-gib or lower --max-model-len"
+        if config.num_hosts > 1:  # one pool over all hosts: the size every host can hold
+            num_pages = distributed.min_over_hosts(num_pages, mesh)
         num_seqs = kv_sizing.check_pool_fits(num_pages, config.page_size, self.max_model_len, hint)
         self.num_pages = num_pages
         log(f"KV cache: {num_pages - 1} pages of {config.page_size} tokens "
-            f"({(num_pages - 1) * config.page_size} tokens, {(num_pages - 1) * per_page / 2**30:.2f} GiB; "
+            f"({(num_pages - 1) * config.page_size} tokens, {(num_pages - 1) * per_page / 2**30:.2f} GiB "
+            f"in {np.dtype(kv_dtype).name}{'' if mesh is None else ' per device'}; "
             f"{num_seqs} sequences of {self.max_model_len} tokens fit); prefix caching "
             f"{'on' if config.enable_prefix_caching else 'off'}")
         if num_seqs < config.max_num_seqs:
@@ -189,30 +204,43 @@ class EngineCore:
         )
         self._rng = random.Random(config.seed)
         self._in_flight = None  # (SchedulerOutput, StepHandle) dispatched, not yet updated
+        self._channel = None  # multi-host: host 0 publishes each step, the others receive it
+        if config.num_hosts > 1:
+            self._channel = distributed.StepChannel(config.num_hosts, config.host_id)
+            if config.host_id == 0:  # the followers' end, however this process ends
+                atexit.register(self._channel.publish, None)
+            log(f"host {config.host_id} of {config.num_hosts}: "
+                + ("serving; the other hosts follow its steps" if config.host_id == 0
+                   else "following host 0's steps"))
 
     def _gpu_num_pages(self, per_page: int, log: Callable[[str], None]) -> int:
-        """Pages for the pool under --gpu-memory-utilization (see kv_sizing): the device's
-        budget minus what is resident now (the weights) minus the largest step's bytes."""
-        stats = jax.devices()[0].memory_stats() or {}
-        limit = stats.get("bytes_limit")
-        if not limit:
-            raise ValueError(
-                "the GPU reports no memory limit, so --gpu-memory-utilization cannot size the KV "
-                "cache on this device"
-            )
-        weights = sum(x.nbytes for x in jax.tree.leaves(self.runner.params))
-        in_use = max(stats.get("bytes_in_use", 0), weights)
+        """Pages for the pool under --gpu-memory-utilization (see kv_sizing), which applies to
+        each device: on every device of this process that holds the model, its budget minus
+        what is resident there now (its part of the weights) minus the largest step's bytes
+        (per device: XLA analyses the partitioned program); the pool gets the smallest."""
+        mesh = self.runner.mesh
+        devices = [jax.local_devices()[0]] if mesh is None else list(mesh.local_devices)
         probe = kv_sizing.pages_per_seq(self.max_model_len, self.config.page_size) + 1
         t0 = time.perf_counter()
         step = self.runner.profile_step_bytes(probe)
         log(f"profiled the largest step ({self.runner.token_buckets[-1]} tokens): "
             f"{step / 2**30:.2f} GiB in {time.perf_counter() - t0:.1f}s")
         util = self.config.gpu_memory_utilization
-        b = kv_sizing.gpu_kv_budget(utilization=util, allocator_limit_bytes=int(limit),
-                                    allocator_fraction=self.allocator_fraction,
-                                    in_use_bytes=int(in_use),
-                                    step_bytes=step)
-        log(b.describe(util))
+        memory = []  # (allocator limit, bytes in use) of each device
+        for d in devices:
+            stats = d.memory_stats() or {}
+            limit = stats.get("bytes_limit")
+            if not limit:
+                raise ValueError(
+                    f"the GPU {d} reports no memory limit, so --gpu-memory-utilization cannot "
+                    "size the KV cache on this device")
+            weights = sum(s.data.nbytes for x in jax.tree.leaves(self.runner.params)
+                          for s in x.addressable_shards if s.device == d)
+            memory.append((int(limit), int(max(stats.get("bytes_in_use", 0), weights))))
+        b = kv_sizing.smallest_kv_budget(memory, utilization=util,
+                                         allocator_fraction=self.allocator_fraction,
+                                         step_bytes=step)
+        log(b.describe(util) + ("" if mesh is None else f" (the smallest of {len(devices)} devices)"))
         return kv_sizing.num_pages_for_bytes(b.pool_bytes, per_page)
 
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -244,6 +272,8 @@ class EngineCore:
         this step meanwhile) and update with them; a step's outputs come one call later.
         """
         sched = self.scheduler.schedule()
+        if self._channel is not None:
+            self._channel.publish(sched)
         handle = self.runner.execute(sched)
         if not self.config.async_scheduling:
             if handle is None:
@@ -253,6 +283,18 @@ class EngineCore:
         if prev is None:
             return []
         return self.scheduler.update(prev[0], self.runner.get_output(prev[1]))
+
+    def follow(self) -> None:
+        """Hosts other than 0: run every step host 0 runs, with its SchedulerOutputs, in the
+        same order of dispatches and waits (so both hosts' runners keep the same state), until
+        host 0 ends. The sampled tokens are only waited for; host 0 owns the requests."""
+        held = None  # async scheduling: the step dispatched before, waited for after the next
+        while (sched := self._channel.receive()) is not None:
+            handle = self.runner.execute(sched)
+            if self.config.async_scheduling:
+                handle, held = held, handle
+            if handle is not None:
+                self.runner.get_output(handle)
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.get_stats()

@@ -32,9 +32,10 @@ MAX_ALLOCATOR_FRACTION = 0.98
 
 
 def kv_bytes_per_page(num_layers: int, num_kv_heads: int, head_dim: int, page_size: int,
-                      itemsize: int) -> int:
-    """K and V of one page across all layers, bytes."""
-    return 2 * num_layers * num_kv_heads * page_size * head_dim * itemsize
+                      itemsize: int, scale_bytes: int = 0) -> int:
+    """K and V of one page across all layers, bytes; ``scale_bytes`` per stored row (token and
+    KV head) for an FP8 pool's scales."""
+    return 2 * num_layers * num_kv_heads * page_size * (head_dim * itemsize + scale_bytes)
 
 
 def pages_per_seq(max_model_len: int, page_size: int) -> int:
@@ -96,6 +97,17 @@ def gpu_kv_budget(*, utilization: float, allocator_limit_bytes: int, allocator_f
     headroom = min(int(HEADROOM_FRACTION * budget), HEADROOM_MAX_BYTES)
     pool = budget - headroom - in_use_bytes - step_bytes
     return GpuKVBudget(total, budget, headroom, in_use_bytes, step_bytes, pool)
+
+
+def smallest_kv_budget(devices: list[tuple[int, int]], *, utilization: float,
+                       allocator_fraction: float, step_bytes: int) -> GpuKVBudget:
+    """The budget of the device with the least room for the pool, of ``devices`` given as
+    (allocator limit, bytes in use) pairs: with tensor parallelism --gpu-memory-utilization
+    applies to each device, and the pool has the same pages on all of them."""
+    budgets = [gpu_kv_budget(utilization=utilization, allocator_limit_bytes=limit,
+                             allocator_fraction=allocator_fraction, in_use_bytes=in_use,
+                             step_bytes=step_bytes) for limit, in_use in devices]
+    return min(budgets, key=lambda b: b.pool_bytes)
 
 
 def num_pages_for_bytes(pool_bytes: int, bytes_per_page: int) -> int:

@@ -3,9 +3,31 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+
+
+class LazyTensor:
+    """A checkpoint tensor read from its file only when indexed (tensor-parallel loading).
+
+    ``t[index]``, ``index`` a tuple of one ``slice`` per dimension (what
+    ``jax.make_array_from_callback`` passes for each device), reads that part alone and returns
+    it as a numpy array, so a device receives its slice without the whole tensor being read
+    first where the format allows it (safetensors: from the file; GGUF: the rows' blocks).
+    ``np.asarray(t)`` reads all of it.
+    """
+
+    def __init__(self, shape: tuple, dtype, read: Callable[[tuple], np.ndarray]):
+        self.shape, self.dtype, self._read = tuple(shape), np.dtype(dtype), read
+
+    def __getitem__(self, index: tuple) -> np.ndarray:
+        return self._read(index)
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        whole = self._read(tuple(slice(None) for _ in self.shape))
+        return whole if dtype is None else whole.astype(dtype)
 
 
 @dataclass
@@ -24,6 +46,8 @@ class Checkpoint:
         ``[out_features, in_features]``, embedding ``[vocab, hidden]``, norms ``[hidden]``).
         float32, or ``ml_dtypes.bfloat16`` where a safetensors/orbax source stores bf16.
         ``lm_head.weight`` is absent when ``tie_word_embeddings`` is true. ``None`` for dummy.
+        Loaded for a device mesh (``load_checkpoint(..., mesh=...)``): :class:`LazyTensor`
+        values (safetensors, GGUF), or device arrays already split as the mesh needs (orbax).
       tokenizer: a ``transformers.PreTrainedTokenizerFast`` with ``chat_template`` set when the
         source has one (None when loaded ``with_tokenizer=False``).
     """

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import pathlib
 import re
+from functools import partial
 
 import numpy as np
 
 from jaxserve.models.rope import rope_inv_freq
 
-from .checkpoint import Checkpoint, log
+from .checkpoint import Checkpoint, LazyTensor, log
 from .llama_cpp_layout import unpermute_qk
 
 GGUF_MAGIC = b"GGUF"
@@ -143,14 +144,29 @@ def build_hf_config(meta: dict, tensor_names: set[str], tensors: dict) -> dict:
     return cfg
 
 
+def _dequantize_rows(t, heads: int | None, index: tuple) -> np.ndarray:
+    """Part ``index`` (one slice per HF dimension) of a GGUF tensor as float32 [out, in]: only
+    the rows asked for are dequantized (each row's blocks stand alone). ``heads``: the Q or K
+    head count of a llama-arch file, whose rows are un-permuted head by head (a slice of rows
+    holds whole heads, as a tensor-parallel split of heads does)."""
+    from gguf.quants import dequantize
+
+    w = np.ascontiguousarray(dequantize(t.data[index[0]], t.tensor_type), dtype=np.float32)
+    if heads is not None:
+        w = np.ascontiguousarray(unpermute_qk(w, w.shape[0] * heads // t.data.shape[0]))
+    return w[(slice(None), *index[1:])]
+
+
 def load_gguf(path: str | pathlib.Path, *, with_weights: bool = True,
-              with_tokenizer: bool = True) -> Checkpoint:
+              with_tokenizer: bool = True, lazy: bool = False) -> Checkpoint:
     """Load a GGUF file.
 
     Args:
       path: the ``.gguf`` file.
       with_weights: False reads only metadata + tokenizer (``weights`` is None), fast.
       with_tokenizer: False leaves ``tokenizer`` None.
+      lazy: weights are :class:`LazyTensor` objects that dequantize only the rows asked for (a
+        tensor-parallel device's part) when indexed; nothing is dequantized up front.
     Returns:
       :class:`Checkpoint` with float32 weights ``[out, in]`` under HF names.
     """
@@ -175,7 +191,8 @@ def load_gguf(path: str | pathlib.Path, *, with_weights: bool = True,
         tokenizer = build_tokenizer({k: v for k, v in meta.items() if k.startswith("tokenizer.")})
     weights = None
     if with_weights:
-        log(f"dequantizing {len(by_name)} tensors ({arch}, {cfg['num_hidden_layers']} layers)")
+        log(f"{'indexing' if lazy else 'dequantizing'} {len(by_name)} tensors ({arch}, "
+            f"{cfg['num_hidden_layers']} layers)")
         weights = {}
         for name, t in by_name.items():
             if name.split(".")[0] in IGNORED_TENSORS:
@@ -183,10 +200,14 @@ def load_gguf(path: str | pathlib.Path, *, with_weights: bool = True,
             hf = hf_tensor_name(name)
             if hf is None:
                 raise ValueError(f"{path}: unexpected GGUF tensor {name!r} for architecture {arch!r}")
-            w = np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+            heads = None
             if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
-                n = cfg["num_attention_heads"] if ".attn_q." in name else cfg["num_key_value_heads"]
-                w = np.ascontiguousarray(unpermute_qk(w, n))
-            weights[hf] = w
-        log(f"loaded {sum(w.size for w in weights.values()) / 1e6:.1f}M parameters")
+                heads = cfg["num_attention_heads"] if ".attn_q." in name else cfg["num_key_value_heads"]
+            # GGUF lists dimensions innermost first; HF's are [out, in].
+            weights[hf] = LazyTensor(tuple(reversed(t.shape.tolist())), np.float32,
+                                     partial(_dequantize_rows, t, heads))
+        if not lazy:
+            weights = {k: np.asarray(w) for k, w in weights.items()}
+        log(f"{'indexed' if lazy else 'loaded'} "
+            f"{sum(np.prod(w.shape) for w in weights.values()) / 1e6:.1f}M parameters")
     return Checkpoint(name=model_name(path, meta), hf_config=cfg, weights=weights, tokenizer=tokenizer)

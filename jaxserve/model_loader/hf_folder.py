@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import json
 import pathlib
+from functools import partial
 
 import numpy as np
 
 from jaxserve.tokenizer_io import load_tokenizer, save_tokenizer
 
-from .checkpoint import Checkpoint, log
+from .checkpoint import Checkpoint, LazyTensor, log
 
 
 def is_hf_folder(path: pathlib.Path) -> bool:
@@ -36,9 +37,11 @@ def safetensors_files(folder: pathlib.Path) -> list[pathlib.Path]:
     return sorted(folder.glob("*.safetensors"))
 
 
-def load_hf_folder(folder: str | pathlib.Path, *, with_tokenizer: bool = True) -> Checkpoint:
+def load_hf_folder(folder: str | pathlib.Path, *, with_tokenizer: bool = True,
+                   lazy: bool = False) -> Checkpoint:
     """Load config.json, all safetensors weights and (unless ``with_tokenizer`` is False) the
-    tokenizer of an HF folder."""
+    tokenizer of an HF folder. ``lazy``: weights are :class:`LazyTensor` objects that read only the
+    slice asked for from their file (a tensor-parallel device's part), nothing up front."""
     from safetensors import safe_open
 
     folder = pathlib.Path(folder)
@@ -46,14 +49,34 @@ def load_hf_folder(folder: str | pathlib.Path, *, with_tokenizer: bool = True) -
     files = safetensors_files(folder)
     if not files:
         raise ValueError(f"{folder}: no *.safetensors files (expected an HF folder with config.json + *.safetensors)")
-    log(f"reading {len(files)} safetensors file(s) from {folder}")
-    weights: dict[str, np.ndarray] = {}
+    log(f"{'indexing' if lazy else 'reading'} {len(files)} safetensors file(s) from {folder}")
+    weights: dict[str, np.ndarray | LazyTensor] = {}
     for f in files:
         with safe_open(str(f), framework="np") as sf:
             for k in sf.keys():
-                weights[k] = sf.get_tensor(k)
+                sl = sf.get_slice(k)
+                weights[k] = LazyTensor(sl.get_shape(), _dtype_of(sl.get_dtype()),
+                                        partial(_read_slice, str(f), k))
+    if not lazy:
+        weights = {k: np.asarray(w) for k, w in weights.items()}
     return Checkpoint(name=folder.resolve().name, hf_config=cfg, weights=weights,
                       tokenizer=load_tokenizer(folder) if with_tokenizer else None)
+
+
+def _dtype_of(safetensors_dtype: str) -> np.dtype:
+    """safetensors' dtype names (F32, BF16, ...) -> numpy dtypes (bf16 as ml_dtypes')."""
+    import ml_dtypes
+
+    names = {"F64": np.float64, "F32": np.float32, "F16": np.float16,
+             "BF16": ml_dtypes.bfloat16, "I64": np.int64, "I32": np.int32}
+    return np.dtype(names[safetensors_dtype])
+
+
+def _read_slice(file: str, name: str, index: tuple) -> np.ndarray:
+    from safetensors import safe_open
+
+    with safe_open(file, framework="np") as sf:
+        return sf.get_slice(name)[index]
 
 
 def save_hf_folder(folder: str | pathlib.Path, ckpt: Checkpoint) -> pathlib.Path:

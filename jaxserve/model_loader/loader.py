@@ -61,7 +61,7 @@ def resolve_model(model: str | None, load_format: str = "auto") -> tuple[str, st
 
 
 def load_checkpoint(model: str | None, load_format: str = "auto", *,
-                    with_tokenizer: bool = True) -> Checkpoint:
+                    with_tokenizer: bool = True, mesh=None) -> Checkpoint:
     """Load a checkpoint.
 
     Args:
@@ -70,15 +70,21 @@ def load_checkpoint(model: str | None, load_format: str = "auto", *,
         preset name (:data:`PRESETS`) or a ``config.json`` path.
       load_format: ``auto`` (detect), ``gguf``, ``safetensors``, ``orbax`` or ``dummy``.
       with_tokenizer: False leaves ``tokenizer`` None (``load_tokenizer_of`` loads it apart).
+      mesh: a tensor-parallel ``jax.sharding.Mesh``: weights are loaded per device part, never
+        whole on one device: :class:`LazyTensor` objects read slice by slice (safetensors, GGUF), or
+        device arrays restored already split (orbax).
     Returns:
       :class:`Checkpoint`.
     Raises:
       ValueError: as ``resolve_model``.
     """
     source, fmt = resolve_model(model, load_format)
-    loader = {"dummy": load_dummy, "gguf": load_gguf, "safetensors": load_hf_folder,
-              "orbax": load_orbax}[fmt]
-    return loader(source, with_tokenizer=with_tokenizer)
+    if fmt == "dummy":
+        return load_dummy(source, with_tokenizer=with_tokenizer)
+    if fmt == "orbax":
+        return load_orbax(source, with_tokenizer=with_tokenizer, mesh=mesh)
+    loader = {"gguf": load_gguf, "safetensors": load_hf_folder}[fmt]
+    return loader(source, with_tokenizer=with_tokenizer, lazy=mesh is not None)
 
 
 def load_tokenizer_of(model: str | None, load_format: str = "auto"):

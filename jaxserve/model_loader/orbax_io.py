@@ -54,9 +54,15 @@ def save_orbax(path: str | pathlib.Path, ckpt: Checkpoint) -> pathlib.Path:
     return path
 
 
-def load_orbax(path: str | pathlib.Path, *, with_tokenizer: bool = True) -> Checkpoint:
+def load_orbax(path: str | pathlib.Path, *, with_tokenizer: bool = True,
+               mesh=None) -> Checkpoint:
     """Restore a folder written by :func:`save_orbax`; weights come back as numpy arrays with
-    the dtypes they were saved with (the tokenizer None if ``with_tokenizer`` is False)."""
+    the dtypes they were saved with (the tokenizer None if ``with_tokenizer`` is False).
+
+    ``mesh`` (a tensor-parallel ``jax.sharding.Mesh``): each weight is restored straight into
+    the split the model needs on it (``jaxserve.models.sharding.hf_sharding``), so every device
+    reads only its part and no device holds the whole model.
+    """
     import orbax.checkpoint as ocp
 
     from jaxserve.tokenizer_io import load_tokenizer
@@ -65,11 +71,28 @@ def load_orbax(path: str | pathlib.Path, *, with_tokenizer: bool = True) -> Chec
     marker = json.loads((path / MARKER).read_text())
     if marker.get("format") != FORMAT:
         raise ValueError(f"{path}: {MARKER} does not describe a {FORMAT} checkpoint")
-    log(f"restoring orbax checkpoint {path}")
+    log(f"restoring orbax checkpoint {path}" + ("" if mesh is None else
+                                               f" split over {mesh.size} devices"))
     with ocp.StandardCheckpointer() as ckptr:
-        tree = ckptr.restore(path / "weights")
-    weights = {name: np.asarray(w) for name, w in flatten_dict(tree, sep=".").items()}
+        if mesh is None:
+            tree = ckptr.restore(path / "weights")
+        else:
+            tree = ckptr.restore(path / "weights", _restore_targets(ckptr, path / "weights", mesh))
+    weights = {name: w if mesh is not None else np.asarray(w)
+               for name, w in flatten_dict(tree, sep=".").items()}
     return Checkpoint(name=marker.get("name") or path.name,
                       hf_config=json.loads((path / "config.json").read_text()),
                       weights=weights,
                       tokenizer=load_tokenizer(path / "tokenizer") if with_tokenizer else None)
+
+
+def _restore_targets(ckptr, weights_dir: pathlib.Path, mesh) -> dict:
+    """The saved tree as ``jax.ShapeDtypeStruct`` values carrying each tensor's target sharding."""
+    import jax
+
+    from jaxserve.models.sharding import hf_sharding
+
+    saved = flatten_dict(ckptr.metadata(weights_dir).item_metadata.tree, sep=".")
+    return unflatten_dict({
+        name: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=hf_sharding(name, m.shape, mesh))
+        for name, m in saved.items()}, sep=".")

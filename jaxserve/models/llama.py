@@ -9,7 +9,9 @@ layer]}`` of device arrays (shapes: ``_layer_from_hf``), built once, one layer a
 target dtype: from HF tensors (``params_from_hf``) or random on the device (``random_params``).
 The step loops over the layers in Python. Q/K/V and gate/up projections are fused into one
 matmul each. The KV pool is one donated ``[KV, num_pages, page_size, D]`` array per layer,
-written in place at ``slot_mapping`` (``write_kv``).
+written in place at ``slot_mapping`` (``write_kv``). Given a tensor-parallel mesh, the same
+functions build the params split in the Megatron layout and run the step as one SPMD program,
+the KV write and attention per device (``jaxserve.models.sharding``, docs/parallelism.md).
 """
 
 from collections.abc import Callable
@@ -19,8 +21,10 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from jaxserve.config import ModelConfig
+from jaxserve.models import sharding
 from jaxserve.models.rope import rope_inv_freq
 from pallas_kernels import kv_quant
 
@@ -86,42 +90,59 @@ def write_kv(k_pages, v_pages, k: jax.Array, v: jax.Array, slot_mapping: jax.Arr
         x = x.transpose(1, 0, 2)  # [KV, T, D]
         if isinstance(pool, kv_quant.QuantizedPages):
             values, scales = kv_quant.quantize(x)
-            return kv_quant.QuantizedPages(pool.values.at[:, pages, offsets].set(values),
-                                           pool.scales.at[:, pages, offsets].set(scales))
+            return kv_quant.QuantizedPages(
+                pool.values.at[:, pages, offsets].set(kv_quant.to_storage(values)),
+                pool.scales.at[:, pages, offsets].set(scales))
         pool = jnp.asarray(pool)
         return pool.at[:, pages, offsets].set(x.astype(pool.dtype))
 
     return write(k_pages, k), write(v_pages, v)
 
 
-@partial(jax.jit, static_argnames=("num_heads", "num_kv_heads", "eps", "attention_fn"))
+def _write_and_attend(attention_fn: Callable, q, k, v, k_pages, v_pages, md: AttentionMetadata):
+    """This step's K/V into the pool, then attention: (out [T, H, D], k_pages, v_pages)."""
+    k_pages, v_pages = write_kv(k_pages, v_pages, k, v, md.slot_mapping)
+    out = attention_fn(q, k_pages, v_pages, md.query_start_loc, md.seq_lens, md.block_tables)
+    return out, k_pages, v_pages
+
+
+@partial(jax.jit, static_argnames=("num_heads", "eps", "attention_fn", "mesh"))
 def _decoder_layer(hidden: jax.Array, p: dict, k_pages: jax.Array, v_pages: jax.Array,
                    cos: jax.Array, sin: jax.Array, md: AttentionMetadata, *, num_heads: int,
-                   num_kv_heads: int, eps: float, attention_fn: Callable):
+                   eps: float, attention_fn: Callable, mesh: Mesh | None):
     """One decoder layer: hidden [T, E] -> (hidden, k_pages, v_pages with this step's K/V).
 
     A jitted function of its own so that the step traces and lowers one layer, not L: every
     layer has the same shapes, so JAX reuses the layer's trace and its lowered function, and
     XLA inlines the calls (same program, far less start-up time; docs/design.md section 3).
+    With a mesh, the fused projections hold their columns shard by shard (``sharding``), and
+    the KV write and attention run per shard.
     """
-    H, KV = num_heads, num_kv_heads
+    n = sharding.mesh_size(mesh)
+    H, KV = num_heads, k_pages.shape[0]  # the pool's KV heads (replicated past the model's)
     num_tokens, D = hidden.shape[0], k_pages.shape[-1]
     x = _rms_norm(hidden, p["input_layernorm"], eps)
     qkv = x @ p["qkv_proj"]
     if "qkv_bias" in p:
         qkv = qkv + p["qkv_bias"]
-    q = qkv[:, : H * D].reshape(num_tokens, H, D)
-    k = qkv[:, H * D : (H + KV) * D].reshape(num_tokens, KV, D)
-    v = qkv[:, (H + KV) * D :].reshape(num_tokens, KV, D)
+    # Columns shard by shard: [q heads | k heads | v heads] of each of the n shards.
+    qkv = qkv.reshape(num_tokens, n, -1)
+    hq, hk = H // n * D, KV // n * D
+    q = qkv[..., :hq].reshape(num_tokens, H, D)
+    k = qkv[..., hq : hq + hk].reshape(num_tokens, KV, D)
+    v = qkv[..., hq + hk :].reshape(num_tokens, KV, D)
     if "q_norm" in p:
         q = _rms_norm(q, p["q_norm"], eps)
         k = _rms_norm(k, p["k_norm"], eps)
     q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
-    k_pages, v_pages = write_kv(k_pages, v_pages, k, v, md.slot_mapping)
-    attn = attention_fn(q, k_pages, v_pages, md.query_start_loc, md.seq_lens, md.block_tables)
+    attend = partial(_write_and_attend, attention_fn)
+    if mesh is not None:
+        attend = sharding.per_shard_attention(attend, mesh)
+    attn, k_pages, v_pages = attend(q, k, v, k_pages, v_pages, md)
     hidden = hidden + attn.reshape(num_tokens, H * D) @ p["o_proj"]
     x = _rms_norm(hidden, p["post_attention_layernorm"], eps)
-    gate, up = jnp.split(x @ p["gate_up_proj"], 2, axis=-1)
+    gate_up = (x @ p["gate_up_proj"]).reshape(num_tokens, n, 2, -1)  # [gate | up] per shard
+    gate, up = gate_up[:, :, 0].reshape(num_tokens, -1), gate_up[:, :, 1].reshape(num_tokens, -1)
     return hidden + (jax.nn.silu(gate) * up) @ p["down_proj"], k_pages, v_pages
 
 
@@ -135,6 +156,7 @@ def forward(
     logits_indices: jax.Array,
     *,
     attention_fn: Callable,
+    mesh: Mesh | None = None,
     hidden_indices: jax.Array | None = None,
 ):
     """One model step over a flattened ragged batch.
@@ -154,12 +176,14 @@ def forward(
       logits_indices: [S] int32 rows whose logits are returned.
       attention_fn: ``attention(q, k_pages, v_pages, query_start_loc, seq_lens, block_tables)``
         from pallas_kernels (reference or Pallas).
+      mesh: the tensor-parallel mesh the params and pool are split over (``sharding``), None
+        for one device.
       hidden_indices: optional [R] int32 rows whose last hidden states (before the final norm)
         are returned too, for ``compute_logits`` later (prompt log-probabilities).
 
     Returns:
-      (logits [S, V] float32, k_cache, v_cache updated in place), plus the [R, E] hidden rows
-      when hidden_indices is given.
+      (logits [S, V] float32 over the whole vocabulary, replicated on a mesh; k_cache, v_cache
+      updated in place), plus the [R, E] hidden rows when hidden_indices is given.
     """
     c = config
     inv_freq = jnp.asarray(rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling))
@@ -172,19 +196,26 @@ def forward(
     for i, p in enumerate(params["layers"]):
         hidden, k_cache[i], v_cache[i] = _decoder_layer(
             hidden, p, k_cache[i], v_cache[i], cos, sin, md, num_heads=c.num_heads,
-            num_kv_heads=c.num_kv_heads, eps=c.rms_norm_eps, attention_fn=attention_fn)
+            eps=c.rms_norm_eps, attention_fn=attention_fn, mesh=mesh)
 
-    logits = compute_logits(c, params, hidden[logits_indices])
+    logits = compute_logits(c, params, hidden[logits_indices], mesh)
     if hidden_indices is None:
         return logits, k_cache, v_cache
     return logits, k_cache, v_cache, hidden[hidden_indices]
 
 
-def compute_logits(config: ModelConfig, params: dict, hidden: jax.Array) -> jax.Array:
-    """The final norm and the LM head: last hidden states [N, E] -> logits [N, V] float32."""
+def compute_logits(config: ModelConfig, params: dict, hidden: jax.Array,
+                   mesh: Mesh | None = None) -> jax.Array:
+    """The final norm and the LM head: last hidden states [N, E] -> logits [N, V] float32, over
+    the whole vocabulary (gathered on a mesh)."""
     hidden = _rms_norm(hidden, params["norm"], config.rms_norm_eps)
     lm_head = params.get("lm_head", params["embed_tokens"])
-    return jnp.einsum("se,ve->sv", hidden, lm_head, preferred_element_type=jnp.float32)
+    logits = jnp.einsum("se,ve->sv", hidden, lm_head, preferred_element_type=jnp.float32)
+    if mesh is not None:  # the sampler sees the whole vocabulary
+        logits = sharding.gather_logits(logits, mesh)
+    if lm_head.shape[0] != config.vocab_size:  # rows padded to a multiple of the mesh
+        logits = logits[:, : config.vocab_size]
+    return logits
 
 
 # HF names of the tensors outside the decoder layers -> param names (same layouts).
@@ -219,47 +250,103 @@ def hf_tensor_shapes(config: ModelConfig) -> tuple[dict, dict]:
     return outer, layer
 
 
-@partial(jax.jit, static_argnames="dtype")
-def _outer_from_hf(t: dict, dtype) -> dict:
-    """Embedding [V, E], final norm [E] and untied lm_head [V, E] (HF names) -> params in dtype."""
-    return {_OUTER_NAMES[name]: w.astype(dtype) for name, w in t.items()}
+def _place(t: dict, mesh: Mesh | None) -> dict:
+    """HF tensors split as ``sharding.hf_sharding`` says: each of this process's devices gets
+    its slice, read alone from a host array or a ``LazyTensor`` (``x[index]``), or moved from a
+    device array; host arrays as they are without a mesh (a ``LazyTensor`` read whole)."""
+    if mesh is None:
+        return {name: w if isinstance(w, np.ndarray | jax.Array) else np.asarray(w)
+                for name, w in t.items()}
+    out = {}
+    for name, w in t.items():
+        where = sharding.hf_sharding(name, w.shape, mesh)
+        out[name] = (jax.device_put(w, where) if isinstance(w, jax.Array) else
+                     jax.make_array_from_callback(w.shape, where, lambda index, w=w: w[index]))
+    return out
 
 
-@partial(jax.jit, static_argnames="dtype")
-def _layer_from_hf(t: dict, dtype) -> dict:
-    """One decoder layer's HF tensors (names under ``model.layers.N.``) -> its params in dtype.
+def _constrain(params: dict, mesh: Mesh | None) -> dict:
+    """Built params laid out on the mesh as ``sharding.param_shardings`` says (in a jit)."""
+    if mesh is None:
+        return params
+    return jax.lax.with_sharding_constraint(params, sharding.param_shardings(params, mesh))
 
-    Shapes (E hidden, H/KV heads, D head_dim, I intermediate): input_layernorm,
-    post_attention_layernorm [E]; qkv_proj [E, (H + 2 KV) D]; qkv_bias [(H + 2 KV) D] (Qwen2);
-    q_norm, k_norm [D] (Qwen3); o_proj [H D, E]; gate_up_proj [E, 2 I]; down_proj [I, E].
+
+def _columns_by_shard(blocks: list, n: int) -> jax.Array:
+    """Concatenate column blocks ``[..., c_j]`` (each c_j a multiple of n) so that the columns run
+    shard by shard: the first n-th of every block, then the second, ... An even split of the
+    result over n devices gives device i its slice of each block; n = 1 is a plain
+    concatenation."""
+    lead = blocks[0].shape[:-1]
+    return jnp.concatenate([w.reshape(*lead, n, -1) for w in blocks], axis=-1).reshape(*lead, -1)
+
+
+def _repeat_kv_heads(w: jax.Array, layout: sharding.Layout) -> jax.Array:
+    """HF k/v projection rows (or bias) ``[KV D, ...]`` -> ``[KV r D, ...]``: each KV head's rows
+    r = ``layout.kv_replicas`` times in a row (vLLM replicates KV heads past the mesh size so)."""
+    if layout.kv_replicas == 1:
+        return w
+    heads = w.reshape(layout.num_kv_heads // layout.kv_replicas, -1, *w.shape[1:])
+    return jnp.repeat(heads, layout.kv_replicas, axis=0).reshape(-1, *w.shape[1:])
+
+
+@partial(jax.jit, static_argnames=("dtype", "layout", "mesh"))
+def _outer_from_hf(t: dict, dtype, layout: sharding.Layout, mesh: Mesh | None) -> dict:
+    """Embedding [V, E], final norm [E] and untied lm_head [V, E] (HF names) -> params in dtype,
+    the vocabulary rows padded with zeros to ``layout.vocab_size``."""
+    p = {}
+    for name, w in t.items():
+        if w.ndim == 2 and w.shape[0] < layout.vocab_size:
+            w = jnp.pad(w, ((0, layout.vocab_size - w.shape[0]), (0, 0)))
+        p[_OUTER_NAMES[name]] = w.astype(dtype)
+    return _constrain(p, mesh)
+
+
+@partial(jax.jit, static_argnames=("dtype", "layout", "mesh"))
+def _layer_from_hf(t: dict, dtype, layout: sharding.Layout, mesh: Mesh | None) -> dict:
+    """One decoder layer's HF tensors (names under ``model.layers.N.``) -> its params in dtype,
+    split over ``mesh`` (``sharding``).
+
+    Shapes (E hidden, H heads, KV the layout's KV heads, D head_dim, I intermediate, n the mesh
+    size): input_layernorm, post_attention_layernorm [E]; qkv_proj [E, (H + 2 KV) D] and
+    qkv_bias [(H + 2 KV) D] (Qwen2), columns [q | k | v] of each shard in turn; q_norm, k_norm
+    [D] (Qwen3); o_proj [H D, E]; gate_up_proj [E, 2 I], columns [gate | up] of each shard in
+    turn; down_proj [I, E]. With n = 1: [q | k | v] and [gate | up].
     """
+    n = layout.size
     attn = lambda name: t["self_attn." + name]  # noqa: E731
+    qkv = lambda kind: [attn(f"q_proj.{kind}"), *(  # noqa: E731
+        _repeat_kv_heads(attn(f"{x}_proj.{kind}"), layout) for x in "kv")]
     # Linear weights [out, in] become [in, out]: the step computes x @ w.
     p = {
         "input_layernorm": t["input_layernorm.weight"],
         "post_attention_layernorm": t["post_attention_layernorm.weight"],
-        "qkv_proj": jnp.concatenate([attn(f"{n}_proj.weight").T for n in "qkv"], axis=1),
+        "qkv_proj": _columns_by_shard([w.T for w in qkv("weight")], n),
         "o_proj": attn("o_proj.weight").T,
-        "gate_up_proj": jnp.concatenate(
-            [t["mlp.gate_proj.weight"].T, t["mlp.up_proj.weight"].T], axis=1),
+        "gate_up_proj": _columns_by_shard(
+            [t["mlp.gate_proj.weight"].T, t["mlp.up_proj.weight"].T], n),
         "down_proj": t["mlp.down_proj.weight"].T,
     }
     if "self_attn.q_proj.bias" in t:
-        p["qkv_bias"] = jnp.concatenate([attn(f"{n}_proj.bias") for n in "qkv"])
+        p["qkv_bias"] = _columns_by_shard(qkv("bias"), n)
     if "self_attn.q_norm.weight" in t:
         p["q_norm"], p["k_norm"] = attn("q_norm.weight"), attn("k_norm.weight")
-    return {name: w.astype(dtype) for name, w in p.items()}
+    return _constrain({name: w.astype(dtype) for name, w in p.items()}, mesh)
 
 
-def params_from_hf(config: ModelConfig, weights: dict[str, np.ndarray], dtype) -> dict:
-    """HF-named host tensors (torch layouts) -> params of device arrays in ``dtype``.
+def params_from_hf(config: ModelConfig, weights: dict, dtype, mesh: Mesh | None = None) -> dict:
+    """HF-named tensors (torch layouts; host arrays, or device arrays as orbax restores them) ->
+    params of device arrays in ``dtype``, split over ``mesh`` (``sharding``) if given.
 
-    Built one layer at a time, so the device holds at most the params built so far plus one
-    layer's tensors as read (in the checkpoint's dtype) and as built. Values are those of the
-    tensors cast to ``dtype`` (transposes and concatenations are exact).
+    Built one layer at a time, so a device holds at most its part of the params built so far
+    plus one layer's tensors as read (in the checkpoint's dtype; on a mesh only its slice of
+    each, but the whole of a tensor that does not split evenly) and as built. Values are those
+    of the tensors cast to ``dtype`` (transposes, concatenations, padding and KV-head copies
+    are exact).
 
     Raises:
-      ValueError: naming the first missing tensor or the first one of the wrong shape.
+      ValueError: naming the first missing tensor or the first one of the wrong shape, or a
+        mesh size the model does not split into (``sharding.check_tensor_parallel``).
     """
 
     def read(shapes: dict, prefix: str = "") -> dict:
@@ -271,30 +358,39 @@ def params_from_hf(config: ModelConfig, weights: dict[str, np.ndarray], dtype) -
             if tuple(w.shape) != shape:
                 raise ValueError(f"tensor {prefix + name} has shape {tuple(w.shape)}, expected {shape}")
             out[name] = w
-        return out
+        return _place(out, mesh)
 
+    layout = sharding.Layout.of(config, sharding.mesh_size(mesh))
     outer, layer = hf_tensor_shapes(config)
     # The embedding first: its two copies (as read, as built) then meet no layer on the device.
-    params = _outer_from_hf(read(outer), dtype)
-    params["layers"] = [_layer_from_hf(read(layer, f"model.layers.{i}."), dtype)
+    params = _outer_from_hf(read(outer), dtype, layout, mesh)
+    params["layers"] = [_layer_from_hf(read(layer, f"model.layers.{i}."), dtype, layout, mesh)
                         for i in range(config.num_layers)]
     return params
 
 
-def random_params(config: ModelConfig, dtype, seed: int = 0) -> dict:
-    """Random params of the model's shapes (``--load-format dummy``), drawn on the device in
-    ``dtype`` one layer at a time (nothing on the host, no float32 copy): the HF tensors are
-    normal(0, 0.02) (norm weights 1, biases 0), then built as ``params_from_hf`` builds them."""
+def random_params(config: ModelConfig, dtype, seed: int = 0, mesh: Mesh | None = None) -> dict:
+    """Random params of the model's shapes (``--load-format dummy``), drawn on the device(s) in
+    ``dtype`` one layer at a time (nothing on the host, no float32 copy; on a mesh each device
+    draws only its slice, the same values at every mesh size): the HF tensors are normal(0,
+    0.02) (norm weights 1, biases 0), then built as ``params_from_hf`` builds them.
+
+    Raises:
+      ValueError: as ``sharding.check_tensor_parallel``.
+    """
+    layout = sharding.Layout.of(config, sharding.mesh_size(mesh))
     outer, layer = hf_tensor_shapes(config)
     keys = jax.random.split(jax.random.key(seed), config.num_layers + 1)
-    params = _random_from_hf(keys[0], tuple(outer.items()), dtype, _outer_from_hf)
-    params["layers"] = [_random_from_hf(k, tuple(layer.items()), dtype, _layer_from_hf)
-                        for k in keys[1:]]
+    params = _random_from_hf(keys[0], tuple(outer.items()), dtype, _outer_from_hf, layout, mesh)
+    params["layers"] = [
+        _random_from_hf(k, tuple(layer.items()), dtype, _layer_from_hf, layout, mesh)
+        for k in keys[1:]]
     return params
 
 
-@partial(jax.jit, static_argnums=(1, 2, 3))
-def _random_from_hf(key, shapes: tuple, dtype, build: Callable) -> dict:
+@partial(jax.jit, static_argnums=(1, 2, 3, 4, 5))
+def _random_from_hf(key, shapes: tuple, dtype, build: Callable, layout: sharding.Layout,
+                    mesh: Mesh | None) -> dict:
     """``build`` (``_outer_from_hf`` or ``_layer_from_hf``) of random HF tensors of ``shapes``
     (((name, shape), ...)), in one executable."""
     t = {}
@@ -305,4 +401,4 @@ def _random_from_hf(key, shapes: tuple, dtype, build: Callable) -> dict:
             t[name] = jnp.zeros(shape, dtype)
         else:
             t[name] = 0.02 * jax.random.normal(k, shape, dtype)
-    return build(t, dtype)
+    return build(t, dtype, layout, mesh)

@@ -2,27 +2,48 @@
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from jaxserve.config import ModelConfig
 from jaxserve.models.llama import params_from_hf, random_params
+from pallas_kernels import kv_quant
 
 
-def build_params(hf_config: dict, weights: dict | None, dtype, seed: int = 0) -> tuple[ModelConfig, dict]:
+def build_params(hf_config: dict, weights: dict | None, dtype, seed: int = 0,
+                 mesh: Mesh | None = None) -> tuple[ModelConfig, dict]:
     """Model config and params (``jaxserve.models.llama``) of device arrays in ``dtype``, built
-    one layer at a time; returns once they are on the device, so a caller's timing covers it.
+    one layer at a time and split over ``mesh`` (``jaxserve.models.sharding``) if given;
+    returns once they are on the device(s), so a caller's timing covers it.
 
     ``weights`` None gives random weights of the real shapes (``--load-format dummy``, drawn
     from ``seed``).
 
     Raises:
-      ValueError: unsupported architecture, a missing tensor, or a tensor of the wrong shape.
+      ValueError: unsupported architecture, a missing tensor, a tensor of the wrong shape, or a
+        mesh size that does not divide the model (naming --tensor-parallel-size).
     """
     config = ModelConfig.from_hf_config(hf_config)
     if weights is None:
-        params = random_params(config, dtype, seed)
+        params = random_params(config, dtype, seed, mesh)
     else:
-        params = params_from_hf(config, weights, dtype)
+        params = params_from_hf(config, weights, dtype, mesh)
     return config, jax.block_until_ready(params)
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype):
+    """--kv-cache-dtype -> the pool's dtype: "auto" is the model's; "fp8" is float8_e4m3fn
+    (``pallas_kernels.kv_quant``).
+
+    Raises:
+      ValueError: for a name other than auto, bfloat16, float32, fp8.
+    """
+    if kv_cache_dtype == "auto":
+        return jnp.dtype(model_dtype)
+    if kv_cache_dtype == "fp8":
+        return jnp.dtype(kv_quant.FP8_DTYPE)
+    if kv_cache_dtype in ("bfloat16", "float32"):
+        return jnp.dtype(kv_cache_dtype)
+    raise ValueError(f"unsupported --kv-cache-dtype {kv_cache_dtype!r} (auto, bfloat16, float32, fp8)")
 
 
 def resolve_dtype(dtype: str):

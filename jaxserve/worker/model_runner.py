@@ -26,11 +26,12 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from jaxserve.config import ModelConfig
 from jaxserve.core.scheduler_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from jaxserve.engine import LogprobsLists
-from jaxserve.models import llama
+from jaxserve.models import llama, sharding
 from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
 from jaxserve.worker.input_batch import InputBatch
 from jaxserve.worker.sampler import (
@@ -44,6 +45,7 @@ from jaxserve.worker.sampler import (
     sample_unfiltered,
     write_state_row,
 )
+from pallas_kernels import kv_quant
 
 # Prompt positions whose log-probabilities one step computes (the scheduler caps the prompt
 # chunks of such requests to it): the step returns this many hidden rows, and a separate
@@ -74,18 +76,19 @@ def _bucket(buckets: list[int], n: int) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
-def _step(config, attention_fn, max_num_seqs, branch_free, params, token_ids, prev_rows,
+def _step(config, attention_fn, mesh, max_num_seqs, branch_free, params, token_ids, prev_rows,
           prev_sampled, md, k_cache, v_cache, logits_indices, hidden_indices, sm):
     """prev_rows[T]: for each input token, the row of ``prev_sampled`` (the previous step's
     sampled tokens) that holds it, or -1 to take ``token_ids``. Returns the greedy and plain
     rows' tokens padded to [max_num_seqs] (so that the next step's prev_sampled has one shape
     in every bucket), the logits [S, V] for ``_filter``, the hidden rows [R, E] at
     ``hidden_indices`` for ``_prompt_logprobs`` and the updated KV pool.
-    ``branch_free``: no control flow (the GPU; see the sampler's module docstring)."""
+    ``branch_free``: no control flow (the GPU; see the sampler's module docstring). ``mesh``:
+    the tensor-parallel mesh (None: one device)."""
     token_ids = jnp.where(prev_rows >= 0, prev_sampled[jnp.maximum(prev_rows, 0)], token_ids)
     logits, k_cache, v_cache, hidden = llama.forward(
         config, params, token_ids, md, k_cache, v_cache, logits_indices,
-        attention_fn=attention_fn, hidden_indices=hidden_indices)
+        attention_fn=attention_fn, mesh=mesh, hidden_indices=hidden_indices)
     sampled = sample_unfiltered(logits, sm, branch_free=branch_free)
     return (jnp.pad(sampled, (0, max_num_seqs - sampled.shape[0])), logits, hidden, k_cache,
             v_cache)
@@ -99,15 +102,15 @@ def _filter(logits, sampled, sm, fm, state):
     return sampled.at[:s].set(tokens), state, logprobs
 
 
-def _prompt_logprobs(config, params, hidden, targets):
+def _prompt_logprobs(config, mesh, params, hidden, targets):
     """Logprobs of ``targets`` [R] from the hidden rows [R, E] that precede them."""
-    return compute_logprobs(llama.compute_logits(config, params, hidden), targets)
+    return compute_logprobs(llama.compute_logits(config, params, hidden, mesh), targets)
 
 
 def _copy_pages(k_cache, v_cache, src, dst):
     """Copy KV pages ``src`` [N] to ``dst`` [N] in every layer (0 -> 0 pads: the null page)."""
-    return ([k.at[:, dst].set(k[:, src]) for k in k_cache],
-            [v.at[:, dst].set(v[:, src]) for v in v_cache])
+    copy = lambda pool: jax.tree.map(lambda a: a.at[:, dst].set(a[:, src]), pool)  # noqa: E731
+    return [copy(k) for k in k_cache], [copy(v) for v in v_cache]
 
 
 def _trim(lp: dict, rows, ks) -> LogprobsLists:
@@ -154,13 +157,17 @@ class ModelRunner:
 
     Args:
       config: model shapes.
-      params: the model's params, one dict per layer (``jaxserve.models.llama``), on the device.
+      params: the model's params, one dict per layer (``jaxserve.models.llama``), on the device,
+        or split over ``mesh``.
       page_size: tokens per page.
       max_num_seqs, max_num_batched_tokens, max_model_len: scheduler limits (tokens/sequences).
-      kv_dtype: dtype of the KV pool.
+      kv_dtype: dtype of the KV pool (float8_e4m3fn: ``pallas_kernels.kv_quant``'s FP8 pool).
       attention_fn: pallas_kernels attention entry point.
       branch_free: compile the step without control flow; default: on any backend but the CPU
         (a GPU conditional blocks the dispatching thread; the module docstring says more).
+      mesh: the tensor-parallel mesh (``jaxserve.models.sharding``) that params are split over;
+        the KV pool is split by KV head over it, the step's other inputs and outputs are
+        replicated. None: one device, the default.
     """
 
     def __init__(
@@ -175,8 +182,11 @@ class ModelRunner:
         kv_dtype,
         attention_fn: Callable,
         branch_free: bool | None = None,
+        mesh: Mesh | None = None,
     ):
         self.config = config
+        self.mesh = mesh
+        self.layout = sharding.Layout.of(config, sharding.mesh_size(mesh))
         self.params = params
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
@@ -191,44 +201,66 @@ class ModelRunner:
         self.prompt_logprob_rows = min(PROMPT_LOGPROB_ROWS, max_num_batched_tokens)
         if branch_free is None:
             branch_free = not on_cpu
-        self._jitted = jax.jit(partial(_step, config, attention_fn, max_num_seqs, branch_free),
-                               donate_argnums=(5, 6))
-        self._filter_jitted = jax.jit(_filter, donate_argnums=(4,))
+        step = partial(_step, config, attention_fn, mesh, max_num_seqs, branch_free)
+        # Everything but the params and the pool is replicated over the mesh (None: one device).
+        self._replicated = None if mesh is None else sharding.replicated(mesh)
+        if mesh is None:
+            self._jitted = jax.jit(step, donate_argnums=(5, 6))
+            self._filter_jitted = jax.jit(_filter, donate_argnums=(4,))
+        else:
+            # Params as split by the Megatron layout, the pool by KV head.
+            rep, kv = self._replicated, sharding.kv_sharding(mesh)
+            self._jitted = jax.jit(
+                step, donate_argnums=(5, 6),
+                in_shardings=(sharding.param_shardings(params, mesh), rep, rep, rep, rep, kv, kv,
+                              rep, rep, rep),
+                out_shardings=(rep, rep, rep, kv, kv))
+            self._filter_jitted = jax.jit(_filter, donate_argnums=(4,), in_shardings=rep,
+                                          out_shardings=rep)
         # The other programs a step may dispatch, each compiled once at start-up.
         self._aux_jitted = {
             "state writer": jax.jit(write_state_row, donate_argnums=(0,)),
             "page copy": jax.jit(_copy_pages, donate_argnums=(0, 1)),
-            "prompt logprobs": jax.jit(partial(_prompt_logprobs, config)),
+            "prompt logprobs": jax.jit(partial(_prompt_logprobs, config, mesh)),
         }
+        self._prev_sampled = jnp.zeros(max_num_seqs, jnp.int32, device=self._replicated)
         self._compiled: dict[int, Callable] = {}
         self._filter_compiled: dict[int, Callable] = {}  # by S
         self._aux_compiled: dict[str, Callable] = {}
-        self._prev_sampled = jnp.zeros(max_num_seqs, jnp.int32)
         self._step_count = 0
         # Penalty counts, logit biases, stop ids per slot, on the device (sampler.py); stop ids
         # hold the request's own and the model's EOS ids (config's and the tokenizer's).
-        self.sampling_state = init_state(max_num_seqs, config.vocab_size, MAX_LOGIT_BIAS,
-                                         MAX_STOP_TOKEN_IDS + len(config.eos_token_ids) + 1)
+        # Created by a jitted call so that on a mesh (several hosts too) each device makes its
+        # own replica.
+        self.sampling_state = jax.jit(
+            partial(init_state, max_num_seqs, config.vocab_size, MAX_LOGIT_BIAS,
+                    MAX_STOP_TOKEN_IDS + len(config.eos_token_ids) + 1),
+            out_shardings=self._replicated)()
 
-    def _kv_shapes(self, num_pages: int):
+    def _kv_pool(self, num_pages: int):
+        """(shape [KV, num_pages, page_size, D] of one layer's K (or V) pool, KV the layout's,
+        and its sharding: split over the mesh by KV head, None on one device)."""
         c = self.config
-        return [(c.num_kv_heads, num_pages, self.page_size, c.head_dim)] * c.num_layers
+        shape = (self.layout.num_kv_heads, num_pages, self.page_size, c.head_dim)
+        return shape, None if self.mesh is None else sharding.kv_sharding(self.mesh)
 
     def allocate_kv_cache(self, num_pages: int) -> None:
-        """Allocate the (zeroed) K and V pools of num_pages pages, page 0 included."""
-        shapes = self._kv_shapes(num_pages)
-        self.k_cache = [jnp.zeros(s, self.kv_dtype) for s in shapes]
-        self.v_cache = [jnp.zeros(s, self.kv_dtype) for s in shapes]
+        """Allocate the (zeroed) K and V pools of num_pages pages, page 0 included; on a mesh
+        each device allocates only its KV heads."""
+        shape, where = self._kv_pool(num_pages)
+        layers = range(self.config.num_layers)
+        self.k_cache = [kv_quant.pool_zeros(shape, self.kv_dtype, where) for _ in layers]
+        self.v_cache = [kv_quant.pool_zeros(shape, self.kv_dtype, where) for _ in layers]
 
     def profile_step_bytes(self, num_pages: int) -> int:
         """Device bytes the largest token bucket's step needs beyond its arguments, from XLA's
         memory analysis of that bucket compiled against a pool of num_pages pages (described
-        by shapes only: nothing is allocated). 0 if the backend gives no analysis."""
+        by shapes only: nothing is allocated). On a mesh, the bytes of one device (XLA analyses
+        the partitioned program). 0 if the backend gives no analysis."""
         from jaxserve.engine.kv_sizing import step_bytes_from_memory_analysis
 
-        shapes = self._kv_shapes(num_pages)
-        sds = lambda s: jax.ShapeDtypeStruct(s, self.kv_dtype)
-        kv = [sds(s) for s in shapes]
+        shape, where = self._kv_pool(num_pages)
+        kv = [kv_quant.pool_struct(shape, self.kv_dtype, where)] * self.config.num_layers
         inputs = self._dummy_inputs(self.token_buckets[-1])
         compiled = self._jitted.lower(self.params, *inputs[:4], kv, kv, *inputs[4:]).compile()
         ma = compiled.memory_analysis()
@@ -297,7 +329,7 @@ class ModelRunner:
                     self.params, *inputs[:4], self.k_cache, self.v_cache, *inputs[4:])
                 futures[pool.submit(lowered.compile)] = ("step", t)
             for s in seq_counts:
-                logits = jax.ShapeDtypeStruct((s, vocab), jnp.float32)
+                logits = jax.ShapeDtypeStruct((s, vocab), jnp.float32, sharding=self._replicated)
                 lowered = self._filter_jitted.lower(logits, self._prev_sampled,
                                                     *self._dummy_sampling(s), self.sampling_state)
                 futures[pool.submit(lowered.compile)] = ("filter", s)
@@ -483,7 +515,8 @@ class ModelRunner:
     def get_output(self, handle: StepHandle) -> ModelRunnerOutput:
         """Wait for a dispatched step; returns its sampled tokens (for the requests whose step
         ended at their last token; prompt chunks sample nothing) and log-probabilities."""
-        sampled = np.asarray(handle.sampled)
+        # This process's copy (with a mesh over several hosts, the others are not addressable).
+        sampled = np.asarray(handle.sampled.addressable_data(0))
         tokens = sampled[handle.rows]
         self.input_batch.record_sampled(handle.step, handle.rows, handle.req_ids, tokens)
         logprobs = {}

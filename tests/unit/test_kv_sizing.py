@@ -78,3 +78,21 @@ def test_gpu_weights_too_big_leave_no_pages():
     assert b.pool_bytes < 0 and K.num_pages_for_bytes(b.pool_bytes, 4096) == 0
     with pytest.raises(ValueError, match="--gpu-memory-utilization"):
         K.check_pool_fits(0, 16, 4096, "raise --gpu-memory-utilization or lower --max-model-len")
+
+
+def test_fp8_page_counts_its_scales():
+    # Llama-3-8B in FP8: 128 one-byte values and a 4-byte scale per token and KV head.
+    assert K.kv_bytes_per_page(32, 8, 128, 16, 1, 4) == 2 * 32 * 8 * 16 * 132
+
+
+def test_tensor_parallel_pool_is_what_the_fullest_device_can_hold():
+    # 70B in bf16 over 2 H200s: each holds half the weights (~66 GiB); device 1 also holds
+    # something else (2 GiB more in use). --gpu-memory-utilization applies to each device.
+    limit = int(0.94 * 140 * GIB)
+    b = K.smallest_kv_budget([(limit, 66 * GIB), (limit, 68 * GIB)], utilization=0.9,
+                             allocator_fraction=0.94, step_bytes=4 * GIB)
+    assert b.in_use_bytes == 68 * GIB
+    assert abs(b.pool_bytes - (int(0.9 * 140 * GIB) - GIB - 68 * GIB - 4 * GIB)) <= 2
+    # Its pages, per device: Llama-3.1-70B's 8 KV heads split in two.
+    per_page = K.kv_bytes_per_page(80, 8 // 2, 128, 16, 2)
+    assert per_page == 2 * 80 * 4 * 16 * 128 * 2 == 2.5 * 2**20

@@ -1,0 +1,59 @@
+"""Session fixtures of the tensor-parallel tests: tiny models, prompts, and the offline greedy
+outputs at every size (one fake-device subprocess), which the server tests compare against."""
+
+import pytest
+
+from tests.conftest import sharegpt_prompts
+from tests.integration import tp_utils
+
+
+@pytest.fixture(scope="session")
+def tp_prompts() -> list[str]:
+    return sharegpt_prompts(tp_utils.NUM_PROMPTS, max_chars=400, skip=300, min_chars=40)
+
+
+@pytest.fixture(scope="session")
+def tiny_tp_folders(tmp_path_factory, smollm) -> dict:
+    """{"llama": HF folder, "qwen3": HF folder, "llama-orbax": the Llama as an orbax folder}
+    (``tp_utils.TINY``)."""
+    from jaxserve.model_loader import load_hf_folder, save_orbax
+
+    root = tmp_path_factory.mktemp("tp-models")
+    out = {name: tp_utils.make_tiny_folder(root, name, smollm.tokenizer) for name in tp_utils.TINY}
+    out["llama-orbax"] = save_orbax(root / "tiny-llama-orbax", load_hf_folder(out["llama"]))
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_models(tiny_tp_folders) -> dict:
+    """The tiny models in HF transformers (float32, CPU): the near-tie margins' source."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return {name: AutoModelForCausalLM.from_pretrained(str(tiny_tp_folders[name]),
+                                                       dtype=torch.float32).eval()
+            for name in tp_utils.TINY}
+
+
+@pytest.fixture(scope="session")
+def tp_offline(tiny_tp_folders, tp_prompts, smollm_llm) -> dict:
+    """Greedy outputs of the prompts (``prompt_ids``, ``output_ids``), keyed "NAME:TP": the
+    default model (its GGUF) at TP 1 (the engine tests' ``smollm_llm``, in this process) and 3,
+    each tiny model (HF folders) at TP 1, 2 and 4 (the Llama at 2 with the Pallas kernels) and
+    the Llama's orbax folder at 2 (``LLM`` on fake devices); plus the tiny Llama step's
+    collectives at 4."""
+    from jaxserve import SamplingParams
+
+    sizes = {"default": (3,), "llama": (1, 2, 4), "qwen3": (1, 2, 4), "llama-orbax": (2,)}
+    paths = {"default": None, **{name: str(folder) for name, folder in tiny_tp_folders.items()}}
+    runs = [{"model": paths[name], "tp": tp} for name in sizes for tp in sizes[name]]
+    # The GPU's attention, the Pallas kernels (in interpret mode here), per shard.
+    runs[runs.index({"model": paths["llama"], "tp": 2})]["flags"] = {"attention_backend": "pallas"}
+    raw = tp_utils.run_offline(runs, tp_prompts, collectives_of=paths["llama"])
+    out = {"collectives": raw["collectives"]}
+    out |= {f"{name}:{tp}": raw[f"{paths[name]}:{tp}"] for name in sizes for tp in sizes[name]}
+    results = smollm_llm.generate(
+        tp_prompts, SamplingParams(temperature=0, max_tokens=tp_utils.MAX_TOKENS), use_tqdm=False)
+    out["default:1"] = {"prompt_ids": [r.prompt_token_ids for r in results],
+                        "output_ids": [r.outputs[0].token_ids for r in results]}
+    return out

@@ -1,0 +1,124 @@
+"""Tensor parallelism on fake CPU devices (issue 15, docs/parallelism.md): greedy outputs at
+TP = 2, 3, 4 equal TP = 1's (docs/design.md section 7), offline and through the server; the
+step's collectives are the Megatron layout's; sizes the model or the machine cannot take are
+refused with an error naming the flag.
+
+Each JAX process with fake devices is a subprocess (``XLA_FLAGS`` is read when JAX starts): the
+offline runs share one (``tp_offline`` in conftest.py), the server runs its engine in its own.
+"""
+
+import subprocess
+import sys
+
+import pytest
+from server_utils import REPO, Server
+
+from tests.integration import tp_utils
+
+pytestmark = pytest.mark.slow
+
+
+# Each run loads its checkpoint per device part: the default model's GGUF and the HF folders
+# through lazy tensors, the orbax folder restored straight into its shardings. The Llama at TP=2
+# runs the Pallas kernels (interpret mode) per shard, the others the reference attention.
+@pytest.mark.parametrize("name,tp", [("default", 3), ("llama", 2), ("llama", 4), ("qwen3", 2),
+                                     ("qwen3", 4), ("llama-orbax", 2)])
+def test_offline_greedy_matches_tp1(name, tp, tp_offline, hf_smollm, tiny_hf_models):
+    ref, ours = tp_offline[f"{name.removesuffix('-orbax')}:1"], tp_offline[f"{name}:{tp}"]
+    assert ours["prompt_ids"] == ref["prompt_ids"]
+    hf = hf_smollm if name == "default" else tiny_hf_models[name.removesuffix("-orbax")]
+    tp_utils.assert_greedy_matches(ours["output_ids"], ref["output_ids"], ref["prompt_ids"], hf,
+                                   f"{name} offline at TP={tp}")
+
+
+def test_step_collectives_are_megatrons(tp_offline):
+    # Tiny Llama, 2 layers, TP=4: an all-reduce after the embedding, after each O and each down
+    # projection; one all-gather, of the [S, V] logits (never of a weight).
+    tp = 4
+    found = tp_offline["collectives"][str(tp)]
+    assert found["ops"] == {"all-reduce": 1 + 2 * 2, "all-gather": 1}
+    padded_vocab = -(-tp_utils.TINY["llama"][2]["vocab_size"] // tp) * tp
+    num_seqs = tp_utils.TP_FLAGS["max_num_seqs"]
+    assert found["gathered"][0].startswith(f"f32[{num_seqs},{padded_vocab}]"), found
+
+
+def test_server_tp3_default_model_matches_tp1(tp_offline, tp_prompts, hf_smollm):
+    server = Server("--tensor-parallel-size", "3", *tp_utils.TP_CLI_FLAGS,
+                    env=tp_utils.fake_devices_env())
+    try:
+        choices = tp_utils.serve_greedy(server.url, tp_prompts)
+        log = server.output()
+    finally:
+        server.stop()
+    assert "split over 3 devices (tensor parallel)" in log
+    ref = tp_offline["default:1"]
+    assert [c.prompt_token_ids for c in choices] == ref["prompt_ids"]
+    tp_utils.assert_greedy_matches([c.token_ids for c in choices], ref["output_ids"],
+                                   ref["prompt_ids"], hf_smollm, "default model served at TP=3")
+
+
+def _serve_cli(*flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "jaxserve.serve", "--port", "0", *flags],
+                          capture_output=True, text=True, timeout=300, cwd=REPO,
+                          env=tp_utils.fake_devices_env())
+
+
+@pytest.mark.parametrize("tp,error", [
+    ("2", "--tensor-parallel-size 2 does not divide the model's 9 attention heads; sizes that "
+          "fit this model: 1, 3"),
+    ("4", "--tensor-parallel-size 4 does not divide the model's 9 attention heads"),
+    ("5", "--tensor-parallel-size 5 exceeds the 4 cpu device(s) JAX sees"),
+])
+def test_server_refuses_sizes_that_do_not_fit(tp, error):
+    # The SmolLM2 shape as dummy weights: the same heads as the default model, nothing to read.
+    proc = _serve_cli("--model", "smollm2-135m", "--load-format", "dummy",
+                      "--tensor-parallel-size", tp)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert error in proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+
+
+DUMMY_70B_LAYER = """
+import json, jax, jax.numpy as jnp, numpy as np
+from jaxserve.config import ModelConfig
+from jaxserve.model_loader.dummy import PRESETS
+from jaxserve.models import llama, sharding
+
+c = ModelConfig.from_hf_config(PRESETS["llama-3.1-70b"])
+_, layer = llama.hf_tensor_shapes(c)
+out = {}
+for tp in (1, 4):  # one 70B layer drawn in bf16: compiled only, nothing allocated
+    ma = llama._random_from_hf.lower(
+        jax.random.key(0), tuple(layer.items()), jnp.bfloat16, llama._layer_from_hf,
+        sharding.Layout.of(c, tp), sharding.make_mesh(tp)).compile().memory_analysis()
+    out[tp] = [ma.output_size_in_bytes, ma.temp_size_in_bytes]
+tiny = ModelConfig.from_hf_config({**PRESETS["llama-3.2-1b"], "hidden_size": 64,
+    "intermediate_size": 128, "num_hidden_layers": 1, "vocab_size": 1001, "head_dim": 16})
+one = llama.random_params(tiny, jnp.float32)
+two = llama.random_params(tiny, jnp.float32, mesh=sharding.make_mesh(2))
+same = {name: bool(np.array_equal(np.asarray(two["layers"][0][name]), np.asarray(one["layers"][0][name])))
+        for name in ("o_proj", "down_proj", "input_layernorm")}
+same["embed_tokens"] = bool(np.array_equal(np.asarray(two["embed_tokens"])[:1001],
+                                           np.asarray(one["embed_tokens"])))
+out["same"] = same
+print(json.dumps(out))
+"""
+
+
+def test_dummy_weights_are_drawn_per_device():
+    import numpy as np
+
+    from jaxserve.config import ModelConfig
+    from jaxserve.model_loader.dummy import PRESETS
+    from jaxserve.models.llama import hf_tensor_shapes
+
+    found = tp_utils.run_python(DUMMY_70B_LAYER)
+    (out1, temp1), (out4, temp4) = found["1"], found["4"]
+    _, layer = hf_tensor_shapes(ModelConfig.from_hf_config(PRESETS["llama-3.1-70b"]))
+    norms = sum(2 * np.prod(s) for name, s in layer.items() if name.endswith("norm.weight"))
+    layer_bytes = sum(2 * np.prod(s) for s in layer.values())  # bf16
+    # (XLA counts a few bytes more: the output tuple's pointers.)
+    assert 0 <= out1 - layer_bytes < 1024
+    assert 0 <= out4 - ((layer_bytes - norms) // 4 + norms) < 1024  # a quarter; norms replicated
+    assert temp4 <= temp1 / 4 * 1.05, (temp1, temp4)  # no device draws the whole layer
+    assert all(found["same"].values()), found["same"]  # the same values at every mesh size

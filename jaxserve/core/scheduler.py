@@ -20,6 +20,12 @@ the batch holding references to its full prompt pages and a copy of its partly f
 each with its own seed. The prompt is computed once, with or without prefix caching. When the
 batch or the pool has no room for them then, they start like any other request instead.
 
+A constrained sequence (``structured_outputs``) carries its grammar's matcher: each step that
+samples it, ``schedule`` adds the tokens the grammar allows next (``grammar_bitmask``, from the
+StructuredOutputManager), and ``update`` advances the matcher with the token drawn. So the
+matcher must have seen every earlier token when the step is scheduled: with such sequences
+present, EngineCore runs synchronously (docs/structured_outputs.md).
+
 A request that wants prompt log-probabilities takes no prefix-cache hits (every prompt position
 must be computed), and its prompt chunks are capped so that one step never holds more than
 ``max_prompt_logprob_rows`` such positions (the runner turns them into logits chunk by chunk).
@@ -43,8 +49,10 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: tuple[int, ...],
         max_prompt_logprob_rows: int = 0,
+        structured_output_manager=None,
     ):
         self.kv = kv_cache_manager
+        self.structured_output_manager = structured_output_manager
         self.max_prompt_logprob_rows = max_prompt_logprob_rows
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -68,6 +76,10 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def has_structured_requests(self) -> bool:
+        """Some unfinished sequence is constrained by a grammar."""
+        return any(r.grammar is not None for r in self.requests.values())
 
     def abort_requests(self, request_ids) -> None:
         """Abort sequences by id (a choice's id aborts that choice alone). Choices that wait for
@@ -181,7 +193,20 @@ class Scheduler:
         for req in forks:
             self._fork(out, req)
         out.total_num_scheduled_tokens = self.max_num_batched_tokens - budget
+        self._grammar_bitmask(out)
         return out
+
+    def _grammar_bitmask(self, out: SchedulerOutput) -> None:
+        """The allowed tokens of the constrained sequences that sample this step."""
+        constrained = [self.requests[rid] for rid, samples in out.samples.items()
+                       if samples and self.requests[rid].grammar is not None]
+        if not constrained:
+            return
+        if any(r.num_output_placeholders > 1 for r in constrained):
+            raise RuntimeError("a constrained sequence was scheduled with a token in flight")
+        out.structured_output_request_ids = [r.request_id for r in constrained]
+        out.grammar_bitmask = self.structured_output_manager.grammar_bitmask(
+            [r.grammar for r in constrained])
 
     def _cap(self, req: Request, n: int) -> int:
         """n, or fewer tokens when the request computes prompt log-probabilities and the
@@ -268,6 +293,9 @@ class Scheduler:
             token = int(output.sampled[rid])
             req.num_output_placeholders -= 1
             req.all_token_ids.append(token)
+            if req.grammar is not None and not req.grammar.is_stopped():
+                # A token the mask allowed; EOS after a complete grammar stops the matcher.
+                req.grammar.consume_token(token)
             if req.status == running:
                 self.kv.cache_full_pages(req)
             reason, stop_reason = self._check_stop(req, token)

@@ -94,11 +94,12 @@ def _step(config, attention_fn, mesh, max_num_seqs, branch_free, params, token_i
             v_cache)
 
 
-def _filter(logits, sampled, sm, fm, state):
+def _filter(logits, sampled, sm, fm, state, bitmask):
     """The step's tokens ([max_num_seqs]) with the rows of ``fm`` drawn again (a step's S rows
-    come first), the sampler state with their tokens counted, and their Logprobs."""
+    come first; constrained rows under their row of ``bitmask`` [S, W] int32), the sampler
+    state with their tokens counted, and their Logprobs."""
     s = logits.shape[0]
-    tokens, state, logprobs = sample_filtered(logits, sampled[:s], sm, fm, state)
+    tokens, state, logprobs = sample_filtered(logits, sampled[:s], sm, fm, state, bitmask)
     return sampled.at[:s].set(tokens), state, logprobs
 
 
@@ -224,6 +225,11 @@ class ModelRunner:
             "prompt logprobs": jax.jit(partial(_prompt_logprobs, config, mesh)),
         }
         self._prev_sampled = jnp.zeros(max_num_seqs, jnp.int32, device=self._replicated)
+        # Grammar bitmask rows (structured outputs): ceil(V / 32) int32 words per sequence.
+        # A step without constrained rows passes the all-allowed mask of its S, kept on the
+        # device, so such steps move no bitmask to the device.
+        self.bitmask_width = -(-config.vocab_size // 32)
+        self._no_bitmask: dict[int, jax.Array] = {}  # by S
         self._compiled: dict[int, Callable] = {}
         self._filter_compiled: dict[int, Callable] = {}  # by S
         self._aux_compiled: dict[str, Callable] = {}
@@ -293,7 +299,8 @@ class ModelRunner:
                               seeds=np.zeros(s, np.uint32), steps=i32)
         fm = FilterMetadata(rows=off, slots=i32, min_p=f32, presence_penalty=f32,
                             frequency_penalty=f32, repetition_penalty=np.ones(s, np.float32),
-                            logit_bias=off, suppress_stop=off, count=off, logprobs=off)
+                            logit_bias=off, suppress_stop=off, count=off, logprobs=off,
+                            structured=off)
         return sm, fm
 
     def _aux_args(self, name: str):
@@ -330,8 +337,11 @@ class ModelRunner:
                 futures[pool.submit(lowered.compile)] = ("step", t)
             for s in seq_counts:
                 logits = jax.ShapeDtypeStruct((s, vocab), jnp.float32, sharding=self._replicated)
+                self._no_bitmask[s] = jax.device_put(
+                    np.full((s, self.bitmask_width), -1, np.int32), self._replicated)
                 lowered = self._filter_jitted.lower(logits, self._prev_sampled,
-                                                    *self._dummy_sampling(s), self.sampling_state)
+                                                    *self._dummy_sampling(s), self.sampling_state,
+                                                    self._no_bitmask[s])
                 futures[pool.submit(lowered.compile)] = ("filter", s)
             for name, fn in self._aux_jitted.items():
                 futures[pool.submit(fn.lower(*self._aux_args(name)).compile)] = (name, None)
@@ -452,6 +462,8 @@ class ModelRunner:
         redraw = (b.penalized[slots] | b.logit_bias[slots] | suppress
                   | ((b.temperature[slots] > 0) & (b.min_p[slots] > 0)))
         redraw |= filtered_rows(sm, self.config.vocab_size)[:n_seq]
+        structured, bitmask = self._grammar_rows(sched, req_ids, s)
+        redraw |= structured[:n_seq]
         want_logprobs = samples & (logprob_ks >= 0)
         if redraw.any() or want_logprobs.any():
             fm = FilterMetadata(
@@ -463,9 +475,9 @@ class ModelRunner:
                 logit_bias=per_seq(b.logit_bias[slots], False, bool),
                 suppress_stop=per_seq(suppress, False, bool),
                 count=per_seq(samples & b.penalized[slots], False, bool),
-                logprobs=per_seq(want_logprobs, False, bool))
+                logprobs=per_seq(want_logprobs, False, bool), structured=structured)
             sampled, self.sampling_state, lp = self._filter_compiled[s](
-                logits, sampled, sm, fm, self.sampling_state)
+                logits, sampled, sm, fm, self.sampling_state, bitmask)
             logprobs = lp if want_logprobs.any() else None
         if sched.copy_pages:
             src = np.zeros(self.max_num_seqs, np.int32)
@@ -484,6 +496,19 @@ class ModelRunner:
         b.in_flight_step[slots[rows]] = self._step_count - 1
         return StepHandle(self._step_count - 1, sampled, rows, [req_ids[i] for i in rows],
                           logprobs, logprob_ks[rows], prompt_logprobs, prompt_spans, targets)
+
+    def _grammar_rows(self, sched: SchedulerOutput, req_ids: list[str], s: int):
+        """([S] bool, the constrained rows; their bitmask [S, W] int32, all-allowed elsewhere:
+        the device's cached all-allowed mask when no row is constrained)."""
+        structured = np.zeros(s, bool)
+        if sched.grammar_bitmask is None:
+            return structured, self._no_bitmask[s]
+        row_of = {r: i for i, r in enumerate(req_ids)}
+        rows = np.fromiter((row_of[r] for r in sched.structured_output_request_ids), np.int64)
+        structured[rows] = True
+        bitmask = np.full((s, self.bitmask_width), -1, np.int32)
+        bitmask[rows] = sched.grammar_bitmask
+        return structured, bitmask
 
     def _prompt_logprob_rows(self, sched, req_ids, slots, computed, counts, ends):
         """For the requests in ``sched.prompt_logprobs``: the flat-batch rows of their scheduled

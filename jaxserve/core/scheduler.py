@@ -20,11 +20,12 @@ the batch holding references to its full prompt pages and a copy of its partly f
 each with its own seed. The prompt is computed once, with or without prefix caching. When the
 batch or the pool has no room for them then, they start like any other request instead.
 
-A constrained sequence (``structured_outputs``) carries its grammar's matcher: each step that
-samples it, ``schedule`` adds the tokens the grammar allows next (``grammar_bitmask``, from the
-StructuredOutputManager), and ``update`` advances the matcher with the token drawn. So the
-matcher must have seen every earlier token when the step is scheduled: with such sequences
-present, EngineCore runs synchronously (docs/structured_outputs.md).
+A constrained sequence (``structured_outputs``) carries its grammar's matcher: ``schedule``
+lists the constrained sequences that sample in the step, ``grammar_bitmask`` gives the tokens
+their grammars allow next (from the StructuredOutputManager), and ``update`` advances each
+matcher with the token drawn. So ``grammar_bitmask`` must come after the update with every
+earlier token: under async scheduling, after the previous step's (EngineCore.step,
+docs/structured_outputs.md).
 
 A request that wants prompt log-probabilities takes no prefix-cache hits (every prompt position
 must be computed), and its prompt chunks are capped so that one step never holds more than
@@ -32,6 +33,8 @@ must be computed), and its prompt chunks are capped so that one step never holds
 """
 
 from collections import deque
+
+import numpy as np
 
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.request import Request, RequestStatus
@@ -193,20 +196,31 @@ class Scheduler:
         for req in forks:
             self._fork(out, req)
         out.total_num_scheduled_tokens = self.max_num_batched_tokens - budget
-        self._grammar_bitmask(out)
+        out.structured_output_request_ids = [
+            rid for rid, samples in out.samples.items()
+            if samples and self.requests[rid].grammar is not None]
         return out
 
-    def _grammar_bitmask(self, out: SchedulerOutput) -> None:
-        """The allowed tokens of the constrained sequences that sample this step."""
-        constrained = [self.requests[rid] for rid, samples in out.samples.items()
-                       if samples and self.requests[rid].grammar is not None]
-        if not constrained:
+    def grammar_bitmask(self, out: SchedulerOutput) -> None:
+        """Set ``out.grammar_bitmask``: the tokens each of its constrained sequences may draw.
+        A sequence that finished since ``schedule`` (its row's token will be dropped) gets an
+        all-allowed row.
+
+        Raises:
+          RuntimeError: a sequence's matcher has not seen a token before this step's (an
+            update is missing).
+        """
+        if not out.structured_output_request_ids:
             return
-        if any(r.num_output_placeholders > 1 for r in constrained):
-            raise RuntimeError("a constrained sequence was scheduled with a token in flight")
-        out.structured_output_request_ids = [r.request_id for r in constrained]
-        out.grammar_bitmask = self.structured_output_manager.grammar_bitmask(
-            [r.grammar for r in constrained])
+        reqs = [self.requests.get(rid) for rid in out.structured_output_request_ids]
+        live = [i for i, r in enumerate(reqs) if r is not None]
+        if any(reqs[i].num_output_placeholders > 1 for i in live):
+            raise RuntimeError("a constrained sequence's grammar is behind its tokens")
+        manager = self.structured_output_manager
+        mask = np.full((len(reqs), manager.width), -1, np.int32)
+        if live:
+            mask[live] = manager.grammar_bitmask([reqs[i].grammar for i in live])
+        out.grammar_bitmask = mask
 
     def _cap(self, req: Request, n: int) -> int:
         """n, or fewer tokens when the request computes prompt log-probabilities and the

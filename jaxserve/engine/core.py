@@ -286,15 +286,24 @@ class EngineCore:
         Synchronous (``--no-async-scheduling``): wait for this step's tokens, then update. Async:
         dispatch this step first, then wait for the previous step's tokens (the device runs
         this step meanwhile) and update with them; a step's outputs come one call later.
-        While a constrained sequence is unfinished the step is synchronous whatever the flag
-        (its next bitmask needs the token just drawn): the step in flight is finished first.
+        A step with constrained sequences (structured outputs) needs their grammar bitmask,
+        which needs every earlier token: synchronous, it is filled before the step is
+        dispatched; async, the step's model part is dispatched first, and the filtered sampler
+        once the previous step's tokens have updated the matchers, so filling the bitmask
+        overlaps the model's step on the device (docs/structured_outputs.md). With several
+        hosts (where host 0 publishes each step once, bitmask included) the engine runs
+        synchronously while a constrained sequence is unfinished.
         """
+        sync = not self.config.async_scheduling or (
+            self._channel is not None and self.scheduler.has_structured_requests())
         flushed = []
-        sync = not self.config.async_scheduling or self.scheduler.has_structured_requests()
         if sync and self._in_flight is not None:
-            prev, self._in_flight = self._in_flight, None
-            flushed = self.scheduler.update(prev[0], self.runner.get_output(prev[1]))
+            flushed = self.scheduler.update(self._in_flight[0],
+                                            self.runner.get_output(self._in_flight[1]))
+            self._in_flight = None
         sched = self.scheduler.schedule()
+        if sync:
+            self.scheduler.grammar_bitmask(sched)
         if self._channel is not None:
             self._channel.publish(sched)
         handle = self.runner.execute(sched)
@@ -303,9 +312,13 @@ class EngineCore:
                 return flushed
             return flushed + self.scheduler.update(sched, self.runner.get_output(handle))
         prev, self._in_flight = self._in_flight, (sched, handle) if handle else None
-        if prev is None:
-            return []
-        return self.scheduler.update(prev[0], self.runner.get_output(prev[1]))
+        outputs = []
+        if prev is not None:
+            outputs = self.scheduler.update(prev[0], self.runner.get_output(prev[1]))
+        if handle is not None and handle.awaits_bitmask:
+            self.scheduler.grammar_bitmask(sched)
+            self.runner.sample_filtered(handle, sched.grammar_bitmask)
+        return outputs
 
     def follow(self) -> None:
         """Hosts other than 0: run every step host 0 runs, with its SchedulerOutputs, in the

@@ -44,7 +44,7 @@ def build_ll_tokenizer(tokenizer, vocab_size: int, eos_token_ids) -> llguidance.
       eos_token_ids: the ids that end generation; a grammar that is complete allows them.
     """
     return llguidance.hf.from_tokenizer(tokenizer, n_vocab=max(vocab_size, len(tokenizer)),
-                                        eos_token=sorted(eos_token_ids))
+                                        eos_token=sorted(eos_token_ids) or None)
 
 
 def grammar_text(params: StructuredOutputsParams) -> str:

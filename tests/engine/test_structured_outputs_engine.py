@@ -1,7 +1,7 @@
 """Structured outputs in the offline engine (default model): constrained sequences stay valid
 through preemption (recompute replays tokens the matcher has consumed), each choice of an
-``n`` request has its own matcher, async scheduling falls back to synchronous steps while a
-constrained sequence runs, and a constraint that does not compile fails before any work."""
+``n`` request has its own matcher, async and synchronous scheduling both keep every output
+valid, and a constraint that does not compile fails before any work."""
 
 import json
 
@@ -46,9 +46,10 @@ def test_constrained_outputs_survive_preemption(smollm_llm):
         assert o.outputs[0].finish_reason == "stop" and _valid(o.outputs[0].text), o.outputs[0]
 
 
-def test_n_choices_each_constrained_and_async_falls_back_to_sync(smollm_llm):
-    """A constrained n=4 request added while an unconstrained one is in flight: the step in
-    flight is finished first, the choices are each valid, the unconstrained one unaffected."""
+def test_n_choices_each_constrained_under_async_scheduling(smollm_llm):
+    """A constrained n=4 request added while an unconstrained one is in flight: steps stay
+    in flight (async scheduling) with the constrained rows' bitmasks filled after the previous
+    step's update; the choices are each valid, the unconstrained one unaffected."""
     engine = smollm_llm.engine
     assert engine.config.async_scheduling
     tok = smollm_llm.tokenizer
@@ -56,24 +57,39 @@ def test_n_choices_each_constrained_and_async_falls_back_to_sync(smollm_llm):
     engine.add_request(EngineCoreRequest("plain", prompt, SamplingParams(max_tokens=20,
                                                                           temperature=0)))
     engine.step()
-    assert engine._in_flight is not None  # async: the step is in flight
     engine.add_request(EngineCoreRequest("so", prompt, SamplingParams(
         n=4, max_tokens=120, temperature=1.0, seed=3,
         structured_outputs=StructuredOutputsParams(json=SCHEMA))))
-    tokens = {}
-    finish = {}
+    tokens, finish, overlapped = {}, {}, 0
     while engine.has_unfinished_requests():
         for o in engine.step():
             tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
             finish[o.request_id] = o.finish_reason
-            if engine.scheduler.has_structured_requests():
-                assert engine._in_flight is None  # synchronous steps
+        inflight = engine._in_flight
+        overlapped += bool(inflight and inflight[0].structured_output_request_ids)
+    assert overlapped > 10
     for i in range(4):
         rid = f"{i}_so"
         assert finish[rid] == "stop" and _valid(tok.decode(tokens[rid][:-1])), tok.decode(tokens[rid])
     alone = smollm_llm.generate([prompt], SamplingParams(max_tokens=20, temperature=0),
                                 use_tqdm=False)[0].outputs[0].token_ids
     assert tokens["plain"] == alone
+
+
+def test_synchronous_steps_give_valid_outputs(smollm_llm):
+    """The same constraint with async scheduling off (the bitmask filled before dispatch)."""
+    engine = smollm_llm.engine
+    engine.config.async_scheduling = False
+    try:
+        outs = smollm_llm.chat([[{"role": "user", "content": "A blog post as JSON."}]] * 3,
+                               [SamplingParams(max_tokens=120, temperature=1.0, seed=i,
+                                               structured_outputs=StructuredOutputsParams(
+                                                   json=SCHEMA)) for i in range(3)],
+                               use_tqdm=False)
+    finally:
+        engine.config.async_scheduling = True
+    for o in outs:
+        assert o.outputs[0].finish_reason == "stop" and _valid(o.outputs[0].text), o.outputs[0]
 
 
 @pytest.mark.parametrize("so", [StructuredOutputsParams(regex="(a"),

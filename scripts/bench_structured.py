@@ -13,9 +13,9 @@ schemas, pydantic's among them, write them). No model is loaded (the default mod
 only).
 
 ``mixed``: wall time of 16 constrained + 16 unconstrained greedy chats against 32 unconstrained
-ones, in the offline engine with the default model (one batch of 32), after a warm-up; and the
-32 unconstrained with async scheduling off, which is what a step with a constrained sequence
-costs the others (docs/structured_outputs.md).
+ones, in the offline engine with the default model (one batch of 32), after a warm-up (the best
+of ``--repeats``); then both again with async scheduling off (what running synchronously while
+a constrained sequence is present would cost; docs/structured_outputs.md).
 
     python scripts/bench_structured.py mask --num-seqs 64 --steps 300
     python scripts/bench_structured.py mixed --max-tokens 64
@@ -110,10 +110,12 @@ def bench_mixed(max_tokens: int, repeats: int) -> None:
     both, both_tokens = timed(mixed)
     llm.engine.config.async_scheduling = False
     sync, _ = timed([plain] * 32)
+    both_sync, _ = timed(mixed)
     print(f"32 unconstrained (async):  {base:.2f} s, {base_tokens} tokens")
     print(f"16 constrained + 16 plain: {both:.2f} s, {both_tokens} tokens "
           f"({both / base:.2f}x the unconstrained batch)")
     print(f"32 unconstrained (sync):   {sync:.2f} s ({sync / base:.2f}x)")
+    print(f"16 constrained + 16 plain (sync): {both_sync:.2f} s ({both_sync / base:.2f}x)")
 
 
 def main():

@@ -54,6 +54,12 @@ def check_mesh_spans_hosts(mesh, num_hosts: int) -> None:
     out a host's devices: every host runs the same steps, so each must hold part of the model."""
     hosts = {0} if mesh is None else {d.process_index for d in mesh.devices.flat}
     if len(hosts) < num_hosts:
+        # Every host reaches this verdict from the same global view. Leave the coordination
+        # service together (shutdown waits for all hosts at a barrier): a host that exited
+        # alone would take the service with it and abort the others before their error line.
+        import jax
+
+        jax.distributed.shutdown()
         raise ValueError(f"--tensor-parallel-size {1 if mesh is None else mesh.size} takes the "
                          f"devices of {len(hosts)} of the --num-hosts {num_hosts} hosts; raise it "
                          f"so that the mesh spans every host")

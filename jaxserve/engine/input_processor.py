@@ -20,7 +20,10 @@ UTF-8 bytes has more tokens than fit, and is refused in microseconds instead of 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+
+from jaxserve.engine.chat_tools import hermes_messages, template_handles_tools
 
 
 def max_token_bytes(tokenizer) -> int:
@@ -38,6 +41,16 @@ def max_token_bytes(tokenizer) -> int:
     if backend is not None and backend.normalizer is not None:
         longest *= 2
     return max(longest, 1)
+
+
+def chat_text_bytes(messages: Sequence[dict], tools: Sequence[dict] | None = None) -> int:
+    """UTF-8 bytes of a chat's text, for ``InputProcessor.check_text_size``: the messages'
+    contents, their tool calls' arguments and the tools' JSON (all of it reaches the prompt)."""
+    size = sum(len(m["content"].encode("utf-8")) for m in messages)
+    calls = [c["function"] for m in messages for c in m.get("tool_calls") or ()]
+    if calls or tools:
+        size += len(json.dumps([calls, tools or []], ensure_ascii=False).encode("utf-8"))
+    return size
 
 
 def check_token_ids(ids: Sequence[int], vocab_size: int, field: str) -> None:
@@ -104,11 +117,14 @@ class InputProcessor:
         return [int(t) for t in prompt]
 
     def tokenize_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True,
-                      add_special_tokens: bool = False) -> tuple[str, list[int]]:
-        """Chat messages ([{"role", "content"}, ...]) -> (the rendered template, with the
-        assistant generation prompt appended unless ``add_generation_prompt`` is False, and its
-        token ids; ``add_special_tokens`` adds the tokenizer's own on top, vLLM's /tokenize
-        option).
+                      add_special_tokens: bool = False,
+                      tools: Sequence[dict] | None = None) -> tuple[str, list[int]]:
+        """Chat messages (the transformers chat format: ``{"role", "content"}``, assistant
+        ``tool_calls``, ``tool`` messages) -> (the rendered template, with the assistant
+        generation prompt appended unless ``add_generation_prompt`` is False, and its token
+        ids; ``add_special_tokens`` adds the tokenizer's own on top, vLLM's /tokenize option).
+        ``tools`` (OpenAI tool definitions) go to the template, or, for a template that ignores
+        them, into the messages in the Hermes format (``chat_tools``, docs/tool_calling.md).
 
         Raises:
           ValueError: the tokenizer has no chat template, or the template rejected the messages
@@ -116,9 +132,15 @@ class InputProcessor:
         """
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("messages: this model has no chat template; use /v1/completions")
+        kw = {}
+        if template_handles_tools(self.tokenizer):
+            kw["tools"] = list(tools) if tools else None
+        else:
+            messages = hermes_messages(messages, tools)
         try:
             text = self.tokenizer.apply_chat_template(
-                list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
+                list(messages), tokenize=False, add_generation_prompt=add_generation_prompt,
+                **kw)
         except Exception as e:  # jinja errors, raised by the template itself
             raise ValueError(f"messages: the chat template rejected them: {e}") from e
         return text, list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))

@@ -40,6 +40,8 @@ from jaxserve.entrypoints.protocol import (
     ErrorResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse)
 from jaxserve.entrypoints.responses import SSEStream, json_response
 from jaxserve.entrypoints.safe_log import clip
+from jaxserve.entrypoints.tool_grammar import tool_call_grammar
+from jaxserve.entrypoints.tool_parsers import ToolParser
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import MAX_N, SamplingParams
 
@@ -356,8 +358,10 @@ async def _run(request, llm: AsyncLLM, prompts: list[list[int]], sp: SamplingPar
                         if text or c.finished or (token_news and c.token_ids):
                             # The prompt's ids ride along with the choice's first token ids.
                             first_ids = len(ch.token_ids) == len(c.token_ids)
-                            await sse.send(bodies.chunk(ch, text, c, entries,
-                                                        prompts[p] if first_ids else None))
+                            chunk = bodies.chunk(ch, text, c, entries,
+                                                 prompts[p] if first_ids else None)
+                            if chunk is not None:
+                                await sse.send(chunk)
             if include_usage:
                 await sse.send(bodies.usage_chunk(progress.usage()))
         except ConnectionError:
@@ -378,10 +382,11 @@ def _deadline(request: web.Request) -> float | None:
     return None if timeout is None else asyncio.get_running_loop().time() + timeout
 
 
-def _bodies(cls, prefix: str, model: str, llm: AsyncLLM, sp: SamplingParams, req) -> Bodies:
+def _bodies(cls, prefix: str, model: str, llm: AsyncLLM, sp: SamplingParams, req,
+            **kwargs) -> Bodies:
     piece = None if sp.logprobs is None else llm.output_processor.pieces.piece
     return cls(f"{prefix}-{uuid.uuid4().hex}", model, num_logprobs=sp.logprobs, piece=piece,
-               return_token_ids=req.return_token_ids)
+               return_token_ids=req.return_token_ids, **kwargs)
 
 
 async def create_completion(request: web.Request) -> web.StreamResponse:
@@ -418,19 +423,46 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     with _admitted(request):
         req: ChatCompletionRequest = await _parse(request, ChatCompletionRequest)
         model = _check_model(request, req.model)
+        try:
+            tool_choice = req.effective_tool_choice()
+        except ValueError as e:
+            raise APIError(400, str(e), param="tool_choice") from None
         max_tokens = req.requested_max_tokens()
         field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         sp = _sampling_params(llm, req, max_tokens, {"logprobs": "top_logprobs",
                                                      "max_tokens": field})
         messages = _template_messages(req)
-        ids = await _encode(llm.encode_chat(messages), "messages")
+        ids = await _encode(llm.encode_chat(messages, tools=req.template_tools()), "messages")
         _check_request(llm, ids, sp, "messages", field)
         if sp.max_tokens is None:  # OpenAI's and vLLM's meaning: up to the context
             sp.max_tokens = llm.max_model_len - len(ids)
-        bodies = _bodies(ChatBodies, "chatcmpl", model, llm, sp, req)
+        tool_parser = None
+        if tool_choice is not None:
+            tool_parser = request.app[STATE_KEY]["tool_parser"]
+            tool_parser.adjust_sampling_params(sp)
+            _enforce_tool_choice(llm, tool_parser, req, tool_choice, sp)
+        bodies = _bodies(ChatBodies, "chatcmpl", model, llm, sp, req, tool_parser=tool_parser)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await _run(request, llm, [ids], sp, bodies, stream=bool(req.stream),
                           include_usage=include_usage, echo_texts=None, deadline=deadline)
+
+
+def _enforce_tool_choice(llm: AsyncLLM, tool_parser: type[ToolParser],
+                         req: ChatCompletionRequest, tool_choice: str,
+                         sp: SamplingParams) -> None:
+    """Constrain decoding to the calls ``tool_choice`` asks for (tool_grammar.py): ``required``
+    or a named function, and ``auto`` with a ``strict`` tool.
+
+    Structured outputs (``SamplingParams.structured_outputs``) are not in this build yet, so
+    ``required`` and a named function, which need them, are refused (400); ``auto`` with a
+    strict tool runs unconstrained: its calls are parsed but not enforced.
+    """
+    grammar = tool_call_grammar(tool_parser, [t.function.model_dump() for t in req.tools],
+                                tool_choice, parallel_tool_calls=req.parallel_tool_calls,
+                                special_tokens=llm.tokenizer.all_special_tokens)
+    if grammar is not None and tool_choice != "auto":
+        raise APIError(400, f"tool_choice: {tool_choice!r} is enforced with structured "
+                       "outputs, which this build does not have yet", param="tool_choice")
 
 
 def _template_messages(req) -> list[dict]:
@@ -474,7 +506,8 @@ async def tokenize(request: web.Request) -> web.Response:
                             "prompt")
     else:
         ids = await _encode(llm.encode_chat(_template_messages(req), req.add_generation_prompt,
-                                            bool(req.add_special_tokens)), "messages")
+                                            bool(req.add_special_tokens), req.template_tools()),
+                            "messages")
     strs = llm.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
     return json_response(TokenizeResponse(count=len(ids), max_model_len=llm.max_model_len,
                                           tokens=ids, token_strs=strs))

@@ -116,9 +116,7 @@ def test_completion_unsupported_fields(body, field):
 
 
 @pytest.mark.parametrize("body,field", [
-    ({"tools": [{"type": "function"}]}, "tools"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"tool_choice": "required"}, "tool_choice"),
     ({"response_format": {"type": "text"}, "n": 2, "logprobs": True, "top_logprobs": 3}, None),
 ])
 def test_chat_unsupported_fields(body, field):

@@ -7,7 +7,7 @@ makes. jaxserve enforces them with structured outputs: the request's
 exactly the tool-call format the server's parser reads (``ToolParser.call_start`` /
 ``call_end`` / ``call_separator``), each call's JSON object given as an inline JSON schema
 (``%json {...}``): ``{"name": <const>, <arguments key>: <parameters>}``, both required, no other
-key. For the Hermes format and functions ``f`` and ``g``::
+key, written with ``": "`` and ``", "`` and no other whitespace. For the Hermes format and functions ``f`` and ``g``::
 
     start: call ("\\n" call)*
     call: "<tool_call>\\n" (fn_0 | fn_1) "\\n</tool_call>"
@@ -37,6 +37,9 @@ from jaxserve.entrypoints.tool_parsers import ToolParser
 
 _NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 _ANY_OBJECT = {"type": "object"}
+# llguidance's JSON options: the separators of the documented call format and no other
+# whitespace (free whitespace lets a model pad a call with blanks until max_tokens).
+_COMPACT = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
 
 
 def _lark_text(text: str, special_tokens: Iterable[str]) -> str:
@@ -59,7 +62,8 @@ def call_schema(function: dict, arguments_key: str, *, enforce_parameters: bool 
     return {"type": "object",
             "properties": {"name": {"const": function["name"]},
                            arguments_key: parameters if enforce_parameters else _ANY_OBJECT},
-            "required": ["name", arguments_key], "additionalProperties": False}
+            "required": ["name", arguments_key], "additionalProperties": False,
+            "x-guidance": _COMPACT}
 
 
 def tool_call_grammar(parser: type[ToolParser], functions: list[dict], tool_choice: str, *,

@@ -14,7 +14,7 @@ none of it; the default model's ChatML template renders only roles and contents.
   ``</tool_response>`` (consecutive results share one message, as Qwen2.5's template does).
 
 ``template_handles_tools`` decides which path a tokenizer takes: it renders a probe
-conversation with and without a probe tool, once per tokenizer; a template whose text does
+conversation with and without a probe tool (InputProcessor asks once); a template whose text does
 not change ignores tools, and such a template is taken to ignore tool calls and tool messages
 too (the templates that render tools render both).
 """
@@ -45,21 +45,16 @@ _PROBE_TOOLS = [{"type": "function", "function": {
 
 
 def template_handles_tools(tokenizer) -> bool:
-    """Whether the tokenizer's chat template renders ``tools`` (cached on the tokenizer).
-
-    A template that fails on the probe counts as one that does not."""
-    cached = getattr(tokenizer, "_jaxserve_handles_tools", None)
-    if cached is None:
-        try:
-            with_tools = tokenizer.apply_chat_template(
-                _PROBE_MESSAGES, tools=_PROBE_TOOLS, tokenize=False, add_generation_prompt=True)
-            without = tokenizer.apply_chat_template(
-                _PROBE_MESSAGES, tokenize=False, add_generation_prompt=True)
-            cached = with_tools != without
-        except Exception:  # noqa: BLE001 - the template's own errors, whatever they are
-            cached = False
-        tokenizer._jaxserve_handles_tools = cached
-    return cached
+    """Whether the tokenizer's chat template renders ``tools``. A template that fails on the
+    probe counts as one that does not."""
+    try:
+        with_tools = tokenizer.apply_chat_template(
+            _PROBE_MESSAGES, tools=_PROBE_TOOLS, tokenize=False, add_generation_prompt=True)
+        without = tokenizer.apply_chat_template(
+            _PROBE_MESSAGES, tokenize=False, add_generation_prompt=True)
+    except Exception:  # noqa: BLE001 - the template's own errors, whatever they are
+        return False
+    return with_tools != without
 
 
 def _call_block(call: dict) -> str:

@@ -86,6 +86,8 @@ class InputProcessor:
         self.vocab_size = vocab_size
         # Longest text that might still fit max_model_len tokens, UTF-8 bytes.
         self.max_text_bytes = max_model_len * max_token_bytes(tokenizer)
+        self.template_handles_tools = (bool(getattr(tokenizer, "chat_template", None))
+                                       and template_handles_tools(tokenizer))
 
     def check_text_size(self, num_bytes: int, field: str = "prompt") -> None:
         """Refuse, before tokenizing, text too long to fit max_model_len tokens.
@@ -133,7 +135,7 @@ class InputProcessor:
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("messages: this model has no chat template; use /v1/completions")
         kw = {}
-        if template_handles_tools(self.tokenizer):
+        if self.template_handles_tools:
             kw["tools"] = list(tools) if tools else None
         else:
             messages = hermes_messages(messages, tools)

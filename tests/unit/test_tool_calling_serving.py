@@ -1,0 +1,113 @@
+"""Tool calling through the real aiohttp app with a fake engine (tests/unit/test_openai_serving.py's
+FakeLLM) that writes a Hermes tool call: the non-streamed message and the streamed deltas
+carry the same calls, ``finish_reason`` is ``tool_calls``, every body validates against
+OpenAI's schema, and bad tool fields are 400s naming the field."""
+
+import json
+
+import pytest
+from test_openai_serving import FakeLLM, _call, _events
+
+from jaxserve.outputs import CompletionOutput, RequestOutput
+from tests.openai_schema import CHAT, CHAT_CHUNK, errors
+
+CALL_TEXT = ('Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
+             '\n</tool_call>')
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+MESSAGES = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+class ToolCallLLM(FakeLLM):
+    """Writes CALL_TEXT in pieces of 7 characters, then EOS."""
+
+    class tokenizer:  # what serving reads of the tokenizer
+        all_special_tokens = ["<|im_end|>"]
+
+    async def encode_chat(self, messages, tools=None):
+        self.last_tools = tools
+        return await super().encode_chat(messages)
+
+    async def generate(self, ids, sp, request_id):
+        self.last_sampling_params = sp
+        pieces = [CALL_TEXT[i:i + 7] for i in range(0, len(CALL_TEXT), 7)] + [""]
+        for i, text in enumerate(pieces):
+            last = i == len(pieces) - 1
+            yield RequestOutput(request_id, None, ids, [CompletionOutput(
+                0, text, [10 + i], "stop" if last else None)], finished=last)
+
+
+def test_tool_calls_whole_and_streamed_agree():
+    llm = ToolCallLLM()
+    body = {"messages": MESSAGES, "tools": [WEATHER]}
+    status, _, text = _call("/v1/chat/completions", body, llm)
+    assert status == 200, text
+    whole = json.loads(text)
+    assert not errors(CHAT, whole)
+    assert llm.last_tools == [WEATHER] and llm.last_sampling_params.skip_special_tokens is False
+    choice = whole["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    message = choice["message"]
+    assert message["content"] == "Checking."
+    (call,) = message["tool_calls"]
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+
+    _, _, text = _call("/v1/chat/completions", {**body, "stream": True}, ToolCallLLM())
+    chunks = _events(text)
+    assert chunks[-1] == "[DONE]"
+    content, calls, finish = "", [], None
+    for chunk in chunks[:-1]:
+        assert not errors(CHAT_CHUNK, {**chunk, "id": "x", "created": 0}), chunk
+        (c,) = chunk["choices"]
+        delta = c["delta"]
+        content += delta.get("content") or ""
+        for d in delta.get("tool_calls", []):
+            if "id" in d:
+                assert d["type"] == "function" and d["function"]["arguments"] == ""
+                calls.append({"name": d["function"]["name"], "arguments": ""})
+            else:
+                assert set(d) == {"index", "function"} and set(d["function"]) == {"arguments"}
+            calls[d["index"]]["arguments"] += d["function"]["arguments"]
+        finish = c["finish_reason"] or finish
+    assert (content, calls, finish) == ("Checking.", [call["function"]], "tool_calls")
+
+
+def test_tool_choice_none_returns_text():
+    status, _, text = _call("/v1/chat/completions", {"messages": MESSAGES, "tools": [WEATHER],
+                                                     "tool_choice": "none"}, ToolCallLLM())
+    choice = json.loads(text)["choices"][0]
+    assert status == 200 and choice["finish_reason"] == "stop"
+    assert choice["message"]["content"] == CALL_TEXT and "tool_calls" not in choice["message"]
+
+
+@pytest.mark.parametrize("fields,param", [
+    ({"tool_choice": "required"}, "tool_choice"),  # without tools
+    ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "other"}}},
+     "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "get weather!"}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": [1]}}]}, "tools"),
+    ({"tools": [{"type": "function"}]}, "tools"),
+    ({"messages": [{"role": "tool", "content": "42"}]}, "messages"),  # no tool_call_id
+    ({"messages": [{"role": "user", "content": "hi", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
+     "messages"),
+])
+def test_bad_tool_fields_are_400s_naming_the_field(fields, param):
+    status, _, text = _call("/v1/chat/completions", {"messages": MESSAGES, **fields},
+                            ToolCallLLM())
+    err = json.loads(text)["error"]
+    assert status == 400 and err["param"] == param, err
+
+
+def test_history_with_tool_calls_and_results_is_accepted():
+    llm = ToolCallLLM()
+    messages = MESSAGES + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 24 C"}]
+    status, _, text = _call("/v1/chat/completions", {"messages": messages, "tools": [WEATHER],
+                                                     "tool_choice": "none"}, llm)
+    assert status == 200, text

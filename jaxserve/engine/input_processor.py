@@ -9,7 +9,8 @@ Tokenization follows vLLM:
   one, as the model saw in training);
 - a chat is rendered through the model's chat template with the assistant turn opened, and that
   text is encoded *without* adding special tokens: the template writes its own BOS, so a prompt
-  never starts with two;
+  never starts with two; tools go to the template, or into the messages for a template that
+  ignores them (``chat_tools``, docs/tool_calling.md);
 - a prompt given as token ids is taken as it is.
 
 Text is measured before it is tokenized (``check_text_size``): no token stands for more than

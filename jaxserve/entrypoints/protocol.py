@@ -27,6 +27,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from jaxserve.entrypoints.tool_parsers.call_object import json_as
 from jaxserve.sampling_params import INT32_MAX, MAX_LOGPROBS, SamplingParams
 
 
@@ -248,11 +249,8 @@ class ChatCompletionMessageParam(_Base):
 
 def _json_object(text: str) -> dict | str:
     """``text`` decoded when it is a JSON object, else ``text`` itself."""
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return text
-    return value if isinstance(value, dict) else text
+    value = json_as(text, dict)
+    return text if value is None else value
 
 
 # OpenAI's rule for function names.

@@ -13,7 +13,8 @@ SSE error event followed by ``[DONE]``, never a second HTTP response. A client t
 mid-request (handler cancelled, or a failed write) closes the generator, which aborts the
 request in the engine. A completions request with several prompts runs one engine request per
 prompt, all at once. Every body is one of protocol.py's response models, built by the
-endpoint's ``Bodies`` (bodies.py).
+endpoint's ``Bodies`` (bodies.py). A chat request with tools has its choices' text read by the
+``--tool-call-parser``'s ToolParser (docs/tool_calling.md).
 """
 
 from __future__ import annotations

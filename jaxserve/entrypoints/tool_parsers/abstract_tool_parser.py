@@ -8,8 +8,9 @@ the choice. The fragments follow OpenAI's streamed format: a call's first fragme
 ``ExtractedToolCalls``, so a streamed choice's deltas join to exactly the non-streamed result
 whatever the chunking (the tests feed one character at a time).
 
-What a subclass decides is where calls are in the text (its ``_consume`` / ``_finish``); the
-handling of one call, a ``CallObject``, is shared here:
+What a subclass decides is where calls are in the text (its ``_consume`` / ``_finish``) and
+what follows a call or an object that is none (``_after_call`` / ``_not_a_call``); the handling
+of one call, a ``CallObject``, is shared here:
 - the name fragment goes out once the ``name`` string is complete, then the arguments' text as
   it arrives (the model's own JSON text of the value; ``{}`` when it wrote none);
 - an object without a string ``name`` is no call: its text goes back to the content;
@@ -86,6 +87,7 @@ class ToolParser(abc.ABC):
         self._call: CallObject | None = None
         self._call_id: str | None = None  # set once the current call's name went out
         self._sent_arguments = 0
+        self._state = ""  # the subclass's; "call" while a call's object is being read
 
     @classmethod
     def adjust_sampling_params(cls, sp: SamplingParams) -> None:
@@ -126,9 +128,11 @@ class ToolParser(abc.ABC):
     def _start_call(self) -> None:
         self._call = CallObject(self.arguments_keys)
         self._call_id, self._sent_arguments = None, 0
+        self._state = "call"
 
     def _feed_call(self, out: ParsedDelta) -> bool:
-        """Feed the buffer to the current call and send its news; True once it has closed."""
+        """Feed the buffer to the current call and send its news; True once it has closed
+        (and ended: ``_end_call``)."""
         call = self._call
         used = call.feed(self._buf)
         self._buf = self._buf[used:]
@@ -137,6 +141,8 @@ class ToolParser(abc.ABC):
             out.tool_calls.append(ToolCallDelta(self.num_calls, "", self._call_id, call.name))
             self.num_calls += 1
         self._send_arguments(out, call.arguments())
+        if call.closed:
+            self._end_call(out)
         return call.closed
 
     def _send_arguments(self, out: ParsedDelta, text: str) -> None:
@@ -145,11 +151,19 @@ class ToolParser(abc.ABC):
                                                 text[self._sent_arguments:]))
             self._sent_arguments = len(text)
 
-    def _end_call(self, out: ParsedDelta) -> str | None:
-        """End the current call (closed, or cut short by the end of the text). Returns None
-        when it was a call; else its text, which the caller puts back into the content."""
+    def _end_call(self, out: ParsedDelta) -> None:
+        """End the current call (closed, or cut short by the end of the text)."""
         call, self._call = self._call, None
         if self._call_id is None:
-            return call.raw
-        self._send_arguments(out, call.final_arguments())
-        return None
+            self._not_a_call(out, call.raw)
+        else:
+            self._send_arguments(out, call.final_arguments())
+            self._after_call()
+
+    @abc.abstractmethod
+    def _not_a_call(self, out: ParsedDelta, raw: str) -> None:
+        """What looked like a call is text (``raw``: the object's text, if any)."""
+
+    @abc.abstractmethod
+    def _after_call(self) -> None:
+        """A call has ended: go on after it."""

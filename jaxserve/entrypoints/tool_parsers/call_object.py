@@ -55,7 +55,7 @@ class CallObject:
                 elif c == '"':
                     self._in_string = False
                     if self._key_start is not None:
-                        self._key = _string(self.raw[self._key_start:])
+                        self._key = json_as(self.raw[self._key_start:], str)
                         self._key_start = None
                 continue
             if (self._depth == 1 and self._key is not None and self._value_start is None
@@ -91,7 +91,7 @@ class CallObject:
         """The ``name`` value once its string is complete (None before, or when it is not a
         string)."""
         raw = self._values.get("name")
-        return _string(raw) if raw is not None and raw.startswith('"') else None
+        return None if raw is None else json_as(raw, str)
 
     def arguments(self) -> str:
         """The arguments' text so far: the complete value, else the part read (trailing
@@ -111,10 +111,11 @@ class CallObject:
         return self.arguments() or "{}"
 
 
-def _string(raw: str) -> str | None:
-    """A JSON string literal's value (None if it is not one: a bad escape)."""
+def json_as(text: str, kind: type):
+    """``text`` decoded when it is JSON text of a ``kind`` value (``str``, ``dict``), else
+    None."""
     try:
-        value = json.loads(raw)
+        value = json.loads(text)
     except ValueError:
         return None
-    return value if isinstance(value, str) else None
+    return value if isinstance(value, kind) else None

@@ -83,13 +83,11 @@ class Hermes2ProToolParser(ToolParser):
                     return
                 if body[0] == "{":
                     self._start_call()
-                    self._state = "call"
                 else:
                     self._not_a_call(out, "")
             elif self._state == "call":
                 if not self._feed_call(out):
                     return
-                self._close_call(out)
             else:  # close: drop what precedes the end tag
                 i = self._buf.find(TOOL_CALL_END)
                 if i < 0:
@@ -100,13 +98,9 @@ class Hermes2ProToolParser(ToolParser):
                 self._state = "content"
                 self._drop_leading = not self._has_content
 
-    def _close_call(self, out: ParsedDelta) -> None:
-        raw = self._end_call(out)
-        if raw is not None:
-            self._not_a_call(out, raw)
-        else:
-            self._held = ""
-            self._state = "close"
+    def _after_call(self) -> None:
+        self._held = ""  # the whitespace before the block
+        self._state = "close"
 
     def _not_a_call(self, out: ParsedDelta, raw: str) -> None:
         """The block is text: its opening (held) and ``raw`` go to the content."""
@@ -116,7 +110,7 @@ class Hermes2ProToolParser(ToolParser):
 
     def _finish(self, out: ParsedDelta) -> None:
         if self._state == "call":
-            self._close_call(out)
+            self._end_call(out)
         if self._state in ("content", "open"):
             rest = self._held + self._buf
             if self.num_calls:

@@ -45,28 +45,25 @@ class Llama3JsonToolParser(ToolParser):
                     return
                 if body[0] == "{":
                     self._start_call()
-                    self._state = "call"
                 else:
                     self._state = "content"
             elif self._state == "call":
                 if not self._feed_call(out):
                     return
-                self._close_call(out)
             else:
                 out.content += self._buf
                 self._buf = ""
 
-    def _close_call(self, out: ParsedDelta) -> None:
-        raw = self._end_call(out)
-        if raw is None:
-            self._state = "between"
-        else:
-            out.content += raw
-            self._state = "content"
+    def _after_call(self) -> None:
+        self._state = "between"
+
+    def _not_a_call(self, out: ParsedDelta, raw: str) -> None:
+        out.content += raw
+        self._state = "content"
 
     def _finish(self, out: ParsedDelta) -> None:
         if self._state == "call":
-            self._close_call(out)
+            self._end_call(out)
         if self._state in ("start", "content"):
             out.content += self._buf
         self._buf = ""

@@ -302,7 +302,7 @@ class ChatCompletionRequest(_SamplingFields):
     tools: Items(ChatCompletionToolsParam) | None = None
     tool_choice: (Literal["none", "auto", "required"] | ChatCompletionNamedToolChoiceParam
                   | None) = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: bool | None = None  # None: OpenAI's default, true
     response_format: dict[str, Any] | None = None
 
     def unsupported_field(self) -> str | None:

@@ -451,15 +451,17 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
 def _enforce_tool_choice(llm: AsyncLLM, tool_parser: type[ToolParser],
                          req: ChatCompletionRequest, tool_choice: str,
                          sp: SamplingParams) -> None:
-    """Constrain decoding to the calls ``tool_choice`` asks for (tool_grammar.py): ``required``
-    or a named function, and ``auto`` with a ``strict`` tool.
+    """Constrain ``sp``'s decoding to the calls ``tool_choice`` asks for (tool_grammar.py):
+    ``required`` or a named function, and ``auto`` with a ``strict`` tool.
 
-    Structured outputs (``SamplingParams.structured_outputs``) are not in this build yet, so
-    ``required`` and a named function, which need them, are refused (400); ``auto`` with a
-    strict tool runs unconstrained: its calls are parsed but not enforced.
+    The one place to connect structured outputs: once ``SamplingParams.structured_outputs``
+    exists this sets it to the grammar (``StructuredOutputsParams(grammar=...)``) whenever
+    there is one. Until then ``required`` and a named function, which need it, are refused
+    (400), and ``auto`` with a strict tool runs unconstrained (its calls parsed, not enforced).
     """
-    grammar = tool_call_grammar(tool_parser, [t.function.model_dump() for t in req.tools],
-                                tool_choice, parallel_tool_calls=req.parallel_tool_calls,
+    functions = [t.function.model_dump() for t in req.tools]
+    grammar = tool_call_grammar(tool_parser, functions, tool_choice,
+                                parallel_tool_calls=req.parallel_tool_calls is not False,
                                 special_tokens=llm.tokenizer.all_special_tokens)
     if grammar is not None and tool_choice != "auto":
         raise APIError(400, f"tool_choice: {tool_choice!r} is enforced with structured "

@@ -8,7 +8,8 @@ chat does, and every body on the wire validates against OpenAI's schema.
 ``required`` and a named function are enforced with structured outputs
 (``SamplingParams.structured_outputs``, tool_grammar.py): until that field exists they are
 refused, and the acceptance tests for them (100% of responses carry calls whose arguments
-validate) are skipped. One server for the module; the tests run in file order.
+validate) are skipped. One server for the module (conftest.py's ``client`` records the
+bodies); the tests run in file order.
 """
 
 from __future__ import annotations
@@ -19,8 +20,6 @@ import jsonschema
 import openai
 import pytest
 from server_utils import Server
-# Its recording client and transport (fixtures), over this module's server.
-from test_openai_api import client, httpx, transport  # noqa: F401
 
 from jaxserve.sampling_params import SamplingParams
 from tests.openai_schema import CHAT, CHAT_CHUNK, errors
@@ -39,6 +38,11 @@ TIME = {"type": "function", "function": {
 TOOLS = [WEATHER, TIME]
 ASK = [{"role": "user", "content": "What is the weather like in Paris right now?"}]
 HAS_STRUCTURED_OUTPUTS = "structured_outputs" in SamplingParams.__struct_fields__
+try:  # the HTTP library the openai client is built on (httpx2 in its 3.x releases)
+    import httpx2 as httpx
+except ImportError:
+    import httpx
+
 needs_structured_outputs = pytest.mark.skipif(
     not HAS_STRUCTURED_OUTPUTS, reason="needs SamplingParams.structured_outputs (issue 14)")
 

@@ -145,7 +145,7 @@ def test_auto_with_a_strict_tool_allows_text_and_enforces_calls(tokenizer, ll_to
     if parser == "hermes":  # calls may follow text; text after a call may not open another
         call = _call(parser, "get_weather", ok)
         assert accepts(tokenizer, ll_tokenizer, grammar, f"Let me check.\n{call}\nDone.")
-        assert not accepts(tokenizer, ll_tokenizer, grammar, f"Hi <tool_call>\n{{}}")
+        assert not accepts(tokenizer, ll_tokenizer, grammar, "Hi <tool_call>\n{}")
 
 
 def test_special_token_delimiters_are_token_references():

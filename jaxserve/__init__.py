@@ -10,7 +10,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
-from jaxserve.sampling_params import SamplingParams  # noqa: E402
+from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
 
 
 def __getattr__(name):
@@ -22,4 +22,5 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput",
+           "CompletionOutput", "Logprob"]

@@ -75,6 +75,23 @@ def min_over_hosts(value: int, mesh) -> int:
     return int(smallest.addressable_data(0))
 
 
+def _encode_bitmask(array):
+    """msgspec's hook for the one numpy array a SchedulerOutput holds (``grammar_bitmask``,
+    [rows, words] int32): (rows, words, its bytes)."""
+    import numpy as np
+
+    if not isinstance(array, np.ndarray):
+        raise NotImplementedError(f"cannot encode {type(array).__name__}")
+    return [array.shape[0], array.shape[1], np.ascontiguousarray(array, np.int32).tobytes()]
+
+
+def _decode_bitmask(kind, obj):
+    import numpy as np
+
+    rows, words, data = obj
+    return np.frombuffer(data, np.int32).reshape(rows, words).copy()
+
+
 class StepChannel:
     """Host 0 -> hosts 1..K-1: the SchedulerOutput of every step, in order (None: shut down).
 
@@ -89,8 +106,8 @@ class StepChannel:
         self._followers = range(1, num_hosts)
         self._host = host_id
         self._n = 0
-        self._encoder = msgspec.msgpack.Encoder()
-        self._decoder = msgspec.msgpack.Decoder(SchedulerOutput | None)
+        self._encoder = msgspec.msgpack.Encoder(enc_hook=_encode_bitmask)
+        self._decoder = msgspec.msgpack.Decoder(SchedulerOutput | None, dec_hook=_decode_bitmask)
 
     def publish(self, sched: SchedulerOutput | None) -> None:
         """Host 0: send one step (or None, the end) to every follower."""

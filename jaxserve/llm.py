@@ -51,10 +51,14 @@ class LLM:
         with its ``n`` choices (CompletionOutputs by index) and, where asked, log-probabilities
         (``CompletionOutput.logprobs``, ``RequestOutput.prompt_logprobs``).
 
+        ``SamplingParams(structured_outputs=StructuredOutputsParams(json=schema))`` (or
+        ``regex``, ``choice``, ``grammar``, ``json_object``) constrains the output.
+
         Raises:
           ValueError: a prompt that is empty, holds an id outside the vocabulary or does not
-            fit max_model_len, or a token id of its SamplingParams outside the vocabulary
-            (before any work; the message names the prompt's index).
+            fit max_model_len, a token id of its SamplingParams outside the vocabulary, or
+            structured outputs that do not compile (before any work; the message names the
+            prompt's index).
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -103,6 +107,8 @@ class LLM:
             try:
                 self.input_processor.check_prompt(ids)
                 self.input_processor.check_sampling_params(sp)
+                if sp.structured_outputs is not None:  # compiled once; add_request reuses it
+                    self.engine.structured_output_manager.grammar_init(sp.structured_outputs)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
         index: dict[str, int] = {}

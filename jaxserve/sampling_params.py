@@ -11,6 +11,7 @@ token (stop strings are matched in Python on every delta, so their number and le
 capped). Each error message starts with the field at fault.
 """
 
+import json as _json  # a field of StructuredOutputsParams is named json
 import math
 
 import msgspec
@@ -29,11 +30,67 @@ MAX_PENALTY = 2.0  # presence / frequency: OpenAI's range [-2, 2]
 MAX_REPETITION_PENALTY = 100.0  # vLLM asks only > 0; bounded so logits * it stays finite
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs range is [0, 20]; vLLM's default max_logprobs
 MAX_N = 128  # OpenAI's range for n is [1, 128]; the server may lower it (max_num_seqs)
+# A grammar spec (schema, regex, grammar or choices) bounds what one request may hand the
+# grammar compiler; llguidance's own limits bound the work (jaxserve/structured_output).
+MAX_STRUCTURED_OUTPUT_CHARS = 100_000
 
 
 def _in_range(x: float, lo: float, hi: float) -> bool:
     # NaN fails every comparison, so each check passes only for good values.
     return math.isfinite(x) and lo <= x <= hi
+
+
+class StructuredOutputsParams(msgspec.Struct, omit_defaults=True):
+    """A constraint on the generated text (vLLM V1's name and fields): exactly one of
+
+    Attributes:
+      json: a JSON schema (a dict, or its JSON text); the output is one JSON value it accepts.
+      regex: a regular expression (Rust ``regex`` syntax) the whole output matches.
+      choice: the output is exactly one of these strings (1 to 1024 of them).
+      grammar: a Lark grammar as llguidance takes it (a GBNF grammar is converted); Lark
+        rules may embed a JSON schema with ``%json { ... }``.
+      json_object: True: the output is one JSON object (OpenAI's ``json_object`` mode).
+
+    The engine compiles it with llguidance (``jaxserve.structured_output``); here only its
+    shape and size are checked.
+
+    Raises:
+      ValueError: from ``__post_init__``, starting with ``structured_outputs``, for none or
+        several constraints, or a spec over MAX_STRUCTURED_OUTPUT_CHARS characters.
+    """
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self):
+        given = [k for k in self.__struct_fields__ if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("structured_outputs: give exactly one of json, regex, choice, "
+                             f"grammar and json_object, got {given or 'none'}")
+        if self.choice is not None and not 0 < len(self.choice) <= 1024:
+            raise ValueError("structured_outputs: choice needs 1 to 1024 strings")
+        if len(self.key[1]) > MAX_STRUCTURED_OUTPUT_CHARS:
+            raise ValueError(f"structured_outputs: the {given[0]} spec exceeds "
+                             f"{MAX_STRUCTURED_OUTPUT_CHARS} characters")
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, spec as text): the grammar cache key. A dict schema is written as compact
+        JSON with sorted keys, so equal schemas share an entry."""
+        if self.json is not None:
+            text = self.json if isinstance(self.json, str) else _json.dumps(
+                self.json, sort_keys=True, separators=(",", ":"))
+            return "json", text
+        if self.regex is not None:
+            return "regex", self.regex
+        if self.choice is not None:
+            return "choice", _json.dumps(self.choice)
+        if self.grammar is not None:
+            return "grammar", self.grammar
+        return "json_object", ""
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True):
@@ -71,6 +128,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
       spaces_between_special_tokens: vLLM's flag for slow tokenizers' decoding; jaxserve's
         tokenizers are all fast ones, which put no spaces there (vLLM V1's fast detokenizer
         ignores it the same way).
+      structured_outputs: constrain the output to a JSON schema, regex, choice or grammar
+        (StructuredOutputsParams); each choice of an ``n`` request is constrained alone.
 
     Log-probabilities are log-softmax values of the model's raw logits (before penalties,
     biases and temperature), as vLLM V1 returns them by default.
@@ -99,6 +158,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):

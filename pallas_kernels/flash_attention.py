@@ -35,7 +35,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.kv_quant import QuantizedPages, compute_dtype
+from pallas_kernels.kv_quant import QuantizedPages, queries_for
 from pallas_kernels.online_softmax import (
     LOG2E,
     MASK_VALUE,
@@ -342,7 +342,7 @@ def attention(
         sm_scale = head_dim**-0.5
     sm_scale = float(sm_scale)
     dtype = q.dtype
-    q = q.astype(compute_dtype(k_pages.dtype))
+    q = queries_for(q, k_pages.dtype)
     qsl = query_start_loc.astype(jnp.int32)
     q_lens = qsl[1:] - qsl[:-1]
     is_decode = q_lens == 1 if split_decode else jnp.zeros_like(q_lens, dtype=bool)

@@ -6,8 +6,11 @@ fits whatever its magnitude: no calibration, nothing to read from a checkpoint, 
 can overflow (e4m3fn has no infinity; an unscaled value above 448 would become NaN). The cast
 still clips, so rounding at the edge cannot overflow either. A row reads back as
 ``values * scale``; the kernels fold the scales into the scores (keys) and the probabilities
-(values), so the dots run on the 8-bit values widened to bfloat16 and the KV read is about half
-of bfloat16's (D bytes + 4 per row against 2 D). The pool stores the 8-bit patterns as uint8
+(values), so the dots run on the 8-bit values widened to float16 and the KV read is about half
+of bfloat16's (D bytes + 4 per row against 2 D). float16, not bfloat16: the H200 converts
+e4m3 to float16 in one instruction (two values at a time) but to bfloat16 through float32,
+which made the decode kernel slower than on a bfloat16 pool (docs/performance.md); every e4m3
+value is exact in float16, and queries are clipped to float16's range on the way in. The pool stores the 8-bit patterns as uint8
 (bitcast on the way in and out, free): XLA scatters float8 (and bfloat16) on the CPU by
 converting the whole operand, i.e. copying the pool every write (~100 ms a layer at 2 GiB),
 and uint8 in place.
@@ -27,7 +30,7 @@ FP8_DTYPE = jnp.float8_e4m3fn
 STORAGE_DTYPE = jnp.uint8  # the pool holds FP8_DTYPE's bit patterns
 FP8_MAX = float(jnp.finfo(FP8_DTYPE).max)  # 448
 # The dtype the kernels widen FP8 keys and values to for their dots (and cast queries to).
-FP8_COMPUTE_DTYPE = jnp.bfloat16
+FP8_COMPUTE_DTYPE = jnp.float16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,3 +140,15 @@ def read_pages(pool, pages) -> jax.Array:
 def compute_dtype(pool_dtype):
     """The dtype attention computes its dots in for a pool of ``pool_dtype``."""
     return FP8_COMPUTE_DTYPE if is_fp8(pool_dtype) else pool_dtype
+
+
+def queries_for(q: jax.Array, pool_dtype) -> jax.Array:
+    """``q`` cast to the dtype the kernels' dots use with a pool of ``pool_dtype``; for an FP8
+    pool clipped to float16's finite range first (a bfloat16 query can exceed it)."""
+    dtype = compute_dtype(pool_dtype)
+    if dtype == q.dtype:
+        return q
+    if is_fp8(pool_dtype):
+        big = float(jnp.finfo(dtype).max)
+        q = jnp.clip(q, -big, big)
+    return q.astype(dtype)

@@ -40,8 +40,15 @@ def online_softmax_step(acc, m_prev, l_prev, s, v, v_scale=None):
     alpha = jnp.exp2(m_prev - m_next)
     p = jnp.exp2(s - m_next[:, None])
     l_next = alpha * l_prev + p.sum(axis=1)
-    pv = p if v_scale is None else p * v_scale[None, :]
-    return acc * alpha[:, None] + plgpu.dot(pv.astype(v.dtype), v), m_next, l_next
+    if v_scale is None:
+        return acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v), m_next, l_next
+    # Scales relative to the block's largest keep p * scale in [0, 1] for the 16-bit dot (a small
+    # scale times a small p would lose its bits in float16); the largest is applied after. Only
+    # unmasked keys count (a masked slot may hold a stale row's scale; the null page's are 0).
+    top = jnp.where(s.max(axis=0) > MASK_VALUE, v_scale, 0.0).max()
+    top = jnp.where(top > 0.0, top, 1.0)
+    pv = p * (v_scale / top)[None, :]
+    return acc * alpha[:, None] + plgpu.dot(pv.astype(v.dtype), v) * top, m_next, l_next
 
 
 def online_softmax_output(acc, l):

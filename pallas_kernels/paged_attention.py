@@ -24,7 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import kv_quant
-from pallas_kernels.kv_quant import QuantizedPages, compute_dtype
+from pallas_kernels.kv_quant import QuantizedPages, queries_for
 from pallas_kernels.online_softmax import (
     LOG2E,
     MASK_VALUE,
@@ -64,10 +64,14 @@ def resolve_decode_tuning(
     page_size: int,
     head_dim: int,
     tuning: DecodeTuning | None = None,
+    quantized: bool = False,
 ) -> DecodeTuning:
-    """Fills the unset fields of ``tuning`` for these shapes; returns a complete DecodeTuning."""
+    """Fills the unset fields of ``tuning`` for these shapes (``quantized``: an FP8 pool);
+    returns a complete DecodeTuning."""
     tuning = tuning or DecodeTuning()
-    block_k = max(pl.next_power_of_2(tuning.block_k or 64), page_size)
+    # 64 tokens of bfloat16 or 128 of FP8: the same bytes per tile (FP8: 0.144 against 0.170 ms
+    # at 64, H200, docs/performance.md).
+    block_k = max(pl.next_power_of_2(tuning.block_k or (128 if quantized else 64)), page_size)
     max_tokens = pages_per_seq * page_size
     num_splits = tuning.num_splits
     if num_splits is None:
@@ -179,7 +183,9 @@ def decode_grouped(
     num_seqs, num_kv_heads, rows, head_dim = q.shape
     _, num_pages, page_size, _ = k_pages.shape
     pages_per_seq = block_tables.shape[1]
-    t = resolve_decode_tuning(num_seqs, num_kv_heads, pages_per_seq, page_size, head_dim, tuning)
+    quantized = isinstance(k_pages, QuantizedPages)
+    t = resolve_decode_tuning(num_seqs, num_kv_heads, pages_per_seq, page_size, head_dim, tuning,
+                              quantized)
     pages_per_block = t.block_k // page_size
     blocks_per_split = pl.cdiv(pl.cdiv(pages_per_seq, t.num_splits), pages_per_block)
     pages_per_split = blocks_per_split * pages_per_block
@@ -195,7 +201,7 @@ def decode_grouped(
         block_k=t.block_k,
         page_size=page_size,
         tokens_per_split=pages_per_split * page_size,
-        quantized=isinstance(k_pages, QuantizedPages),
+        quantized=quantized,
     )
     pool = flat_pool(k_pages, v_pages)
     in_specs = [
@@ -319,7 +325,7 @@ def paged_attention(
         sm_scale = head_dim**-0.5
     qg, group = group_queries(q, num_kv_heads)
     out = decode_grouped(
-        qg.astype(compute_dtype(k_pages.dtype)),
+        queries_for(qg, k_pages.dtype),
         k_pages,
         v_pages,
         block_tables,

@@ -39,9 +39,13 @@ class Request:
       fork_parent: while this choice waits so, the choice it will fork from.
       prompt_logprobs: log-probabilities of the prompt tokens after the first, gathered chunk
         by chunk when the request asks for them (None otherwise); sent with the first output.
+      grammar: the llguidance matcher of a constrained sequence (``structured_outputs``),
+        advanced with each of its output tokens; None otherwise. Preemption keeps it as it
+        is: recomputing replays tokens the matcher has already consumed, and samples only
+        the next one.
     """
 
-    def __init__(self, req: EngineCoreRequest, seed: int, index: int = 0):
+    def __init__(self, req: EngineCoreRequest, seed: int, index: int = 0, grammar=None):
         n = req.sampling_params.n
         self.request_id = child_request_id(req.request_id, index, n)
         self.index = index
@@ -62,6 +66,7 @@ class Request:
         # The prompt's log-probabilities go out once, with choice 0.
         wants = req.sampling_params.prompt_logprobs is not None and index == 0
         self.prompt_logprobs: LogprobsLists | None = LogprobsLists() if wants else None
+        self.grammar = grammar
 
     @property
     def num_prompt_tokens(self) -> int:

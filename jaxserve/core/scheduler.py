@@ -20,12 +20,21 @@ the batch holding references to its full prompt pages and a copy of its partly f
 each with its own seed. The prompt is computed once, with or without prefix caching. When the
 batch or the pool has no room for them then, they start like any other request instead.
 
+A constrained sequence (``structured_outputs``) carries its grammar's matcher: ``schedule``
+lists the constrained sequences that sample in the step, ``grammar_bitmask`` gives the tokens
+their grammars allow next (from the StructuredOutputManager), and ``update`` advances each
+matcher with the token drawn. So ``grammar_bitmask`` must come after the update with every
+earlier token: under async scheduling, after the previous step's (EngineCore.step,
+docs/structured_outputs.md).
+
 A request that wants prompt log-probabilities takes no prefix-cache hits (every prompt position
 must be computed), and its prompt chunks are capped so that one step never holds more than
 ``max_prompt_logprob_rows`` such positions (the runner turns them into logits chunk by chunk).
 """
 
 from collections import deque
+
+import numpy as np
 
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.request import Request, RequestStatus
@@ -43,8 +52,10 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: tuple[int, ...],
         max_prompt_logprob_rows: int = 0,
+        structured_output_manager=None,
     ):
         self.kv = kv_cache_manager
+        self.structured_output_manager = structured_output_manager
         self.max_prompt_logprob_rows = max_prompt_logprob_rows
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -68,6 +79,10 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def has_structured_requests(self) -> bool:
+        """Some unfinished sequence is constrained by a grammar."""
+        return any(r.grammar is not None for r in self.requests.values())
 
     def abort_requests(self, request_ids) -> None:
         """Abort sequences by id (a choice's id aborts that choice alone). Choices that wait for
@@ -181,7 +196,31 @@ class Scheduler:
         for req in forks:
             self._fork(out, req)
         out.total_num_scheduled_tokens = self.max_num_batched_tokens - budget
+        out.structured_output_request_ids = [
+            rid for rid, samples in out.samples.items()
+            if samples and self.requests[rid].grammar is not None]
         return out
+
+    def grammar_bitmask(self, out: SchedulerOutput) -> None:
+        """Set ``out.grammar_bitmask``: the tokens each of its constrained sequences may draw.
+        A sequence that finished since ``schedule`` (its row's token will be dropped) gets an
+        all-allowed row.
+
+        Raises:
+          RuntimeError: a sequence's matcher has not seen a token before this step's (an
+            update is missing).
+        """
+        if not out.structured_output_request_ids:
+            return
+        reqs = [self.requests.get(rid) for rid in out.structured_output_request_ids]
+        live = [i for i, r in enumerate(reqs) if r is not None]
+        if any(reqs[i].num_output_placeholders > 1 for i in live):
+            raise RuntimeError("a constrained sequence's grammar is behind its tokens")
+        manager = self.structured_output_manager
+        mask = np.full((len(reqs), manager.width), -1, np.int32)
+        if live:
+            mask[live] = manager.grammar_bitmask([reqs[i].grammar for i in live])
+        out.grammar_bitmask = mask
 
     def _cap(self, req: Request, n: int) -> int:
         """n, or fewer tokens when the request computes prompt log-probabilities and the
@@ -268,6 +307,9 @@ class Scheduler:
             token = int(output.sampled[rid])
             req.num_output_placeholders -= 1
             req.all_token_ids.append(token)
+            if req.grammar is not None and not req.grammar.is_stopped():
+                # A token the mask allowed; EOS after a complete grammar stops the matcher.
+                req.grammar.consume_token(token)
             if req.status == running:
                 self.kv.cache_full_pages(req)
             reason, stop_reason = self._check_stop(req, token)

@@ -7,6 +7,8 @@ request's state (``jaxserve.worker.input_batch.InputBatch``) and applies only wh
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from jaxserve.engine import LogprobsLists
 from jaxserve.sampling_params import SamplingParams
 
@@ -57,6 +59,10 @@ class SchedulerOutput:
       copy_pages: (source, destination) KV pages to copy once this step has run (a forked
         choice's own copy of the parent's partly filled last prompt page).
       prompt_logprobs: requests whose scheduled prompt tokens need prompt log-probabilities.
+      structured_output_request_ids: the constrained requests that sample this step, in the
+        order of ``grammar_bitmask``'s rows.
+      grammar_bitmask: [len(structured_output_request_ids), ceil(V / 32)] int32, the tokens
+        each may sample (bit j of word i allows token 32 i + j); None when none samples.
     """
 
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
@@ -68,6 +74,8 @@ class SchedulerOutput:
     forked_from: dict[str, str] = field(default_factory=dict)
     copy_pages: list[tuple[int, int]] = field(default_factory=list)
     prompt_logprobs: set[str] = field(default_factory=set)
+    structured_output_request_ids: list[str] = field(default_factory=list)
+    grammar_bitmask: np.ndarray | None = None
 
 
 @dataclass

@@ -42,7 +42,8 @@ from jaxserve.engine.input_processor import InputProcessor, chat_text_bytes
 from jaxserve.engine.output_processor import OutputProcessor, RequestError, merge_outputs
 from jaxserve.metrics import Metrics
 from jaxserve.outputs import RequestOutput
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
+from jaxserve.structured_output.validator import GrammarValidator
 from jaxserve.tokenizer_io import import_tokenizer_code, load_tokenizer
 
 __all__ = ["AsyncLLM", "EngineDeadError", "EngineStartError", "RequestError"]
@@ -86,6 +87,7 @@ class AsyncLLM:
         self.allocator_fraction: float = 0.0
         self.metrics: Metrics | None = None
         self.input_processor: InputProcessor | None = None
+        self.grammar_validator: GrammarValidator | None = None
         self.output_processor: OutputProcessor | None = None
         self.ready = False
         self.errored = False
@@ -107,6 +109,8 @@ class AsyncLLM:
             self.tokenizer = await loop.run_in_executor(None, load_tokenizer, ready.tokenizer_dir)
             self.input_processor = await loop.run_in_executor(
                 None, InputProcessor, self.tokenizer, ready.max_model_len, ready.vocab_size)
+            self.grammar_validator = await loop.run_in_executor(
+                None, GrammarValidator, self.tokenizer, ready.vocab_size, ready.eos_token_ids)
         except Exception as e:  # noqa: BLE001
             raise EngineStartError(f"cannot load the engine's tokenizer: {e}") from e
         finally:
@@ -163,6 +167,15 @@ class AsyncLLM:
         """
         self.input_processor.check_sampling_params(sp)
         self.input_processor.check_prompt(prompt_token_ids, sp.max_tokens)
+
+    async def check_structured_outputs(self, params: StructuredOutputsParams) -> None:
+        """Compile the constraint as the engine will (off the event loop, cached, within
+        GrammarValidator's time limit).
+
+        Raises:
+          ValueError: "<kind>: <error>" when it does not compile (in time).
+        """
+        await self.grammar_validator.check(params)
 
     # -- generation ----------------------------------------------------------------------------
 
@@ -251,6 +264,8 @@ class AsyncLLM:
         self.ready = False
         await self.engine_core.shutdown()
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        if self.grammar_validator is not None:
+            self.grammar_validator.shutdown()
 
     # -- pipe callbacks (event loop) -----------------------------------------------------------
 

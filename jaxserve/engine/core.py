@@ -35,6 +35,7 @@ from jaxserve.model_loader import (
 )
 from jaxserve.models import sharding
 from jaxserve.models.registry import build_params, resolve_dtype, resolve_kv_cache_dtype
+from jaxserve.structured_output.manager import StructuredOutputManager
 from jaxserve.worker.model_runner import ModelRunner
 from pallas_kernels import get_attention_fn, kv_quant
 
@@ -194,6 +195,10 @@ class EngineCore:
         eos = set(mc.eos_token_ids) | {self.tokenizer.eos_token_id}
         self.eos_token_ids = tuple(sorted(t for t in eos if t is not None))
         self.vocab_size = mc.vocab_size
+        t4 = time.perf_counter()
+        self.structured_output_manager = StructuredOutputManager(
+            self.tokenizer, mc.vocab_size, self.eos_token_ids, config.max_num_seqs)
+        log(f"structured outputs: llguidance tokenizer built in {time.perf_counter() - t4:.1f}s")
         self.scheduler = Scheduler(
             KVCacheManager(num_pages, config.page_size, config.enable_prefix_caching),
             max_num_seqs=config.max_num_seqs,
@@ -201,6 +206,7 @@ class EngineCore:
             max_model_len=self.max_model_len,
             eos_token_ids=self.eos_token_ids,
             max_prompt_logprob_rows=self.runner.prompt_logprob_rows,
+            structured_output_manager=self.structured_output_manager,
         )
         self._rng = random.Random(config.seed)
         self._in_flight = None  # (SchedulerOutput, StepHandle) dispatched, not yet updated
@@ -247,13 +253,23 @@ class EngineCore:
         """Queue a request that the InputProcessor checked (non-empty prompt in the vocabulary,
         shorter than max_model_len; a request id not in use). Its ``n`` choices run as
         sequences ``child_request_id(request_id, i, n)``; choice i draws with seed + i (vLLM's
-        rule), choices 1.. fork from choice 0 once its prompt is computed (Scheduler)."""
-        seed = request.sampling_params.seed
+        rule), choices 1.. fork from choice 0 once its prompt is computed (Scheduler). A
+        constrained request gets a grammar matcher per choice.
+
+        Raises:
+          ValueError: "<kind>: <error>" for ``structured_outputs`` that do not compile.
+        """
+        sp = request.sampling_params
+        seed = sp.seed
         if seed is None:
             seed = self._rng.getrandbits(32)
-        parent = Request(request, seed & 0xFFFFFFFF)
-        for i in range(1, request.sampling_params.n):
-            child = Request(request, (seed + i) & 0xFFFFFFFF, index=i)
+        grammars = [None] * sp.n
+        if sp.structured_outputs is not None:
+            grammars = [self.structured_output_manager.grammar_init(sp.structured_outputs)
+                        for _ in range(sp.n)]
+        parent = Request(request, seed & 0xFFFFFFFF, grammar=grammars[0])
+        for i in range(1, sp.n):
+            child = Request(request, (seed + i) & 0xFFFFFFFF, index=i, grammar=grammars[i])
             child.fork_parent = parent
             parent.fork_children.append(child)
         self.scheduler.add_request(parent)
@@ -270,19 +286,39 @@ class EngineCore:
         Synchronous (``--no-async-scheduling``): wait for this step's tokens, then update. Async:
         dispatch this step first, then wait for the previous step's tokens (the device runs
         this step meanwhile) and update with them; a step's outputs come one call later.
+        A step with constrained sequences (structured outputs) needs their grammar bitmask,
+        which needs every earlier token: synchronous, it is filled before the step is
+        dispatched; async, the step's model part is dispatched first, and the filtered sampler
+        once the previous step's tokens have updated the matchers, so filling the bitmask
+        overlaps the model's step on the device (docs/structured_outputs.md). With several
+        hosts (where host 0 publishes each step once, bitmask included) the engine runs
+        synchronously while a constrained sequence is unfinished.
         """
+        sync = not self.config.async_scheduling or (
+            self._channel is not None and self.scheduler.has_structured_requests())
+        flushed = []
+        if sync and self._in_flight is not None:
+            flushed = self.scheduler.update(self._in_flight[0],
+                                            self.runner.get_output(self._in_flight[1]))
+            self._in_flight = None
         sched = self.scheduler.schedule()
+        if sync:
+            self.scheduler.grammar_bitmask(sched)
         if self._channel is not None:
             self._channel.publish(sched)
         handle = self.runner.execute(sched)
-        if not self.config.async_scheduling:
+        if sync:
             if handle is None:
-                return []
-            return self.scheduler.update(sched, self.runner.get_output(handle))
+                return flushed
+            return flushed + self.scheduler.update(sched, self.runner.get_output(handle))
         prev, self._in_flight = self._in_flight, (sched, handle) if handle else None
-        if prev is None:
-            return []
-        return self.scheduler.update(prev[0], self.runner.get_output(prev[1]))
+        outputs = []
+        if prev is not None:
+            outputs = self.scheduler.update(prev[0], self.runner.get_output(prev[1]))
+        if handle is not None and handle.awaits_bitmask:
+            self.scheduler.grammar_bitmask(sched)
+            self.runner.sample_filtered(handle, sched.grammar_bitmask)
+        return outputs
 
     def follow(self) -> None:
         """Hosts other than 0: run every step host 0 runs, with its SchedulerOutputs, in the

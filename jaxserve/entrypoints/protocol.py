@@ -5,9 +5,11 @@ number belongs is a 400, as with OpenAI), and bounded here so that no value can 
 is later packed into: integers fit int32 (``seed``: int64), floats are finite, and every string
 can be encoded as UTF-8 (JSON's ``"\\ud800"`` escape gives a lone surrogate, which no encoder
 downstream accepts); lists stop at their first bad item. Semantic ranges (temperature in
-[0, 2], ...) are SamplingParams' checks. Fields OpenAI defines that jaxserve does not support
-(``best_of``, ``suffix``, a ``response_format`` other than text) are accepted only at
-their neutral value (``unsupported_field`` names the first offender); fields nobody defines are
+[0, 2], ...) are SamplingParams' checks. Structured outputs come from ``response_format``
+(OpenAI's), ``structured_outputs`` (vLLM's) or vLLM's older ``guided_json`` / ``guided_regex``
+/ ``guided_choice`` / ``guided_grammar``, one of them per request. Fields OpenAI defines that
+jaxserve does not support (``best_of``, ``suffix``) are accepted only at their neutral value
+(``unsupported_field`` names the first offender); fields nobody defines are
 kept in ``model_extra`` so the server can log and ignore them. The model's generation config
 fills in the sampling fields of GENERATION_DEFAULTS a request leaves out.
 
@@ -28,7 +30,8 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from jaxserve.entrypoints.tool_parsers.call_object import json_as
-from jaxserve.sampling_params import INT32_MAX, MAX_LOGPROBS, SamplingParams
+from jaxserve.sampling_params import (
+    INT32_MAX, MAX_LOGPROBS, SamplingParams, StructuredOutputsParams)
 
 
 def _utf8(s: str) -> str:
@@ -63,6 +66,34 @@ class StreamOptions(_Base):
     continuous_usage_stats: bool = False
 
 
+class JsonSchemaFormat(_Base):
+    """``response_format.json_schema``: a named schema; without ``schema``, any JSON value.
+    ``strict`` is accepted and always in effect: the output is constrained to the schema."""
+
+    name: Text
+    description: Text | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Base):
+    """OpenAI's ``response_format``, on both endpoints."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(_Base):
+    """vLLM's ``structured_outputs`` request field: one of json (a schema), regex, choice,
+    grammar, json_object (StructuredOutputsParams)."""
+
+    json_: dict[str, Any] | Text | None = Field(default=None, alias="json")
+    regex: Text | None = None
+    choice: Items(Text) | None = None
+    grammar: Text | None = None
+    json_object: bool | None = None
+
+
 # Request fields that the model's generation config fills in when a request leaves them out
 # (vLLM's --generation-config auto), named as SamplingParams names them.
 GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
@@ -93,6 +124,12 @@ class _SamplingFields(_Base):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     return_token_ids: bool = False  # vLLM's extension: token ids in each choice
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | Text | None = None  # vLLM's older names
+    guided_regex: Text | None = None
+    guided_choice: Items(Text) | None = None
+    guided_grammar: Text | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: Text | None = None  # accepted, as OpenAI's end-user id; not used
@@ -105,14 +142,53 @@ class _SamplingFields(_Base):
         """(SamplingParams.logprobs, .prompt_logprobs) the request asks for."""
         return None, None
 
-    def sampling_params(self, max_tokens: int | None, defaults: dict) -> SamplingParams:
+    def structured_outputs_params(self) -> tuple[StructuredOutputsParams | None, str | None]:
+        """(the request's output constraint, the field it came from), or (None, None).
+
+        Raises:
+          ValueError: whose message starts with the field: several constraints, or one
+            without exactly one kind (``structured_outputs: {}``).
+        """
+        given = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            given.append(("response_format", {"json_object": True}))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None:
+                raise ValueError("response_format: json_schema is required when type is "
+                                 "json_schema")
+            schema = rf.json_schema.schema_
+            given.append(("response_format", {"json": {} if schema is None else schema}))
+        if self.structured_outputs is not None:
+            so = self.structured_outputs
+            given.append(("structured_outputs", {
+                "json": so.json_, "regex": so.regex, "choice": so.choice,
+                "grammar": so.grammar, "json_object": so.json_object}))
+        for kind in ("json", "regex", "choice", "grammar"):
+            if getattr(self, f"guided_{kind}") is not None:
+                given.append((f"guided_{kind}", {kind: getattr(self, f"guided_{kind}")}))
+        if not given:
+            return None, None
+        if len(given) > 1:
+            raise ValueError(f"{given[1][0]}: give one output constraint, not "
+                             f"{' and '.join(field for field, _ in given)}")
+        field, kw = given[0]
+        try:
+            return StructuredOutputsParams(**kw), field
+        except ValueError as e:
+            raise ValueError(f"{field}: {str(e).removeprefix('structured_outputs: ')}") from None
+
+    def sampling_params(self, max_tokens: int | None, defaults: dict,
+                        structured_outputs: StructuredOutputsParams | None = None
+                        ) -> SamplingParams:
         """The request's SamplingParams; fields of GENERATION_DEFAULTS it leaves out come from
         ``defaults`` (the model's generation config), then SamplingParams' own defaults.
+        ``structured_outputs``: from ``structured_outputs_params``.
 
         Raises:
           ValueError: whose message starts with the field out of range (SamplingParams' names).
         """
-        kw: dict[str, Any] = {"max_tokens": max_tokens}
+        kw: dict[str, Any] = {"max_tokens": max_tokens, "structured_outputs": structured_outputs}
         for name in GENERATION_DEFAULTS:
             value = kw.get(name, getattr(self, name, None))
             kw[name] = defaults.get(name) if value is None else value
@@ -303,12 +379,6 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: (Literal["none", "auto", "required"] | ChatCompletionNamedToolChoiceParam
                   | None) = None
     parallel_tool_calls: bool | None = None  # None: OpenAI's default, true
-    response_format: dict[str, Any] | None = None
-
-    def unsupported_field(self) -> str | None:
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            return "response_format"
-        return None
 
     def _logprobs(self) -> tuple[int | None, int | None]:
         if not self.logprobs:

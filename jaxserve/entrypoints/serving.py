@@ -175,13 +175,24 @@ def _check_model(request: web.Request, model: str | None) -> str:
     return name
 
 
-def _sampling_params(llm: AsyncLLM, req, max_tokens: int | None,
-                     renames: dict[str, str]) -> SamplingParams:
+async def _sampling_params(llm: AsyncLLM, req, max_tokens: int | None,
+                           renames: dict[str, str]) -> SamplingParams:
     """The request's SamplingParams, the model's generation config filling in what it leaves
     out. A value out of range is a 400 naming the request's field (``renames``: SamplingParams'
-    name -> the request's, where they differ); so is ``n`` above the server's limit."""
+    name -> the request's, where they differ); so is ``n`` above the server's limit, and an
+    output constraint (``response_format``, ``structured_outputs``, ``guided_*``) that does not
+    compile (checked off the event loop: AsyncLLM.check_structured_outputs)."""
     try:
-        sp = req.sampling_params(max_tokens, llm.generation_config)
+        so, so_field = req.structured_outputs_params()
+    except ValueError as e:
+        raise APIError(400, str(e), param=str(e).split(":", 1)[0]) from None
+    if so is not None:
+        try:
+            await llm.check_structured_outputs(so)
+        except ValueError as e:
+            raise APIError(400, f"{so_field}: {e}", param=so_field) from None
+    try:
+        sp = req.sampling_params(max_tokens, llm.generation_config, so)
     except ValueError as e:
         msg = str(e)
         field = msg.split(" ", 1)[0].rstrip(":")
@@ -397,7 +408,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     with _admitted(request):
         req: CompletionRequest = await _parse(request, CompletionRequest)
         model = _check_model(request, req.model)
-        sp = _sampling_params(llm, req, req.max_tokens, {})
+        sp = await _sampling_params(llm, req, req.max_tokens, {})
         try:
             prompts = req.prompts()
         except ValueError as e:
@@ -430,8 +441,8 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
             raise APIError(400, str(e), param="tool_choice") from None
         max_tokens = req.requested_max_tokens()
         field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        sp = _sampling_params(llm, req, max_tokens, {"logprobs": "top_logprobs",
-                                                     "max_tokens": field})
+        sp = await _sampling_params(llm, req, max_tokens, {"logprobs": "top_logprobs",
+                                                           "max_tokens": field})
         messages = _template_messages(req)
         ids = await _encode(llm.encode_chat(messages, tools=req.template_tools()), "messages")
         _check_request(llm, ids, sp, "messages", field)

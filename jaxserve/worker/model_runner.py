@@ -3,8 +3,9 @@ inputs with vectorized numpy, and dispatches the compiled step.
 
 One step = one call of a compiled executable, without control flow on the GPU (an XLA
 conditional there blocks the dispatching thread): model forward over the ragged batch, KV write into the
-donated pool, and greedy or plain-temperature sampling; in steps with top-k/top-p rows a second
-executable (one per sequence count S) draws those rows. ``execute`` only dispatches;
+donated pool, and greedy or plain-temperature sampling; in steps with top-k/top-p rows (or
+penalties, log-probabilities, a grammar's bitmask: structured outputs) a second executable (one
+per sequence count S) draws those rows. ``execute`` only dispatches;
 ``get_output`` waits for the sampled tokens. Between the two the host is free (async scheduling schedules and dispatches the next
 step there): a token the host does not know yet is read by the next step straight from the
 previous step's sampled array on the device. Token counts T come from a fixed list of buckets (powers of two
@@ -94,11 +95,12 @@ def _step(config, attention_fn, mesh, max_num_seqs, branch_free, params, token_i
             v_cache)
 
 
-def _filter(logits, sampled, sm, fm, state):
+def _filter(logits, sampled, sm, fm, state, bitmask):
     """The step's tokens ([max_num_seqs]) with the rows of ``fm`` drawn again (a step's S rows
-    come first), the sampler state with their tokens counted, and their Logprobs."""
+    come first; constrained rows under their row of ``bitmask`` [S, W] int32), the sampler
+    state with their tokens counted, and their Logprobs."""
     s = logits.shape[0]
-    tokens, state, logprobs = sample_filtered(logits, sampled[:s], sm, fm, state)
+    tokens, state, logprobs = sample_filtered(logits, sampled[:s], sm, fm, state, bitmask)
     return sampled.at[:s].set(tokens), state, logprobs
 
 
@@ -139,6 +141,8 @@ class StepHandle:
       prompt_spans: (req_id, index of the first prompt token covered, first row, rows, k) per
         request in ``prompt_logprobs``.
       prompt_targets: [PROMPT_LOGPROB_ROWS] the prompt tokens those rows predict.
+      filter_inputs: what ``ModelRunner.sample_filtered`` needs while the step's filtered
+        sampler is not dispatched yet (its constrained rows wait for their bitmask), else None.
     """
 
     step: int
@@ -150,6 +154,11 @@ class StepHandle:
     prompt_logprobs: Logprobs | None = None
     prompt_spans: list[tuple[str, int, int, int, int]] | None = None
     prompt_targets: np.ndarray | None = None
+    filter_inputs: tuple | None = None
+
+    @property
+    def awaits_bitmask(self) -> bool:
+        return self.filter_inputs is not None
 
 
 class ModelRunner:
@@ -224,6 +233,11 @@ class ModelRunner:
             "prompt logprobs": jax.jit(partial(_prompt_logprobs, config, mesh)),
         }
         self._prev_sampled = jnp.zeros(max_num_seqs, jnp.int32, device=self._replicated)
+        # Grammar bitmask rows (structured outputs): ceil(V / 32) int32 words per sequence.
+        # A step without constrained rows passes the all-allowed mask of its S, kept on the
+        # device, so such steps move no bitmask to the device.
+        self.bitmask_width = -(-config.vocab_size // 32)
+        self._no_bitmask: dict[int, jax.Array] = {}  # by S
         self._compiled: dict[int, Callable] = {}
         self._filter_compiled: dict[int, Callable] = {}  # by S
         self._aux_compiled: dict[str, Callable] = {}
@@ -293,7 +307,8 @@ class ModelRunner:
                               seeds=np.zeros(s, np.uint32), steps=i32)
         fm = FilterMetadata(rows=off, slots=i32, min_p=f32, presence_penalty=f32,
                             frequency_penalty=f32, repetition_penalty=np.ones(s, np.float32),
-                            logit_bias=off, suppress_stop=off, count=off, logprobs=off)
+                            logit_bias=off, suppress_stop=off, count=off, logprobs=off,
+                            structured=off)
         return sm, fm
 
     def _aux_args(self, name: str):
@@ -330,8 +345,11 @@ class ModelRunner:
                 futures[pool.submit(lowered.compile)] = ("step", t)
             for s in seq_counts:
                 logits = jax.ShapeDtypeStruct((s, vocab), jnp.float32, sharding=self._replicated)
+                self._no_bitmask[s] = jax.device_put(
+                    np.full((s, self.bitmask_width), -1, np.int32), self._replicated)
                 lowered = self._filter_jitted.lower(logits, self._prev_sampled,
-                                                    *self._dummy_sampling(s), self.sampling_state)
+                                                    *self._dummy_sampling(s), self.sampling_state,
+                                                    self._no_bitmask[s])
                 futures[pool.submit(lowered.compile)] = ("filter", s)
             for name, fn in self._aux_jitted.items():
                 futures[pool.submit(fn.lower(*self._aux_args(name)).compile)] = (name, None)
@@ -369,8 +387,11 @@ class ModelRunner:
 
     def execute(self, sched: SchedulerOutput) -> StepHandle | None:
         """Apply the step's changes to the InputBatch and dispatch the step (no wait), then,
-        when some row needs them, the filtered sampler, the page copies of forked choices and
-        the prompt log-probabilities. None if nothing is scheduled.
+        when some row needs them, the page copies of forked choices, the prompt
+        log-probabilities and the filtered sampler; the last waits for ``sample_filtered``
+        when the step has constrained rows and ``sched.grammar_bitmask`` is None (async
+        scheduling: the bitmask needs the previous step's tokens). None if nothing is
+        scheduled.
 
         Raises:
           RuntimeError: the step's token bucket was not compiled at start-up, or a token the
@@ -446,13 +467,15 @@ class ModelRunner:
         sampled, logits, hidden, self.k_cache, self.v_cache = step(
             self.params, token_ids, prev_rows, self._prev_sampled, md, self.k_cache, self.v_cache,
             logits_indices, hidden_indices, sm)
-        logprobs = None
         logprob_ks = b.logprobs[slots]
         suppress = b.min_tokens[slots] > steps
         redraw = (b.penalized[slots] | b.logit_bias[slots] | suppress
                   | ((b.temperature[slots] > 0) & (b.min_p[slots] > 0)))
         redraw |= filtered_rows(sm, self.config.vocab_size)[:n_seq]
+        structured = self._structured_rows(sched, req_ids, s)
+        redraw |= structured[:n_seq]
         want_logprobs = samples & (logprob_ks >= 0)
+        fm = None
         if redraw.any() or want_logprobs.any():
             fm = FilterMetadata(
                 rows=per_seq(redraw, False, bool), slots=per_seq(slots, 0, np.int32),
@@ -463,10 +486,7 @@ class ModelRunner:
                 logit_bias=per_seq(b.logit_bias[slots], False, bool),
                 suppress_stop=per_seq(suppress, False, bool),
                 count=per_seq(samples & b.penalized[slots], False, bool),
-                logprobs=per_seq(want_logprobs, False, bool))
-            sampled, self.sampling_state, lp = self._filter_compiled[s](
-                logits, sampled, sm, fm, self.sampling_state)
-            logprobs = lp if want_logprobs.any() else None
+                logprobs=per_seq(want_logprobs, False, bool), structured=structured)
         if sched.copy_pages:
             src = np.zeros(self.max_num_seqs, np.int32)
             dst = np.zeros(self.max_num_seqs, np.int32)
@@ -476,14 +496,49 @@ class ModelRunner:
         prompt_logprobs = None
         if prompt_spans:
             prompt_logprobs = self._aux_compiled["prompt logprobs"](self.params, hidden, targets)
-        self._prev_sampled = sampled
         self._step_count += 1
         b.num_computed_tokens[slots] = context
         rows = np.flatnonzero(samples).astype(np.int32)
         b.in_flight_row[slots[rows]] = rows
         b.in_flight_step[slots[rows]] = self._step_count - 1
-        return StepHandle(self._step_count - 1, sampled, rows, [req_ids[i] for i in rows],
-                          logprobs, logprob_ks[rows], prompt_logprobs, prompt_spans, targets)
+        handle = StepHandle(self._step_count - 1, sampled, rows, [req_ids[i] for i in rows],
+                            None, logprob_ks[rows], prompt_logprobs, prompt_spans, targets)
+        self._prev_sampled = sampled
+        if fm is not None:
+            handle.filter_inputs = (logits, sm, fm, np.flatnonzero(structured),
+                                    bool(want_logprobs.any()))
+            if not structured.any() or sched.grammar_bitmask is not None:
+                self.sample_filtered(handle, sched.grammar_bitmask)
+        return handle
+
+    def sample_filtered(self, handle: StepHandle, grammar_bitmask: np.ndarray | None) -> None:
+        """Dispatch the filtered sampler of a step that ``execute`` left waiting for its
+        constrained rows' bitmask (``handle.awaits_bitmask``), or of any step needing it.
+
+        Args:
+          handle: the step.
+          grammar_bitmask: [constrained rows, W] int32 in the order of
+            ``SchedulerOutput.structured_output_request_ids``; None when none.
+        """
+        logits, sm, fm, struct_rows, want_logprobs = handle.filter_inputs
+        s = logits.shape[0]
+        bitmask = self._no_bitmask[s]
+        if grammar_bitmask is not None:
+            bitmask = np.full((s, self.bitmask_width), -1, np.int32)
+            bitmask[struct_rows] = grammar_bitmask
+        sampled, self.sampling_state, lp = self._filter_compiled[s](
+            logits, handle.sampled, sm, fm, self.sampling_state, bitmask)
+        handle.sampled = self._prev_sampled = sampled
+        handle.logprobs = lp if want_logprobs else None
+        handle.filter_inputs = None
+
+    def _structured_rows(self, sched: SchedulerOutput, req_ids: list[str], s: int) -> np.ndarray:
+        """[S] bool: the rows of the step's constrained sequences."""
+        structured = np.zeros(s, bool)
+        if sched.structured_output_request_ids:
+            row_of = {r: i for i, r in enumerate(req_ids)}
+            structured[[row_of[r] for r in sched.structured_output_request_ids]] = True
+        return structured
 
     def _prompt_logprob_rows(self, sched, req_ids, slots, computed, counts, ends):
         """For the requests in ``sched.prompt_logprobs``: the flat-batch rows of their scheduled
@@ -514,7 +569,13 @@ class ModelRunner:
 
     def get_output(self, handle: StepHandle) -> ModelRunnerOutput:
         """Wait for a dispatched step; returns its sampled tokens (for the requests whose step
-        ended at their last token; prompt chunks sample nothing) and log-probabilities."""
+        ended at their last token; prompt chunks sample nothing) and log-probabilities.
+
+        Raises:
+          RuntimeError: the step still awaits its grammar bitmask (``sample_filtered``).
+        """
+        if handle.awaits_bitmask:
+            raise RuntimeError("the step's constrained rows were never sampled")
         # This process's copy (with a mesh over several hosts, the others are not addressable).
         sampled = np.asarray(handle.sampled.addressable_data(0))
         tokens = sampled[handle.rows]

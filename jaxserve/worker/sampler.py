@@ -12,12 +12,17 @@ on what else is in the batch:
 - sort (top_k > K_MAX, or top-p without top-k): the full-vocabulary sort, of those rows alone
   when they are at most an eighth of the batch.
 
+A constrained row (structured outputs) first has every token its grammar does not allow set to
+-inf, from a bitmask the host fills (one bit per token, docs/structured_outputs.md); as in
+vLLM V1, which masks the logits before its sampler, everything after that, log-probabilities
+included, sees the masked logits.
+
 Before a row is drawn, the logits processors of vLLM V1 run in its order: min_tokens (EOS and
 stop token ids at -inf until enough tokens), logit bias, then the repetition, frequency and
 presence penalties (vLLM's definitions: repetition over prompt and output tokens, the other two
 over output tokens); greedy takes the argmax of the result; temperature, then min-p, then
 top-k / top-p apply to sampled rows. Log-probabilities are the log-softmax of the raw logits
-(before all of that), vLLM V1's default; the sampled token's rank counts the tokens more likely
+(before all of that but the grammar's mask), vLLM V1's default; the sampled token's rank counts the tokens more likely
 than it, plus one.
 
 Penalties need each request's token counts: ``SamplingState`` keeps them on the device, one row
@@ -96,6 +101,7 @@ class FilterMetadata:
       count: [S] bool, add the drawn token to the slot's output counts (a penalized row whose
         token is its next output).
       logprobs: [S] bool, rows whose log-probabilities are wanted.
+      structured: [S] bool, rows constrained by their row of the step's grammar bitmask.
     """
 
     rows: jax.Array
@@ -108,12 +114,14 @@ class FilterMetadata:
     suppress_stop: jax.Array
     count: jax.Array
     logprobs: jax.Array
+    structured: jax.Array
 
 
 jax.tree_util.register_dataclass(
     FilterMetadata,
     data_fields=["rows", "slots", "min_p", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty", "logit_bias", "suppress_stop", "count", "logprobs"],
+                 "repetition_penalty", "logit_bias", "suppress_stop", "count", "logprobs",
+                 "structured"],
     meta_fields=[],
 )
 
@@ -224,6 +232,21 @@ def apply_processors(logits: jax.Array, fm: FilterMetadata, state: SamplingState
     logits = jnp.where(logits > 0, logits / rep, logits * rep)
     return (logits - fm.frequency_penalty[:, None] * counts
             - fm.presence_penalty[:, None] * (counts > 0))
+
+
+def apply_grammar_bitmask(logits: jax.Array, bitmask: jax.Array, rows: jax.Array) -> jax.Array:
+    """-inf at the tokens a row's grammar does not allow.
+
+    Args:
+      logits: [S, V] float32.
+      bitmask: [S, ceil(V / 32)] int32; bit j of word i allows token 32 i + j (llguidance's
+        layout). Bits past V are ignored.
+      rows: [S] bool, the constrained rows (the others come back unchanged).
+    """
+    s, vocab = logits.shape
+    bits = (bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [S, W, 32]
+    allowed = bits.reshape(s, -1)[:, :vocab] != 0
+    return jnp.where(rows[:, None] & ~allowed, -jnp.inf, logits)
 
 
 def compute_logprobs(logits: jax.Array, token_ids: jax.Array) -> Logprobs:
@@ -362,9 +385,10 @@ def sample_unfiltered(logits: jax.Array, sm: SamplingMetadata, *,
 
 
 def sample_filtered(logits: jax.Array, tokens: jax.Array, sm: SamplingMetadata,
-                    fm: FilterMetadata, state: SamplingState | None = None):
+                    fm: FilterMetadata, state: SamplingState | None = None,
+                    bitmask: jax.Array | None = None):
     """``tokens`` ([S] int32, from ``sample_unfiltered``) with ``fm.rows`` drawn again after the
-    logits processors, min-p, top-k and top-p.
+    grammar's mask, the logits processors, min-p, top-k and top-p.
 
     Args:
       logits: [S, V] float32, the step's raw logits.
@@ -372,12 +396,18 @@ def sample_filtered(logits: jax.Array, tokens: jax.Array, sm: SamplingMetadata,
       sm, fm: the rows' settings.
       state: the SamplingState (donate it); None when no row has penalties, a logit bias or
         min_tokens (then nothing is read or counted).
+      bitmask: [S, ceil(V / 32)] int32, the allowed tokens of the ``fm.structured`` rows
+        (``apply_grammar_bitmask``); None when no row is constrained.
 
     Returns:
       (tokens [S] int32, the state with the drawn tokens counted (or None), Logprobs of the
       final tokens (zeros unless some row has ``fm.logprobs``)).
     """
     vocab = logits.shape[-1]
+    if bitmask is not None:
+        logits = jax.lax.cond(jnp.any(fm.structured),
+                              lambda: apply_grammar_bitmask(logits, bitmask, fm.structured),
+                              lambda: logits)
     processed = logits if state is None else apply_processors(logits, fm, state)
     scaled, keys = _scaled_and_keys(processed, sm)
     # min-p on the tempered distribution: p < min_p * p_max  <=>  scaled < max + log(min_p).
@@ -425,17 +455,18 @@ def plain_filter_metadata(sm: SamplingMetadata, vocab: int) -> FilterMetadata:
         rows=filtered_rows(sm, vocab), slots=jnp.zeros(n, jnp.int32),
         min_p=jnp.zeros(n, jnp.float32), presence_penalty=jnp.zeros(n, jnp.float32),
         frequency_penalty=jnp.zeros(n, jnp.float32), repetition_penalty=jnp.ones(n, jnp.float32),
-        logit_bias=off, suppress_stop=off, count=off, logprobs=off)
+        logit_bias=off, suppress_stop=off, count=off, logprobs=off, structured=off)
 
 
 def sample(logits: jax.Array, sm: SamplingMetadata, fm: FilterMetadata | None = None,
-           state: SamplingState | None = None):
+           state: SamplingState | None = None, bitmask: jax.Array | None = None):
     """Pick one token per row (``sample_unfiltered`` then ``sample_filtered``).
 
     Args:
       logits: [S, V] float32.
       sm: the rows' sampling settings.
-      fm, state: as ``sample_filtered``; None for ``fm`` draws the top-k / top-p rows only.
+      fm, state, bitmask: as ``sample_filtered``; None for ``fm`` draws the top-k / top-p rows
+        only.
 
     Returns:
       [S] int32 token ids when ``fm`` is None, else ``sample_filtered``'s triple. Greedy rows
@@ -445,4 +476,4 @@ def sample(logits: jax.Array, sm: SamplingMetadata, fm: FilterMetadata | None = 
     tokens = sample_unfiltered(logits, sm, branch_free=False)
     if fm is None:
         return sample_filtered(logits, tokens, sm, plain_filter_metadata(sm, logits.shape[-1]))[0]
-    return sample_filtered(logits, tokens, sm, fm, state)
+    return sample_filtered(logits, tokens, sm, fm, state, bitmask)

@@ -5,7 +5,7 @@ import pytest
 
 from jaxserve.engine import EngineCoreOutput, EngineCoreRequest, LogprobsLists, SchedulerStats
 from jaxserve.engine import messages as M
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 MESSAGES = [
     M.AddRequest(EngineCoreRequest(
@@ -31,6 +31,12 @@ MESSAGES = [
     M.Outputs([EngineCoreOutput("0_n", [17], new_logprobs=LogprobsLists([[17, 3]], [[-0.5, -0.1]], [2]),
                                 new_prompt_logprobs=LogprobsLists([[6]], [[-3.25]], [40]))],
               SchedulerStats(prompt_tokens_computed=12)),
+    *[M.AddRequest(EngineCoreRequest(f"so-{i}", [5], SamplingParams(
+        n=2, structured_outputs=StructuredOutputsParams(**so))))
+      for i, so in enumerate([
+          {"json": {"type": "object", "properties": {"a": {"type": "integer", "maximum": 3}}}},
+          {"json": '{"type": "string"}'}, {"regex": r"\d{3}"}, {"choice": ["yes", "no"]},
+          {"grammar": 'start: "a" %json {"type": "integer"}'}, {"json_object": True}])],
     M.Ready(model_name="m", max_model_len=8, tokenizer_dir="/t",
             generation_config={"temperature": 0.3, "top_p": 0.4}),
     M.Error(["a"], "prompt is too long", kind="invalid_request"),

@@ -197,7 +197,7 @@ def fmeta(n, **kw):
                 frequency_penalty=np.zeros(n, np.float32),
                 repetition_penalty=np.ones(n, np.float32), logit_bias=np.zeros(n, bool),
                 suppress_stop=np.zeros(n, bool), count=np.zeros(n, bool),
-                logprobs=np.zeros(n, bool))
+                logprobs=np.zeros(n, bool), structured=np.zeros(n, bool))
     base.update({k: np.asarray(v, base[k].dtype) for k, v in kw.items()})
     return FilterMetadata(**base)
 

@@ -1,0 +1,92 @@
+"""llguidance grammars (vLLM V1's ``backend_guidance``): a StructuredOutputsParams -> the
+grammar text llguidance takes, the LLTokenizer built from the HF tokenizer, and compiling a
+grammar into an ``LLMatcher`` within fixed resource limits.
+
+Used by both processes: the API process compiles a request's grammar once to refuse a bad one
+with a 400 (``validator.py``); the engine compiles it for real (``manager.py``). Neither
+imports JAX.
+
+JSON schemas compile without flexible whitespace (``{"a":1}``, no spaces or newlines between
+tokens): a model could otherwise emit whitespace until max_tokens, and a bounded schema then
+no longer bounds the output's length (vLLM's ``disable_any_whitespace``, on by default here).
+"""
+
+from __future__ import annotations
+
+import json
+
+import llguidance
+import llguidance.hf
+
+from jaxserve.sampling_params import StructuredOutputsParams
+
+# llguidance's own bounds on the work of compiling a grammar and of each mask (its defaults,
+# with a smaller grammar size: a request's spec is at most MAX_STRUCTURED_OUTPUT_CHARS).
+# Compiling past them fails the grammar instead of running on; the API process adds a
+# wall-clock limit on top (validator.py).
+LIMITS = dict(max_grammar_size=200_000, verbose_errors=False)
+_JSON_OPTIONS = {"whitespace_flexible": False}
+
+
+def limits() -> llguidance.LLParserLimits:
+    return llguidance.LLParserLimits(**LIMITS)
+
+
+def build_ll_tokenizer(tokenizer, vocab_size: int, eos_token_ids) -> llguidance.LLTokenizer:
+    """The LLTokenizer of a transformers fast tokenizer (about 0.4 s for SmolLM2's 49,152
+    tokens; build it once).
+
+    Args:
+      tokenizer: the model's fast tokenizer.
+      vocab_size: the model's vocabulary size (rows of its logits). The LLTokenizer covers
+        max(vocab_size, len(tokenizer)) ids; ids the tokenizer does not define (a model's
+        padded vocabulary) are never allowed by a mask.
+      eos_token_ids: the ids that end generation; a grammar that is complete allows them.
+    """
+    return llguidance.hf.from_tokenizer(tokenizer, n_vocab=max(vocab_size, len(tokenizer)),
+                                        eos_token=sorted(eos_token_ids) or None)
+
+
+def grammar_text(params: StructuredOutputsParams) -> str:
+    """The llguidance grammar of a constraint.
+
+    Raises:
+      ValueError: naming the constraint's kind, for a spec that is not even well-formed (a
+        schema that is not JSON, a GBNF grammar that does not convert); deeper errors surface
+        when the grammar is compiled (``compile_matcher``).
+    """
+    kind, _ = params.key
+    try:
+        if kind == "json":
+            schema = params.json
+            if isinstance(schema, str):
+                schema = json.loads(schema)
+            if not isinstance(schema, dict):
+                raise ValueError("a JSON schema is a JSON object")
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
+        if kind == "json_object":
+            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"},
+                                                                 defaults=_JSON_OPTIONS)
+        if kind == "regex":
+            return llguidance.grammar_from("regex", params.regex)
+        if kind == "choice":
+            return llguidance.grammar_from("choice", params.choice)
+        return llguidance.grammar_from("grammar", params.grammar)
+    except (ValueError, TypeError, RecursionError) as e:
+        raise ValueError(f"{kind}: {e}") from None
+
+
+def compile_matcher(ll_tokenizer: llguidance.LLTokenizer,
+                    params: StructuredOutputsParams) -> llguidance.LLMatcher:
+    """A fresh LLMatcher of the constraint, at its start state (drops the GIL while it
+    compiles: typically well under 10 ms; bounded by LIMITS).
+
+    Raises:
+      ValueError: "<kind>: <llguidance's error>" for a spec that does not compile (an invalid
+        schema, regex or grammar, or one past LIMITS).
+    """
+    text = grammar_text(params)
+    matcher = llguidance.LLMatcher(ll_tokenizer, text, log_level=0, limits=limits())
+    if matcher.is_error():
+        raise ValueError(f"{params.key[0]}: {matcher.get_error().strip()}")
+    return matcher

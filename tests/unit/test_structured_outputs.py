@@ -1,0 +1,158 @@
+"""Structured outputs below the server: StructuredOutputsParams' checks, the request fields
+that make one, llguidance compilation (errors name the kind), the manager's cache and
+bitmasks, the API process's validator (cache, time limit), and the sampler's mask."""
+
+import asyncio
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
+from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams as SO
+from jaxserve.worker.sampler import SamplingMetadata, apply_grammar_bitmask, sample_filtered
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
+          "required": ["a"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from jaxserve.model_loader.loader import load_tokenizer_of
+
+    return load_tokenizer_of(None)  # the default model's (SmolLM2, 49,152 tokens)
+
+
+@pytest.fixture(scope="module")
+def manager(tokenizer):
+    from jaxserve.structured_output.manager import StructuredOutputManager
+
+    return StructuredOutputManager(tokenizer, 49152, [tokenizer.eos_token_id], max_num_seqs=4)
+
+
+@pytest.mark.parametrize("kw", [{}, {"regex": "a", "choice": ["a"]}, {"json_object": False},
+                                {"choice": []}, {"grammar": "x" * 100_001}])
+def test_params_need_exactly_one_bounded_constraint(kw):
+    with pytest.raises(ValueError, match="^structured_outputs"):
+        SO(**kw)
+
+
+def test_params_key_is_canonical():
+    assert SO(json={"b": 1, "a": 2}).key == SO(json={"a": 2, "b": 1}).key == ("json", '{"a":2,"b":1}')
+    assert SO(choice=["x", "y"]).key == ("choice", '["x", "y"]')
+    assert SO(json_object=True).key == ("json_object", "")
+
+
+def _chat(**body):
+    return ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "hi"}], **body})
+
+
+@pytest.mark.parametrize("body,field,expected", [
+    ({"response_format": {"type": "text"}}, None, None),
+    ({"response_format": {"type": "json_object"}}, "response_format", SO(json_object=True)),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA,
+                                                                 "strict": True}}},
+     "response_format", SO(json=SCHEMA)),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format", SO(json={})),
+    ({"structured_outputs": {"regex": "[0-9]+"}}, "structured_outputs", SO(regex="[0-9]+")),
+    ({"guided_choice": ["a", "b"]}, "guided_choice", SO(choice=["a", "b"])),
+    ({"guided_json": json.dumps(SCHEMA)}, "guided_json", SO(json=json.dumps(SCHEMA))),
+    ({"guided_grammar": 'start: "x"'}, "guided_grammar", SO(grammar='start: "x"')),
+])
+def test_request_fields_make_one_constraint(body, field, expected):
+    for req in (_chat(**body), CompletionRequest.model_validate({"prompt": "x", **body})):
+        so, got_field = req.structured_outputs_params()
+        assert (so, got_field) == (expected, field)
+        assert req.sampling_params(16, {}, so).structured_outputs == expected
+
+
+@pytest.mark.parametrize("body,field", [
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"structured_outputs": {}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+    ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
+])
+def test_bad_constraint_fields_name_the_field(body, field):
+    with pytest.raises(ValueError, match=f"^{field}: "):
+        _chat(**body).structured_outputs_params()
+
+
+@pytest.mark.parametrize("so,kind", [
+    (SO(json={"type": "nope"}), "json"), (SO(json="{not json"), "json"),
+    (SO(json="[1, 2]"), "json"), (SO(regex="[a-"), "regex"),
+    (SO(grammar="start: missing_rule"), "grammar"),
+])
+def test_compile_errors_name_the_kind(tokenizer, manager, so, kind):
+    with pytest.raises(ValueError, match=f"^{kind}: "):
+        manager.grammar_init(so)
+
+
+def _allowed(row: np.ndarray, vocab: int) -> np.ndarray:
+    return np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little")[:vocab])
+
+
+def test_manager_caches_grammars_and_fills_masks(tokenizer, manager):
+    """One compile per spec, a matcher per sequence; the masks follow each matcher, a
+    complete grammar allows only EOS."""
+    a, b = manager.grammar_init(SO(choice=["yes", "no"])), manager.grammar_init(SO(choice=["yes", "no"]))
+    assert len([k for k in manager._compiled if k[0] == "choice"]) == 1 and a is not b
+    yes = tokenizer.encode("yes", add_special_tokens=False)
+    assert all(a.consume_token(t) for t in yes)
+    mask = manager.grammar_bitmask([a, b])
+    assert mask.shape == (2, 49152 // 32) and mask.dtype == np.int32
+    assert list(_allowed(mask[0], 49152)) == [tokenizer.eos_token_id]
+    first = set(_allowed(mask[1], 49152))
+    assert yes[0] in first and tokenizer.eos_token_id not in first
+
+
+def test_validator_caches_and_limits_time(tokenizer):
+    from jaxserve.structured_output.validator import GrammarValidator
+
+    async def run():
+        v = GrammarValidator(tokenizer, 49152, [tokenizer.eos_token_id])
+        await v.check(SO(json=SCHEMA))
+        with pytest.raises(ValueError, match="^regex: "):
+            await v.check(SO(regex="(a"))
+        assert sorted(v._verdicts.values()) == ["", v._verdicts[next(
+            k for k in v._verdicts if k[0] == "regex")]]
+        v.timeout_s = 0.0  # every compile is now "too slow", cached or not
+        with pytest.raises(ValueError, match="did not compile within"):
+            await v.check(SO(regex="b+"))
+        await v.check(SO(json=SCHEMA))  # cached verdicts stand
+        v.shutdown()
+
+    asyncio.run(run())
+
+
+def test_sampler_mask_only_allowed_tokens_and_masked_logprobs():
+    """A constrained row draws among its allowed tokens alone, greedy or sampled; the other
+    rows are untouched; log-probabilities are those of the masked logits (vLLM V1)."""
+    s, vocab = 3, 70  # 3 words per row; bits past V are ignored
+    logits = jnp.asarray(np.random.default_rng(0).normal(size=(s, vocab)), jnp.float32)
+    bitmask = np.zeros((s, 3), np.int32)
+    bitmask[0, 1] = 1 << 3  # token 35 only
+    bitmask[1, 0] = 0b1010  # tokens 1 and 3
+    bitmask[1, 2] = -1  # tokens 64..69 (and 70..95, past V)
+    bitmask[2] = -1
+    structured = np.array([True, True, False])
+    masked = apply_grammar_bitmask(logits, jnp.asarray(bitmask), jnp.asarray(structured))
+    assert np.isfinite(np.asarray(masked[0])).sum() == 1
+    assert set(np.flatnonzero(np.isfinite(np.asarray(masked[1])))) == {1, 3, *range(64, 70)}
+    assert np.array_equal(masked[2], logits[2])
+    from tests.unit.test_sampler import fmeta
+
+    for temperature in (0.0, 1.0):
+        sm = SamplingMetadata(temperature=np.full(s, temperature, np.float32),
+                              top_k=np.zeros(s, np.int32), top_p=np.ones(s, np.float32),
+                              seeds=np.arange(s, dtype=np.uint32), steps=np.zeros(s, np.int32))
+        fm = fmeta(s, structured=structured, logprobs=np.ones(s, bool))
+        for seed in range(5):
+            sm = SamplingMetadata(sm.temperature, sm.top_k, sm.top_p,
+                                  np.full(s, seed, np.uint32), sm.steps)
+            tokens, _, lp = sample_filtered(logits, jnp.zeros(s, jnp.int32), sm, fm, None,
+                                            jnp.asarray(bitmask))
+            assert int(tokens[0]) == 35 and int(tokens[1]) in {1, 3, *range(64, 70)}
+            assert abs(float(lp.token_logprobs[0])) < 1e-6  # the only allowed token

@@ -44,7 +44,7 @@ from jaxserve.entrypoints.safe_log import clip
 from jaxserve.entrypoints.tool_grammar import tool_call_grammar
 from jaxserve.entrypoints.tool_parsers import ToolParser
 from jaxserve.outputs import RequestOutput
-from jaxserve.sampling_params import MAX_N, SamplingParams
+from jaxserve.sampling_params import MAX_N, SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("jaxserve.api")
 
@@ -176,21 +176,40 @@ def _check_model(request: web.Request, model: str | None) -> str:
 
 
 async def _sampling_params(llm: AsyncLLM, req, max_tokens: int | None,
-                           renames: dict[str, str]) -> SamplingParams:
+                           renames: dict[str, str],
+                           tool_grammar: str | None = None) -> SamplingParams:
     """The request's SamplingParams, the model's generation config filling in what it leaves
     out. A value out of range is a 400 naming the request's field (``renames``: SamplingParams'
     name -> the request's, where they differ); so is ``n`` above the server's limit, and an
     output constraint (``response_format``, ``structured_outputs``, ``guided_*``) that does not
-    compile (checked off the event loop: AsyncLLM.check_structured_outputs)."""
+    compile (checked off the event loop: AsyncLLM.check_structured_outputs).
+
+    ``tool_grammar``: the grammar that enforces the chat request's ``tool_choice``
+    (``_tool_grammar``), its constraint instead: one that does not compile is a 400 on
+    ``tools`` (their parameter schemas are what it embeds), and a request that also has a
+    constraint of its own is a 400 on ``tool_choice`` (a reply cannot be both).
+    """
     try:
         so, so_field = req.structured_outputs_params()
     except ValueError as e:
         raise APIError(400, str(e), param=str(e).split(":", 1)[0]) from None
+    label = so_field  # what a 400 about the constraint starts with
+    if tool_grammar is not None:
+        if so is not None:
+            raise APIError(400, "tool_choice: enforced tool calls (tool_choice required or a "
+                           f"function, or a strict tool) cannot be combined with {so_field}",
+                           param="tool_choice")
+        so_field, label = "tools", "tools: the grammar that enforces the tool calls"
+        try:
+            so = StructuredOutputsParams(grammar=tool_grammar)
+        except ValueError as e:  # too long: the tools' schemas are
+            raise APIError(400, f"{label}: {str(e).removeprefix('structured_outputs: ')}",
+                           param=so_field) from None
     if so is not None:
         try:
             await llm.check_structured_outputs(so)
         except ValueError as e:
-            raise APIError(400, f"{so_field}: {e}", param=so_field) from None
+            raise APIError(400, f"{label}: {e}", param=so_field) from None
     try:
         sp = req.sampling_params(max_tokens, llm.generation_config, so)
     except ValueError as e:
@@ -439,44 +458,40 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
             tool_choice = req.effective_tool_choice()
         except ValueError as e:
             raise APIError(400, str(e), param="tool_choice") from None
+        tool_parser = None if tool_choice is None else request.app[STATE_KEY]["tool_parser"]
+        grammar = None if tool_parser is None else _tool_grammar(llm, tool_parser, req,
+                                                                 tool_choice)
         max_tokens = req.requested_max_tokens()
         field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         sp = await _sampling_params(llm, req, max_tokens, {"logprobs": "top_logprobs",
-                                                           "max_tokens": field})
+                                                           "max_tokens": field}, grammar)
         messages = _template_messages(req)
         ids = await _encode(llm.encode_chat(messages, tools=req.template_tools()), "messages")
         _check_request(llm, ids, sp, "messages", field)
         if sp.max_tokens is None:  # OpenAI's and vLLM's meaning: up to the context
             sp.max_tokens = llm.max_model_len - len(ids)
-        tool_parser = None
-        if tool_choice is not None:
-            tool_parser = request.app[STATE_KEY]["tool_parser"]
+        if tool_parser is not None:
             tool_parser.adjust_sampling_params(sp)
-            _enforce_tool_choice(llm, tool_parser, req, tool_choice, sp)
         bodies = _bodies(ChatBodies, "chatcmpl", model, llm, sp, req, tool_parser=tool_parser)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await _run(request, llm, [ids], sp, bodies, stream=bool(req.stream),
                           include_usage=include_usage, echo_texts=None, deadline=deadline)
 
 
-def _enforce_tool_choice(llm: AsyncLLM, tool_parser: type[ToolParser],
-                         req: ChatCompletionRequest, tool_choice: str,
-                         sp: SamplingParams) -> None:
-    """Constrain ``sp``'s decoding to the calls ``tool_choice`` asks for (tool_grammar.py):
-    ``required`` or a named function, and ``auto`` with a ``strict`` tool.
-
-    The one place to connect structured outputs: once ``SamplingParams.structured_outputs``
-    exists this sets it to the grammar (``StructuredOutputsParams(grammar=...)``) whenever
-    there is one. Until then ``required`` and a named function, which need it, are refused
-    (400), and ``auto`` with a strict tool runs unconstrained (its calls parsed, not enforced).
-    """
+def _tool_grammar(llm: AsyncLLM, tool_parser: type[ToolParser], req: ChatCompletionRequest,
+                  tool_choice: str) -> str | None:
+    """The Lark grammar that enforces ``tool_choice`` (tool_grammar.py): for ``required``, a
+    named function, and ``auto`` with a ``strict`` tool; None otherwise (``auto`` is then
+    only parsed). A schema nested too deeply to be rewritten into it is a 400 on ``tools``
+    (the body's JSON may nest as deep as Python's recursion limit)."""
     functions = [t.function.model_dump() for t in req.tools]
-    grammar = tool_call_grammar(tool_parser, functions, tool_choice,
-                                parallel_tool_calls=req.parallel_tool_calls is not False,
-                                special_tokens=llm.tokenizer.all_special_tokens)
-    if grammar is not None and tool_choice != "auto":
-        raise APIError(400, f"tool_choice: {tool_choice!r} is enforced with structured "
-                       "outputs, which this build does not have yet", param="tool_choice")
+    try:
+        return tool_call_grammar(tool_parser, functions, tool_choice,
+                                 parallel_tool_calls=req.parallel_tool_calls is not False,
+                                 special_tokens=llm.tokenizer.all_special_tokens)
+    except RecursionError:
+        raise APIError(400, "tools: a function's parameters are nested too deeply",
+                       param="tools") from None
 
 
 def _template_messages(req) -> list[dict]:

@@ -24,7 +24,8 @@ key, written with ``": "`` and ``", "`` and no other whitespace. For the Hermes 
 
 A delimiter that is a special token of the tokenizer (``<tool_call>`` in some vocabularies) is
 written as a token reference (``<tool_call>``), the rest as string literals. A function
-without ``parameters`` takes an empty object, as OpenAI reads it.
+without ``parameters`` takes an empty object, as OpenAI reads it. The parameters' local
+``$ref``s are rebased onto where the schema sits in the call object's.
 """
 
 from __future__ import annotations
@@ -40,6 +41,11 @@ _ANY_OBJECT = {"type": "object"}
 # llguidance's JSON options: the separators of the documented call format and no other
 # whitespace (free whitespace lets a model pad a call with blanks until max_tokens).
 _COMPACT = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
+# Schema keywords whose values are data (never rebased), and those whose values map names
+# (which may be anything, "enum" included) to schemas.
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions",
+                          "dependentSchemas"})
 
 
 def _lark_text(text: str, special_tokens: Iterable[str]) -> str:
@@ -55,13 +61,37 @@ def _seq(*items: str) -> str:
     return " ".join(i for i in items if i)
 
 
+def _rebased(schema, prefix: str):
+    """``schema`` with its local references (``"$ref": "#/$defs/Unit"``, ``"#"``) pointing
+    below ``prefix``, the pointer of where it now sits: a reference resolves against the whole
+    document, which is the call object's schema, not the parameters' (pydantic's schemas of
+    nested models refer to their ``$defs`` so)."""
+    if isinstance(schema, list):
+        return [_rebased(s, prefix) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
+            out[key] = prefix + value[1:]
+        elif key in _DATA_KEYWORDS:
+            out[key] = value
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: _rebased(s, prefix) for name, s in value.items()}
+        else:
+            out[key] = _rebased(value, prefix)
+    return out
+
+
 def call_schema(function: dict, arguments_key: str, *, enforce_parameters: bool = True) -> dict:
     """The JSON schema of one call object to ``function`` (an OpenAI function definition:
     ``name``, optional ``parameters``)."""
-    parameters = function.get("parameters") or _NO_PARAMETERS
-    return {"type": "object",
-            "properties": {"name": {"const": function["name"]},
-                           arguments_key: parameters if enforce_parameters else _ANY_OBJECT},
+    arguments = _ANY_OBJECT
+    if enforce_parameters:
+        arguments = _rebased(function.get("parameters") or _NO_PARAMETERS,
+                             f"#/properties/{arguments_key}")
+    return {"type": "object", "properties": {"name": {"const": function["name"]},
+                                             arguments_key: arguments},
             "required": ["name", arguments_key], "additionalProperties": False,
             "x-guidance": _COMPACT}
 

@@ -11,13 +11,12 @@ from __future__ import annotations
 import json
 import pathlib
 import re
-from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import openai
 import pydantic
 import pytest
-from server_utils import Server
+from server_utils import Server, in_parallel
 
 from tests.conftest import sharegpt_prompts
 from tests.greedy import compare_greedy, hf_greedy_margins
@@ -48,11 +47,6 @@ def client(server):
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=600)
 
 
-def _in_parallel(fn, items, workers=32):
-    with ThreadPoolExecutor(workers) as pool:
-        return list(pool.map(fn, items))
-
-
 def _chat(client, content, stream=False, **kw):
     """(text, finish_reason) of one chat request, streamed or not."""
     messages = [{"role": "user", "content": content}]
@@ -79,7 +73,7 @@ def test_json_schemas_always_validate(client):
         return _chat(client, s["prompt"] + " Answer in JSON.", stream, seed=seed,
                      max_tokens=MAX_TOKENS, response_format=fmt)
 
-    for (s, seed, stream), (text, reason) in zip(jobs, _in_parallel(one, jobs)):
+    for (s, seed, stream), (text, reason) in zip(jobs, in_parallel(one, jobs)):
         assert reason == "stop", (s["name"], seed, stream, text)
         jsonschema.validate(json.loads(text), s["schema"])
 
@@ -109,7 +103,7 @@ def test_regex_choice_and_json_object_are_met(client):
         return _chat(client, "Name a European capital.", stream, seed=seed, max_tokens=30,
                      extra_body=extra)
 
-    for (kind, stream, seed), (text, reason) in zip(jobs, _in_parallel(one, jobs)):
+    for (kind, stream, seed), (text, reason) in zip(jobs, in_parallel(one, jobs)):
         assert reason == "stop", (kind, stream, seed, text)
         if kind == "regex":
             assert re.fullmatch(regex, text), text
@@ -179,8 +173,8 @@ def test_unconstrained_outputs_unchanged_by_constrained_neighbours(client, hf_sm
         return _chat(client, p, seed=1, max_tokens=MAX_TOKENS, response_format={
             "type": "json_schema", "json_schema": {"name": "x", "schema": schema["schema"]}})
 
-    alone = _in_parallel(plain, prompts)
-    mixed = _in_parallel(job, [("plain", p) for p in prompts] + [("so", p) for p in prompts])
+    alone = in_parallel(plain, prompts)
+    mixed = in_parallel(job, [("plain", p) for p in prompts] + [("so", p) for p in prompts])
     full = 0
     for (prompt_ids, ref), (_, ours) in zip(alone, mixed[:16]):
         same, n = compare_greedy(ours, ref, hf_greedy_margins(hf_smollm, prompt_ids, ref))

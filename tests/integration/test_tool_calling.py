@@ -1,15 +1,14 @@
 """Issue 14's tool calling over the real server (default model, ``--tool-call-parser hermes``,
 the default) and the official ``openai`` client: ``auto`` answers are well formed whether or
-not the model calls (parser-level behaviour is tests/unit/test_tool_parsers.py's), streamed
-deltas reassemble into the non-streamed answer, ``none`` returns content only, a later turn
-with the assistant's calls and the tool results is accepted, /tokenize renders the tools as
-chat does, and every body on the wire validates against OpenAI's schema.
-
-``required`` and a named function are enforced with structured outputs
-(``SamplingParams.structured_outputs``, tool_grammar.py): until that field exists they are
-refused, and the acceptance tests for them (100% of responses carry calls whose arguments
-validate) are skipped. One server for the module (conftest.py's ``client`` records the
-bodies); the tests run in file order.
+not the model calls (parser-level behaviour is tests/unit/test_tool_parsers.py's), ``required``
+and a named function always give calls whose arguments validate against the function's
+parameters (enforced with structured outputs: tool_grammar.py), streamed deltas reassemble
+into the non-streamed answer, ``none`` returns content only, a later turn with the assistant's
+calls and the tool results is accepted, /tokenize renders the tools as chat does, and every
+body on the wire validates against OpenAI's schema. One server for the module, with
+test_structured_outputs.py's engine flags (a warm compilation cache serves both; conftest.py's
+``client`` records the bodies); the tests run in file order. Requests that can run together are
+sent at once: the module's runtime is mostly decode steps, which a batch shares.
 """
 
 from __future__ import annotations
@@ -18,10 +17,10 @@ import json
 
 import jsonschema
 import openai
+import pydantic
 import pytest
-from server_utils import Server
+from server_utils import Server, in_parallel
 
-from jaxserve.sampling_params import SamplingParams
 from tests.openai_schema import CHAT, CHAT_CHUNK, errors
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -37,21 +36,17 @@ TIME = {"type": "function", "function": {
                    "required": ["zone"], "additionalProperties": False}}}
 TOOLS = [WEATHER, TIME]
 ASK = [{"role": "user", "content": "What is the weather like in Paris right now?"}]
-HAS_STRUCTURED_OUTPUTS = "structured_outputs" in SamplingParams.__struct_fields__
 try:  # the HTTP library the openai client is built on (httpx2 in its 3.x releases)
     import httpx2 as httpx
 except ImportError:
     import httpx
-
-needs_structured_outputs = pytest.mark.skipif(
-    not HAS_STRUCTURED_OUTPUTS, reason="needs SamplingParams.structured_outputs (issue 14)")
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def server():
-    srv = Server("--max-model-len", "1024", "--max-num-seqs", "8",
+    srv = Server("--max-model-len", "1024", "--max-num-seqs", "32",
                  "--max-num-batched-tokens", "256")
     yield srv
     srv.stop()
@@ -81,29 +76,40 @@ def _whole(r) -> tuple[str | None, list[dict], str | None]:
     return m.content, calls, r.choices[0].finish_reason
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_auto_is_well_formed_and_streams_the_same(client, seed):
+def _both_ways(client, requests: list[dict]) -> list[tuple[tuple, tuple]]:
+    """(non-streamed, streamed) answer (``_whole``, ``_streamed``) of each request, all sent
+    at once: a request and its streamed twin (same seed) run side by side."""
+    jobs = [(kw, stream) for kw in requests for stream in (False, True)]
+
+    def one(job):
+        kw, stream = job
+        if stream:
+            return _streamed(client.chat.completions.create(**kw, stream=True))
+        return _whole(client.chat.completions.create(**kw))
+
+    answers = in_parallel(one, jobs)
+    return list(zip(answers[::2], answers[1::2]))
+
+
+def test_auto_is_well_formed_and_streams_the_same(client):
     """Whatever the model writes (a call, or text), the answer is one or the other in OpenAI's
     shape, finish_reason says which, and the stream joins to the same (same seed)."""
-    kw = dict(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=80, seed=seed, temperature=0.7)
-    whole = _whole(client.chat.completions.create(**kw))
-    content, calls, finish = whole
-    if calls:
-        assert finish in ("tool_calls", "length")
-        assert {c["name"] for c in calls} <= {"get_weather", "get_time"} or finish == "length"
-    else:
-        assert finish in ("stop", "length") and content
-    assert _streamed(client.chat.completions.create(**kw, stream=True)) == whole
+    requests = [dict(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=80, seed=seed,
+                     temperature=0.7) for seed in range(4)]
+    for whole, streamed in _both_ways(client, requests):
+        content, calls, finish = whole
+        if calls:
+            assert finish in ("tool_calls", "length")
+            assert {c["name"] for c in calls} <= {"get_weather", "get_time"} or finish == "length"
+        else:
+            assert finish in ("stop", "length") and content
+        assert streamed == whole
 
 
 def test_tool_choice_none_returns_content_only(client):
-    for stream in (False, True):
-        kw = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=40,
-                  temperature=0)
-        if stream:
-            content, calls, finish = _streamed(client.chat.completions.create(**kw, stream=True))
-        else:
-            content, calls, finish = _whole(client.chat.completions.create(**kw))
+    kw = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=40,
+              temperature=0)
+    for content, calls, finish in _both_ways(client, [kw])[0]:
         assert content and not calls and finish in ("stop", "length")
 
 
@@ -126,16 +132,6 @@ def test_tokenize_renders_tools_as_chat_does(server, client):
     assert r.json()["count"] == chat.usage.prompt_tokens > plain.json()["count"]
 
 
-@pytest.mark.skipif(HAS_STRUCTURED_OUTPUTS, reason="structured outputs are here: enforced")
-@pytest.mark.parametrize("choice", ["required", {"type": "function",
-                                                 "function": {"name": "get_time"}}])
-def test_enforced_choices_are_refused_until_structured_outputs(client, choice):
-    with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS,
-                                       tool_choice=choice, max_tokens=8)
-    assert e.value.body["param"] == "tool_choice"
-
-
 def _check_calls(calls, names):
     params = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
     assert calls
@@ -144,33 +140,47 @@ def _check_calls(calls, names):
         jsonschema.validate(json.loads(c["arguments"]), params[c["name"]])
 
 
-@needs_structured_outputs
-@pytest.mark.parametrize("stream", [False, True])
-def test_required_always_gives_valid_calls(client, stream):
-    for seed in range(10):
-        kw = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
-                  max_tokens=120, seed=seed, temperature=1.0)
-        if stream:
-            _, calls, finish = _streamed(client.chat.completions.create(**kw, stream=True))
-        else:
-            _, calls, finish = _whole(client.chat.completions.create(**kw))
-        assert finish == "tool_calls"
-        _check_calls(calls, {"get_weather", "get_time"})
+@pytest.mark.parametrize("choice,names", [
+    ("required", {"get_weather", "get_time"}),
+    ({"type": "function", "function": {"name": "get_time"}}, {"get_time"}),
+])
+def test_enforced_choices_always_give_valid_calls(client, choice, names):
+    """Acceptance 3: ``required`` and a named function, 10 seeds sampled freely (temperature 1,
+    top_p 1), each non-streamed and streamed: every answer is calls only (one for a named
+    function) whose arguments validate, finish_reason is "tool_calls", and the stream joins to
+    the same."""
+    requests = [dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice,
+                     max_tokens=200, seed=seed, temperature=1.0, top_p=1.0)
+                for seed in range(10)]
+    for whole, streamed in _both_ways(client, requests):
+        content, calls, finish = whole
+        assert content is None and finish == "tool_calls", whole
+        assert len(calls) == 1 or choice == "required", calls
+        _check_calls(calls, names)
+        assert streamed == whole
 
 
-@needs_structured_outputs
-@pytest.mark.parametrize("stream", [False, True])
-def test_named_function_always_gives_a_valid_call(client, stream):
-    for seed in range(10):
-        kw = dict(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=120, seed=seed,
-                  temperature=1.0,
-                  tool_choice={"type": "function", "function": {"name": "get_time"}})
-        if stream:
-            _, calls, finish = _streamed(client.chat.completions.create(**kw, stream=True))
-        else:
-            _, calls, finish = _whole(client.chat.completions.create(**kw))
-        assert finish == "tool_calls" and len(calls) == 1
-        _check_calls(calls, {"get_time"})
+class Forecast(pydantic.BaseModel):
+    """Nested models: pydantic's schema refers to the inner one through ``$defs``."""
+
+    class Place(pydantic.BaseModel):
+        city: str = pydantic.Field(max_length=30)
+        country: str = pydantic.Field(max_length=30)
+
+    place: Place
+    days: int = pydantic.Field(ge=1, le=7)
+
+
+def test_a_pydantic_tool_is_parsed_by_the_client(client):
+    """``openai.pydantic_function_tool`` (a strict tool whose schema has ``$defs``) and the
+    client's ``chat.completions.parse``: the call's arguments come back as the model."""
+    r = client.chat.completions.parse(
+        model=MODEL, messages=[{"role": "user", "content": "The forecast for Paris, please."}],
+        tools=[openai.pydantic_function_tool(Forecast)], max_tokens=100,
+        tool_choice={"type": "function", "function": {"name": "Forecast"}})
+    (call,) = r.choices[0].message.tool_calls
+    assert isinstance(call.function.parsed_arguments, Forecast), call.function.arguments
+    assert r.choices[0].finish_reason == "tool_calls"
 
 
 def test_every_body_validates_against_the_openapi_schema(transport):

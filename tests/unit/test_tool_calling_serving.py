@@ -1,14 +1,20 @@
 """Tool calling through the real aiohttp app with a fake engine (tests/unit/test_openai_serving.py's
 FakeLLM) that writes a Hermes tool call: the non-streamed message and the streamed deltas
 carry the same calls, ``finish_reason`` is ``tool_calls``, every body validates against
-OpenAI's schema, and bad tool fields are 400s naming the field."""
+OpenAI's schema, and bad tool fields are 400s naming the field. ``required``, a named function
+and a strict tool reach the engine as tool_grammar.py's grammar, checked by the real
+GrammarValidator (llguidance, the default model's tokenizer)."""
 
 import json
 
 import pytest
 from test_openai_serving import FakeLLM, _call, _events
 
+from jaxserve.entrypoints.tool_grammar import tool_call_grammar
+from jaxserve.entrypoints.tool_parsers import TOOL_PARSERS
+from jaxserve.model_loader import default_tokenizer
 from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.structured_output.validator import GrammarValidator
 from tests.openai_schema import CHAT, CHAT_CHUNK, errors
 
 CALL_TEXT = ('Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
@@ -16,13 +22,19 @@ CALL_TEXT = ('Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"cit
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 MESSAGES = [{"role": "user", "content": "Weather in Paris?"}]
+SPECIAL_TOKENS = ["<|im_end|>"]
 
 
 class ToolCallLLM(FakeLLM):
     """Writes CALL_TEXT in pieces of 7 characters, then EOS."""
 
     class tokenizer:  # what serving reads of the tokenizer
-        all_special_tokens = ["<|im_end|>"]
+        all_special_tokens = SPECIAL_TOKENS
+
+    validator: GrammarValidator | None = None  # set by the tests that constrain
+
+    async def check_structured_outputs(self, so):
+        await self.validator.check(so)
 
     async def encode_chat(self, messages, tools=None):
         self.last_tools = tools
@@ -111,3 +123,61 @@ def test_history_with_tool_calls_and_results_is_accepted():
     status, _, text = _call("/v1/chat/completions", {"messages": messages, "tools": [WEATHER],
                                                      "tool_choice": "none"}, llm)
     assert status == 200, text
+
+
+@pytest.fixture(scope="module")
+def validator():
+    tokenizer = default_tokenizer()
+    return GrammarValidator(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+
+
+def _constrained(validator, body):
+    """(status, body) of a chat request with tools, and the grammar it ran under (or None)."""
+    llm = ToolCallLLM()
+    llm.validator = validator
+    status, _, text = _call("/v1/chat/completions", {"messages": MESSAGES, **body}, llm)
+    sp = getattr(llm, "last_sampling_params", None)
+    so = sp and sp.structured_outputs
+    return status, json.loads(text), so and so.grammar
+
+
+@pytest.mark.parametrize("tool_choice,strict,enforced", [
+    ("required", False, "required"),
+    ({"type": "function", "function": {"name": "get_weather"}}, False, "get_weather"),
+    ("auto", True, "auto"),
+    ("auto", False, None),
+    ("none", True, None),
+])
+def test_enforced_tool_choice_runs_under_its_grammar(validator, tool_choice, strict, enforced):
+    tool = {"type": "function", "function": {**WEATHER["function"], "strict": strict}}
+    status, body, grammar = _constrained(validator, {"tools": [tool], "tool_choice": tool_choice})
+    assert status == 200, body
+    expected = None if enforced is None else tool_call_grammar(
+        TOOL_PARSERS["hermes"], [tool["function"]], enforced, special_tokens=SPECIAL_TOKENS)
+    assert grammar == expected
+    if tool_choice != "none":
+        assert body["choices"][0]["finish_reason"] == "tool_calls"
+
+
+@pytest.mark.parametrize("constraint", [{"response_format": {"type": "json_object"}},
+                                        {"guided_regex": "[a-z]+"},
+                                        {"structured_outputs": {"choice": ["a", "b"]}}])
+def test_enforced_tool_choice_and_an_output_constraint_are_a_400(validator, constraint):
+    status, body, _ = _constrained(validator, {"tools": [WEATHER], "tool_choice": "required",
+                                               **constraint})
+    assert status == 400 and body["error"]["param"] == "tool_choice", body
+    # Under auto without a strict tool nothing is enforced: the constraint alone applies.
+    status, body, _ = _constrained(validator, {"tools": [WEATHER], **constraint})
+    assert status == 200, body
+
+
+@pytest.mark.parametrize("parameters", [
+    {"type": "object", "properties": {"x": {"$ref": "#/$defs/missing"}}},
+    {"type": "object", "properties": {"x": {"enum": [f"{i:06d}" * 20 for i in range(1000)]}}},
+])
+def test_a_tool_grammar_that_does_not_compile_is_a_400_on_tools(validator, parameters):
+    """A dangling $ref, and a grammar past the spec size limit (the schemas are in it)."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": parameters}}
+    status, body, _ = _constrained(validator, {"tools": [tool], "tool_choice": "required"})
+    assert status == 400 and body["error"]["param"] == "tools", body
+    assert body["error"]["message"].startswith("tools: the grammar that enforces the tool calls")

@@ -14,7 +14,8 @@ mid-request (handler cancelled, or a failed write) closes the generator, which a
 request in the engine. A completions request with several prompts runs one engine request per
 prompt, all at once. Every body is one of protocol.py's response models, built by the
 endpoint's ``Bodies`` (bodies.py). A chat request with tools has its choices' text read by the
-``--tool-call-parser``'s ToolParser (docs/tool_calling.md).
+``--tool-call-parser``'s ToolParser, and runs under the grammar of tool_grammar.py when its
+``tool_choice`` is enforced (docs/tool_calling.md).
 """
 
 from __future__ import annotations

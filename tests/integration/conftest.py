@@ -1,13 +1,15 @@
 """Session fixtures of the tensor-parallel tests: tiny models, prompts, and the offline greedy
 outputs at every size (one fake-device subprocess), which the server tests compare against;
-and the official ``openai`` client over a module's ``server``, recording every body it reads
-(``transport``) for the tests that validate them against OpenAI's schema."""
+a small default-model server; and the official ``openai`` client over a module's ``server``,
+recording every body it reads (``transport``) for the tests that validate them against
+OpenAI's schema."""
 
 import openai
 import pytest
 
 from tests.conftest import sharegpt_prompts
 from tests.integration import tp_utils
+from tests.integration.server_utils import Server
 
 try:  # the HTTP library the openai client is built on (httpx2 in its 3.x releases)
     import httpx2 as httpx
@@ -96,6 +98,16 @@ class RecordingTransport(httpx.HTTPTransport):
         response.stream = _Tee(response.stream, sink)
         return response
 
+
+
+@pytest.fixture(scope="module")
+def small_server():
+    """The default model's server of test_structured_outputs.py and test_tool_calling.py, one
+    per module; the same engine flags, so a warm compilation cache serves both."""
+    srv = Server("--max-model-len", "1024", "--max-num-seqs", "32",
+                 "--max-num-batched-tokens", "256")
+    yield srv
+    srv.stop()
 
 
 @pytest.fixture(scope="module")

@@ -3,8 +3,7 @@
 always met, streamed and not; unconstrained requests unaffected by constrained neighbours;
 ``chat.completions.parse`` with a pydantic model; 400s naming the field.
 
-One server for the module, with the same engine flags as test_openai_api.py (so a warm
-compilation cache serves both)."""
+One server for the module (conftest.py's ``small_server``)."""
 
 from __future__ import annotations
 
@@ -16,7 +15,7 @@ import jsonschema
 import openai
 import pydantic
 import pytest
-from server_utils import Server, in_parallel
+from server_utils import in_parallel
 
 from tests.conftest import sharegpt_prompts
 from tests.greedy import compare_greedy, hf_greedy_margins
@@ -35,16 +34,9 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def server():
-    srv = Server("--max-model-len", "1024", "--max-num-seqs", "32",
-                 "--max-num-batched-tokens", "256")
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=600)
+def client(small_server):
+    return openai.OpenAI(base_url=f"{small_server.url}/v1", api_key="none", max_retries=0,
+                         timeout=600)
 
 
 def _chat(client, content, stream=False, **kw):

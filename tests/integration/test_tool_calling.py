@@ -5,9 +5,8 @@ and a named function always give calls whose arguments validate against the func
 parameters (enforced with structured outputs: tool_grammar.py), streamed deltas reassemble
 into the non-streamed answer, ``none`` returns content only, a later turn with the assistant's
 calls and the tool results is accepted, /tokenize renders the tools as chat does, and every
-body on the wire validates against OpenAI's schema. One server for the module, with
-test_structured_outputs.py's engine flags (a warm compilation cache serves both; conftest.py's
-``client`` records the bodies); the tests run in file order. Requests that can run together are
+body on the wire validates against OpenAI's schema. One server for the module (conftest.py's
+``small_server``; its ``client`` records the bodies); the tests run in file order. Requests that can run together are
 sent at once: the module's runtime is mostly decode steps, which a batch shares.
 """
 
@@ -19,7 +18,7 @@ import jsonschema
 import openai
 import pydantic
 import pytest
-from server_utils import Server, in_parallel
+from server_utils import in_parallel
 
 from tests.openai_schema import CHAT, CHAT_CHUNK, errors
 
@@ -45,11 +44,8 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def server():
-    srv = Server("--max-model-len", "1024", "--max-num-seqs", "32",
-                 "--max-num-batched-tokens", "256")
-    yield srv
-    srv.stop()
+def server(small_server):
+    return small_server
 
 
 def _streamed(chunks) -> tuple[str | None, list[dict], str | None]:

@@ -1,19 +1,20 @@
-"""The grammar that enforces tool_choice (jaxserve/entrypoints/tool_grammar.py), compiled with
-llguidance against the default model's tokenizer: it compiles; what it accepts is what the
-server's parser reads back as calls whose arguments validate against the function's parameters
-(``jsonschema``); what it refuses, it refuses. Random walks through its token masks sample what
-a model could be made to write."""
+"""The grammar that enforces tool_choice (jaxserve/entrypoints/tool_grammar.py), compiled as the
+engine compiles it (llguidance, ``compile_matcher``) against the default model's tokenizer: it
+compiles; what it accepts is what the server's parser reads back as calls whose arguments
+validate against the function's parameters (``jsonschema``); what it refuses, it refuses.
+Random walks through its token masks sample what a model could be made to write."""
 
 import json
 
+import jsonschema
+import llguidance.numpy
 import numpy as np
 import pytest
 
-from jaxserve.entrypoints.tool_grammar import tool_call_grammar
+from jaxserve.entrypoints.tool_grammar import call_schema, tool_call_grammar
 from jaxserve.entrypoints.tool_parsers import TOOL_PARSERS
-
-llguidance = pytest.importorskip("llguidance")
-jsonschema = pytest.importorskip("jsonschema")
+from jaxserve.sampling_params import StructuredOutputsParams
+from jaxserve.structured_output.grammar import build_ll_tokenizer, compile_matcher
 
 WEATHER = {"name": "get_weather", "description": "Current weather in a city.", "parameters": {
     "type": "object", "properties": {
@@ -39,15 +40,12 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def ll_tokenizer(tokenizer):
-    import llguidance.hf
-
-    return llguidance.hf.from_tokenizer(tokenizer)
+    return build_ll_tokenizer(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
 
 
 def _matcher(ll_tokenizer, grammar):
-    lark = llguidance.LLMatcher.grammar_from_lark(grammar)
-    assert llguidance.LLMatcher.validate_grammar(lark, ll_tokenizer) == "", grammar
-    return llguidance.LLMatcher(ll_tokenizer, lark)
+    """The grammar compiled as the engine compiles it (raises ValueError if it does not)."""
+    return compile_matcher(ll_tokenizer, StructuredOutputsParams(grammar=grammar))
 
 
 def accepts(tokenizer, ll_tokenizer, grammar, text) -> bool:
@@ -58,8 +56,6 @@ def accepts(tokenizer, ll_tokenizer, grammar, text) -> bool:
 
 def sample(tokenizer, ll_tokenizer, grammar, seed, max_tokens=200) -> str:
     """A random text the grammar allows: uniform over the allowed tokens at each step."""
-    import llguidance.numpy
-
     rng = np.random.default_rng(seed)
     m = _matcher(ll_tokenizer, grammar)
     mask = llguidance.numpy.allocate_token_bitmask(1, ll_tokenizer.vocab_size)
@@ -152,3 +148,25 @@ def test_special_token_delimiters_are_token_references():
     grammar = tool_call_grammar(TOOL_PARSERS["hermes"], [NOW], "now",
                                 special_tokens=["<tool_call>", "</tool_call>", "<|im_end|>"])
     assert 'call: <tool_call> "\\n" (fn_0) "\\n" </tool_call>' in grammar.splitlines()
+
+
+def test_parameters_local_refs_resolve_inside_the_call_schema(tokenizer, ll_tokenizer):
+    """A reference resolves against the whole schema, the call object's: pydantic's ``$defs``
+    (and ``#`` itself) are rebased onto where the parameters sit; data is left as it is."""
+    place = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+             "required": ["city"], "additionalProperties": False}
+    parameters = {"$defs": {"Place": place}, "type": "object", "properties": {
+        "to": {"$ref": "#/$defs/Place"}, "tag": {"const": {"$ref": "#/x"}},
+        "then": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}},
+        "required": ["to"], "additionalProperties": False}
+    arguments = call_schema({"name": "go", "parameters": parameters},
+                            "arguments")["properties"]["arguments"]
+    assert arguments["properties"]["to"] == {"$ref": "#/properties/arguments/$defs/Place"}
+    assert arguments["properties"]["tag"] == {"const": {"$ref": "#/x"}}
+    assert arguments["properties"]["then"]["anyOf"][0] == {"$ref": "#/properties/arguments"}
+    grammar = tool_call_grammar(TOOL_PARSERS["hermes"], [{"name": "go", "parameters": parameters}],
+                                "go")
+    ok = {"to": {"city": "Paris"}, "then": {"to": {"city": "Rome"}, "then": None}}
+    assert accepts(tokenizer, ll_tokenizer, grammar, _call("hermes", "go", ok))
+    assert not accepts(tokenizer, ll_tokenizer, grammar,
+                       _call("hermes", "go", {"to": {"town": "Paris"}}))

@@ -138,10 +138,11 @@ def test_parse_with_a_pydantic_model(client):
     ("/v1/chat/completions", {"guided_json": "{not json"}, "guided_json"),
     ("/v1/chat/completions", {"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
 ])
-def test_invalid_constraints_are_400s_naming_the_field(server, path, body, param):
+def test_invalid_constraints_are_400s_naming_the_field(small_server, path, body, param):
     base = ({"messages": [{"role": "user", "content": "hi"}]} if "chat" in path
             else {"prompt": "hi"})
-    r = httpx.post(f"{server.url}{path}", json={**base, **body, "max_tokens": 5}, timeout=60)
+    r = httpx.post(f"{small_server.url}{path}", json={**base, **body, "max_tokens": 5},
+                   timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.text
 

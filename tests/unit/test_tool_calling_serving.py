@@ -5,11 +5,14 @@ OpenAI's schema, and bad tool fields are 400s naming the field. ``required``, a 
 and a strict tool reach the engine as tool_grammar.py's grammar, checked by the real
 GrammarValidator (llguidance, the default model's tokenizer)."""
 
+import asyncio
 import json
 
 import pytest
+from aiohttp.test_utils import TestClient, TestServer
 from test_openai_serving import FakeLLM, _call, _events
 
+from jaxserve.entrypoints.api_server import build_app
 from jaxserve.entrypoints.tool_grammar import tool_call_grammar
 from jaxserve.entrypoints.tool_parsers import TOOL_PARSERS
 from jaxserve.model_loader import default_tokenizer
@@ -181,3 +184,20 @@ def test_a_tool_grammar_that_does_not_compile_is_a_400_on_tools(validator, param
     status, body, _ = _constrained(validator, {"tools": [tool], "tool_choice": "required"})
     assert status == 400 and body["error"]["param"] == "tools", body
     assert body["error"]["message"].startswith("tools: the grammar that enforces the tool calls")
+
+
+def test_parameters_nested_too_deeply_for_the_grammar_are_a_400_on_tools():
+    """JSON nested about as deep as the body parser takes (900 lists: too deep for the client
+    side's json.dumps here, so the body is written by hand) fails rewriting the grammar."""
+    parameters = '{"anyOf": ' + "[" * 900 + "]" * 900 + "}"
+    body = ('{"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required", '
+            '"tools": [{"type": "function", "function": {"name": "f", "parameters": '
+            + parameters + "}}]}")
+
+    async def go():
+        async with TestClient(TestServer(build_app(ToolCallLLM()))) as client:
+            resp = await client.post("/v1/chat/completions", data=body)
+            return resp.status, await resp.json()
+
+    status, out = asyncio.run(go())
+    assert status == 400 and out["error"]["param"] == "tools", out

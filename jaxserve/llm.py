@@ -72,16 +72,21 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        tools: Sequence[dict] | None = None,
     ) -> list[RequestOutput]:
-        """Answer one conversation (a list of {"role", "content"} messages) or a list of them,
-        through the model's chat template with the assistant turn opened.
+        """Answer one conversation (a list of {"role", "content"} messages; assistant
+        ``tool_calls`` and ``tool`` messages as transformers' chat format has them) or a list of
+        them, through the model's chat template with the assistant turn opened. ``tools``
+        (OpenAI tool definitions) are rendered as the server renders them
+        (docs/tool_calling.md); the text comes back as the model wrote it, calls unparsed,
+        as vLLM's ``LLM.chat`` does.
 
         Raises:
           ValueError: as ``generate``, or the chat template rejected the messages.
         """
         if messages and isinstance(messages[0], dict):
             messages = [messages]
-        items = [self.input_processor.tokenize_chat(conv) for conv in messages]
+        items = [self.input_processor.tokenize_chat(conv, tools=tools) for conv in messages]
         return self._run(items, sampling_params, use_tqdm)
 
     def get_default_sampling_params(self) -> SamplingParams:

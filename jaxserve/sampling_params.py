@@ -101,7 +101,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
       max_tokens: most tokens to generate per choice, in [1, 2**31 - 1]; None means up to
         max_model_len.
       min_tokens: EOS and ``stop_token_ids`` cannot be sampled, and stop strings are not
-        matched, before this many tokens (at most max_tokens).
+        matched, before this many tokens (at most max_tokens); a ``structured_outputs``
+        grammar that is complete (allows nothing but EOS) ends the output all the same.
       temperature: in [0, 2]; 0 means greedy (argmax); values in (0, 0.01) act as 0.01.
       top_p: nucleus sampling mass in (0, 1].
       top_k: keep the k most likely tokens, at most 2**31 - 1; 0 or -1 disables it.

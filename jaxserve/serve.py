@@ -28,6 +28,7 @@ import sys
 from jaxserve.distributed import check_hosts
 from jaxserve.engine.arg_utils import HelpFormatter, add_cli_args, bounded, from_cli_args
 from jaxserve.entrypoints.limits import ServerLimits
+from jaxserve.entrypoints.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS
 
 PROG = "python -m jaxserve.serve"
 EXIT_ENGINE_FAILED = 3
@@ -62,6 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
         "require 'Authorization: Bearer KEY' on /v1/* (/health, /version and /metrics stay "
         "open); prefer the environment variable JAXSERVE_API_KEY, used when this flag is not "
         "given: a flag's value shows in `ps` to every user of the machine"))
+    p.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS),
+                   default=DEFAULT_TOOL_PARSER, help=(
+                       "the format of the model's tool calls: hermes (Hermes 2 Pro, Qwen2.5, and "
+                       "the format rendered for chat templates without tools, as the default "
+                       "model's) or llama3_json (Llama 3.1 / 3.2); docs/tool_calling.md"))
     d = ServerLimits()
     g = p.add_argument_group("limits", "bounds on what clients may ask (docs/reliability.md)")
     g.add_argument("--max-waiting-requests", type=_count, default=d.max_waiting_requests, help=(
@@ -165,7 +171,7 @@ async def serve(args, sock: socket.socket) -> int:
     _raise_fd_limit(limits.max_connections + _SPARE_FDS)
     llm = AsyncLLM(from_cli_args(args), max_engine_restarts=args.max_engine_restarts)
     app = build_app(llm, served_model_name=args.served_model_name, api_key=args.api_key,
-                    limits=limits)
+                    limits=limits, tool_call_parser=args.tool_call_parser)
     runner = web.AppRunner(app, handle_signals=False, access_log=None, handler_cancellation=True,
                            shutdown_timeout=args.shutdown_timeout,
                            keepalive_timeout=limits.keepalive_timeout_s,

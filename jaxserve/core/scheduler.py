@@ -338,8 +338,11 @@ class Scheduler:
     def _check_stop(self, req: Request, token: int) -> tuple[str | None, int | None]:
         sp = req.sampling_params
         n = len(req.all_token_ids)
-        # The sampler holds stops back until min_tokens; ``token`` is the last of n tokens.
-        if not sp.min_tokens or n - req.num_prompt_tokens > sp.min_tokens:
+        # The sampler holds stops back until min_tokens, unless a constrained sequence's
+        # grammar allows nothing else (it is complete; the grammar wins): a stop token drawn
+        # before min_tokens is then that. ``token`` is the last of n tokens.
+        if (not sp.min_tokens or n - req.num_prompt_tokens > sp.min_tokens
+                or sp.structured_outputs is not None):
             if sp.stop_token_ids and token in sp.stop_token_ids:
                 return "stop", token
             if token in self.eos_token_ids and not sp.ignore_eos:

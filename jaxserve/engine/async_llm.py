@@ -38,7 +38,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine import EngineCoreRequest
 from jaxserve.engine import messages as M
 from jaxserve.engine.core_client import EngineCoreClient, EngineDeadError, EngineStartError
-from jaxserve.engine.input_processor import InputProcessor
+from jaxserve.engine.input_processor import InputProcessor, chat_text_bytes
 from jaxserve.engine.output_processor import OutputProcessor, RequestError, merge_outputs
 from jaxserve.metrics import Metrics
 from jaxserve.outputs import RequestOutput
@@ -141,17 +141,18 @@ class AsyncLLM:
                                     add_special_tokens)
 
     async def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                          add_special_tokens: bool = False) -> list[int]:
-        """Chat messages -> token ids (InputProcessor.tokenize_chat), off the event loop.
+                          add_special_tokens: bool = False,
+                          tools: list[dict] | None = None) -> list[int]:
+        """Chat messages (and tools) -> token ids (InputProcessor.tokenize_chat), off the
+        event loop.
 
         Raises:
           ValueError: naming ``messages``: too long to fit max_model_len, or the template
             rejected them.
         """
-        size = sum(len(m["content"].encode("utf-8")) for m in messages)
-        self.input_processor.check_text_size(size, "messages")
+        self.input_processor.check_text_size(chat_text_bytes(messages, tools), "messages")
         return (await self._tokenize(self.input_processor.tokenize_chat, messages,
-                                     add_generation_prompt, add_special_tokens))[1]
+                                     add_generation_prompt, add_special_tokens, tools))[1]
 
     async def detokenize(self, token_ids: list[int]) -> str:
         """Token ids -> text (special tokens kept, as vLLM's /detokenize), off the event loop."""

@@ -9,7 +9,8 @@ Tokenization follows vLLM:
   one, as the model saw in training);
 - a chat is rendered through the model's chat template with the assistant turn opened, and that
   text is encoded *without* adding special tokens: the template writes its own BOS, so a prompt
-  never starts with two;
+  never starts with two; tools go to the template, or into the messages for a template that
+  ignores them (``chat_tools``, docs/tool_calling.md);
 - a prompt given as token ids is taken as it is.
 
 Text is measured before it is tokenized (``check_text_size``): no token stands for more than
@@ -20,7 +21,10 @@ UTF-8 bytes has more tokens than fit, and is refused in microseconds instead of 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+
+from jaxserve.engine.chat_tools import hermes_messages, template_handles_tools
 
 
 def max_token_bytes(tokenizer) -> int:
@@ -38,6 +42,16 @@ def max_token_bytes(tokenizer) -> int:
     if backend is not None and backend.normalizer is not None:
         longest *= 2
     return max(longest, 1)
+
+
+def chat_text_bytes(messages: Sequence[dict], tools: Sequence[dict] | None = None) -> int:
+    """UTF-8 bytes of a chat's text, for ``InputProcessor.check_text_size``: the messages'
+    contents, their tool calls' arguments and the tools' JSON (all of it reaches the prompt)."""
+    size = sum(len(m["content"].encode("utf-8")) for m in messages)
+    calls = [c["function"] for m in messages for c in m.get("tool_calls") or ()]
+    if calls or tools:
+        size += len(json.dumps([calls, tools or []], ensure_ascii=False).encode("utf-8"))
+    return size
 
 
 def check_token_ids(ids: Sequence[int], vocab_size: int, field: str) -> None:
@@ -73,6 +87,8 @@ class InputProcessor:
         self.vocab_size = vocab_size
         # Longest text that might still fit max_model_len tokens, UTF-8 bytes.
         self.max_text_bytes = max_model_len * max_token_bytes(tokenizer)
+        self.template_handles_tools = (bool(getattr(tokenizer, "chat_template", None))
+                                       and template_handles_tools(tokenizer))
 
     def check_text_size(self, num_bytes: int, field: str = "prompt") -> None:
         """Refuse, before tokenizing, text too long to fit max_model_len tokens.
@@ -104,11 +120,14 @@ class InputProcessor:
         return [int(t) for t in prompt]
 
     def tokenize_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True,
-                      add_special_tokens: bool = False) -> tuple[str, list[int]]:
-        """Chat messages ([{"role", "content"}, ...]) -> (the rendered template, with the
-        assistant generation prompt appended unless ``add_generation_prompt`` is False, and its
-        token ids; ``add_special_tokens`` adds the tokenizer's own on top, vLLM's /tokenize
-        option).
+                      add_special_tokens: bool = False,
+                      tools: Sequence[dict] | None = None) -> tuple[str, list[int]]:
+        """Chat messages (the transformers chat format: ``{"role", "content"}``, assistant
+        ``tool_calls``, ``tool`` messages) -> (the rendered template, with the assistant
+        generation prompt appended unless ``add_generation_prompt`` is False, and its token
+        ids; ``add_special_tokens`` adds the tokenizer's own on top, vLLM's /tokenize option).
+        ``tools`` (OpenAI tool definitions) go to the template, or, for a template that ignores
+        them, into the messages in the Hermes format (``chat_tools``, docs/tool_calling.md).
 
         Raises:
           ValueError: the tokenizer has no chat template, or the template rejected the messages
@@ -116,9 +135,15 @@ class InputProcessor:
         """
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("messages: this model has no chat template; use /v1/completions")
+        kw = {}
+        if self.template_handles_tools:
+            kw["tools"] = list(tools) if tools else None
+        else:
+            messages = hermes_messages(messages, tools)
         try:
             text = self.tokenizer.apply_chat_template(
-                list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
+                list(messages), tokenize=False, add_generation_prompt=add_generation_prompt,
+                **kw)
         except Exception as e:  # jinja errors, raised by the template itself
             raise ValueError(f"messages: the chat template rejected them: {e}") from e
         return text, list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))

@@ -26,6 +26,7 @@ from jaxserve.entrypoints.app_state import LLM_KEY, STATE_KEY
 from jaxserve.entrypoints.errors import APIError, error_response
 from jaxserve.entrypoints.limits import ServerLimits
 from jaxserve.entrypoints.safe_log import clip
+from jaxserve.entrypoints.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS
 from jaxserve.metrics import CONTENT_TYPE
 
 logger = logging.getLogger("jaxserve.api")
@@ -94,7 +95,8 @@ async def _metrics(request: web.Request) -> web.Response:
 
 
 def build_app(llm: AsyncLLM, *, served_model_name: str | None = None,
-              api_key: str | None = None, limits: ServerLimits | None = None) -> web.Application:
+              api_key: str | None = None, limits: ServerLimits | None = None,
+              tool_call_parser: str = DEFAULT_TOOL_PARSER) -> web.Application:
     """The aiohttp app serving ``llm``.
 
     Args:
@@ -102,13 +104,15 @@ def build_app(llm: AsyncLLM, *, served_model_name: str | None = None,
       served_model_name: the name clients use in ``model``; None = the model's own name.
       api_key: if set, /v1/* requires ``Authorization: Bearer <api_key>`` (else 401).
       limits: the server's bounds (ServerLimits' defaults if None).
+      tool_call_parser: the format of the model's tool calls (a key of TOOL_PARSERS).
     """
     limits = limits or ServerLimits()
     app = web.Application(middlewares=[_errors_middleware, _auth_middleware(api_key)],
                           client_max_size=limits.max_body_bytes)
     app[LLM_KEY] = llm
     app[STATE_KEY] = {"served_model_name": served_model_name, "created": int(time.time()),
-                      "limits": limits, "in_flight": 0}
+                      "limits": limits, "in_flight": 0,
+                      "tool_parser": TOOL_PARSERS[tool_call_parser]}
     app.router.add_post("/v1/completions", serving.create_completion)
     app.router.add_post("/v1/chat/completions", serving.create_chat_completion)
     app.router.add_get("/v1/models", serving.show_available_models)

@@ -12,5 +12,6 @@ from jaxserve.engine.async_llm import AsyncLLM
 
 LLM_KEY = web.AppKey("llm", AsyncLLM)
 # {"served_model_name": str | None (None: the model's own name), "created": int (unix time),
-#  "limits": ServerLimits, "in_flight": int (generation requests admitted and not yet answered)}
+#  "limits": ServerLimits, "in_flight": int (generation requests admitted and not yet answered),
+#  "tool_parser": the ToolParser class of --tool-call-parser}
 STATE_KEY = web.AppKey("state", dict)

@@ -33,7 +33,9 @@ from jaxserve.entrypoints.protocol import (
     ChatCompletionResponse, ChatCompletionResponseChoice, ChatCompletionResponseStreamChoice,
     ChatCompletionStreamResponse, ChatMessage, CompletionLogProbs, CompletionResponse,
     CompletionResponseChoice, CompletionResponseStreamChoice, CompletionStreamResponse,
-    DeltaMessage, OpenAIBaseModel, PromptTokenUsageInfo, UsageInfo)
+    DeltaFunctionCall, DeltaMessage, DeltaToolCall, FunctionCall, OpenAIBaseModel,
+    PromptTokenUsageInfo, ToolCall, UsageInfo)
+from jaxserve.entrypoints.tool_parsers import ToolCallDelta, ToolParser
 from jaxserve.outputs import CompletionOutput, PositionLogprobs
 
 MIN_LOGPROB = -9999.0
@@ -68,6 +70,8 @@ class ChoiceState:
       entries: its tokens' log-probability entries (when asked for).
       text_offset: characters of token text counted so far (completions logprobs).
       finish_reason: set once it ended.
+      tool_parser: the parser following a streamed chat choice's text, when the request
+        has tools.
     """
 
     index: int
@@ -77,6 +81,7 @@ class ChoiceState:
     text_offset: int = 0
     finish_reason: str | None = None
     started: bool = False  # a streamed choice sent its echo / first chunk
+    tool_parser: ToolParser | None = None  # a streamed chat choice's, with tools
 
 
 class Bodies(abc.ABC):
@@ -109,8 +114,9 @@ class Bodies(abc.ABC):
         """A choice of the non-streamed body."""
 
     @abc.abstractmethod
-    def _stream_choice(self, ch: ChoiceState, text: str, logprobs, **ids) -> OpenAIBaseModel:
-        """A choice of a streamed chunk."""
+    def _stream_choice(self, ch: ChoiceState, text: str, logprobs,
+                       **ids) -> OpenAIBaseModel | None:
+        """A choice of a streamed chunk (None: nothing to send)."""
 
     @abc.abstractmethod
     def _logprobs(self, ch: ChoiceState, entries: list[Entry]) -> OpenAIBaseModel:
@@ -140,12 +146,14 @@ class Bodies(abc.ABC):
         return []
 
     def chunk(self, ch: ChoiceState, text: str, c: CompletionOutput, entries: list[Entry] | None,
-              prompt_ids: list[int] | None) -> OpenAIBaseModel:
+              prompt_ids: list[int] | None) -> OpenAIBaseModel | None:
         """A streamed chunk of one choice: the text, token ids and log-probabilities new since
-        its last one (``prompt_ids`` rides along with its first token ids)."""
+        its last one (``prompt_ids`` rides along with its first token ids); None when there
+        is nothing to send (a tool parser holds the text back)."""
         lp = None if entries is None else self._logprobs(ch, entries)
         ids = self._ids(prompt_ids, list(c.token_ids))
-        return self._body(self.stream_cls, [self._stream_choice(ch, text, lp, **ids)])
+        choice = self._stream_choice(ch, text, lp, **ids)
+        return None if choice is None else self._body(self.stream_cls, [choice])
 
     def usage_chunk(self, usage_info: UsageInfo) -> OpenAIBaseModel:
         """The chunk with ``stream_options.include_usage``: usage, no choices, last before
@@ -183,19 +191,49 @@ class CompletionBodies(Bodies):
 
 
 class ChatBodies(Bodies):
+    """Args (besides Bodies'):
+      tool_parser: the ToolParser class that reads tool calls out of the choices' text
+        (docs/tool_calling.md), or None when the request has no tools (or ``tool_choice:
+        none``). A choice that returned calls and stopped has ``finish_reason: tool_calls``.
+    """
+
     response_cls = ChatCompletionResponse
     stream_cls = ChatCompletionStreamResponse
 
-    def _choice(self, ch, text, logprobs, **ids) -> ChatCompletionResponseChoice:
-        return ChatCompletionResponseChoice(index=ch.index, message=ChatMessage(content=text),
-                                            logprobs=logprobs, finish_reason=ch.finish_reason,
-                                            **ids)
+    def __init__(self, *args, tool_parser: type[ToolParser] | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.tool_parser = tool_parser
 
-    def _stream_choice(self, ch, text, logprobs, **ids) -> ChatCompletionResponseStreamChoice:
+    def _choice(self, ch, text, logprobs, **ids) -> ChatCompletionResponseChoice:
+        message, finish_reason = ChatMessage(content=text), ch.finish_reason
+        if self.tool_parser is not None:
+            parsed = self.tool_parser().extract_tool_calls(text)
+            calls = [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
+                     for c in parsed.tool_calls]
+            message = ChatMessage(content=parsed.content, tool_calls=calls or None)
+            finish_reason = _finish_reason(finish_reason, len(calls))
+        return ChatCompletionResponseChoice(index=ch.index, message=message, logprobs=logprobs,
+                                            finish_reason=finish_reason, **ids)
+
+    def _stream_choice(self, ch, text, logprobs, **ids) -> ChatCompletionResponseStreamChoice | None:
         # No new text (the finishing chunk, or token ids alone): an empty delta, {}.
+        delta, finish_reason = DeltaMessage(content=text or None), ch.finish_reason
+        if self.tool_parser is not None:
+            if ch.tool_parser is None:
+                ch.tool_parser = self.tool_parser()
+            parsed = ch.tool_parser.feed(text)
+            if finish_reason is not None:
+                end = ch.tool_parser.finish()
+                parsed.content += end.content
+                parsed.tool_calls += end.tool_calls
+            delta = DeltaMessage(content=parsed.content or None, tool_calls=[
+                _delta_tool_call(d) for d in parsed.tool_calls] or None)
+            finish_reason = _finish_reason(finish_reason, ch.tool_parser.num_calls)
+            if (delta.content is None and delta.tool_calls is None and finish_reason is None
+                    and logprobs is None and not ids.get("token_ids")):
+                return None
         return ChatCompletionResponseStreamChoice(
-            index=ch.index, delta=DeltaMessage(content=text or None), logprobs=logprobs,
-            finish_reason=ch.finish_reason, **ids)
+            index=ch.index, delta=delta, logprobs=logprobs, finish_reason=finish_reason, **ids)
 
     def _entry(self, token: int, logprob: float) -> ChatCompletionLogProb:
         text, data = self.piece(token)
@@ -214,3 +252,16 @@ class ChatBodies(Bodies):
         return [self._body(self.stream_cls, [ChatCompletionResponseStreamChoice(
             index=i, delta=DeltaMessage(role="assistant", content=""))])
             for i in range(num_choices)]
+
+
+def _finish_reason(finish_reason: str | None, num_calls: int) -> str | None:
+    """A chat choice's finish reason: ``tool_calls`` when it stopped after returning calls
+    (a choice cut by max_tokens keeps ``length``: its last call may be incomplete)."""
+    return "tool_calls" if finish_reason == "stop" and num_calls else finish_reason
+
+
+def _delta_tool_call(d: ToolCallDelta) -> DeltaToolCall:
+    if d.id is None:
+        return DeltaToolCall(index=d.index, function=DeltaFunctionCall(arguments=d.arguments))
+    return DeltaToolCall(index=d.index, id=d.id, type="function",
+                         function=DeltaFunctionCall(name=d.name, arguments=d.arguments))

@@ -8,8 +8,8 @@ downstream accepts); lists stop at their first bad item. Semantic ranges (temper
 [0, 2], ...) are SamplingParams' checks. Structured outputs come from ``response_format``
 (OpenAI's), ``structured_outputs`` (vLLM's) or vLLM's older ``guided_json`` / ``guided_regex``
 / ``guided_choice`` / ``guided_grammar``, one of them per request. Fields OpenAI defines that
-jaxserve does not support (``best_of``, ``suffix``, ``tools``) are accepted only at their
-neutral value (``unsupported_field`` names the first offender); fields nobody defines are
+jaxserve does not support (``best_of``, ``suffix``) are accepted only at their neutral value
+(``unsupported_field`` names the first offender); fields nobody defines are
 kept in ``model_extra`` so the server can log and ignore them. The model's generation config
 fills in the sampling fields of GENERATION_DEFAULTS a request leaves out.
 
@@ -18,16 +18,18 @@ usage, /v1/models, /tokenize, /detokenize, errors), shaped to validate against O
 schema for the endpoint (``tests/data/openai_openapi_subset.yaml``; the tests check every body).
 Fields are declared in the order they go on the wire. Optional fields that OpenAI's format
 leaves out when unused (the token ids of vLLM's ``return_token_ids``, a chunk's ``usage``, a
-delta's ``role`` / ``content``) are omitted when None; the others (``logprobs``,
+delta's ``role`` / ``content`` / ``tool_calls``, a message's ``tool_calls``) are omitted when None; the others (``logprobs``,
 ``finish_reason``, a message's ``refusal``, error ``param`` / ``code``) are sent as null.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from jaxserve.entrypoints.tool_parsers.call_object import json_as
 from jaxserve.sampling_params import (
     INT32_MAX, MAX_LOGPROBS, SamplingParams, StructuredOutputsParams)
 
@@ -254,12 +256,29 @@ class TextPart(_Base):
     text: Text | None = None
 
 
-class ChatCompletionMessageParam(_Base):
-    """One message of a chat request."""
+class FunctionCallParam(_Base):
+    name: Text
+    arguments: Text  # JSON text, as the model (or the client) wrote it
 
-    role: Literal["system", "developer", "user", "assistant"]
+
+class ToolCallParam(_Base):
+    """A call in an earlier assistant message of the conversation."""
+
+    id: Text
+    type: Literal["function"]
+    function: FunctionCallParam
+
+
+class ChatCompletionMessageParam(_Base):
+    """One message of a chat request: system / developer / user text, an assistant message
+    (its ``content`` may be null when it carries ``tool_calls``), or a ``tool`` message with
+    the result of the call ``tool_call_id``."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | Items(TextPart) | None = None
     name: Text | None = None
+    tool_calls: Items(ToolCallParam) | None = None
+    tool_call_id: Text | None = None
 
     def text(self, where: str) -> str:
         """The message's text (its text parts joined).
@@ -278,6 +297,75 @@ class ChatCompletionMessageParam(_Base):
                                  "serves a text-only model (send text parts)")
         return "".join(p.text for p in self.content)
 
+    def template_message(self, where: str) -> dict:
+        """The message in the transformers chat format: ``{"role", "content"}`` ("developer"
+        is OpenAI's new name for "system"), plus an assistant's ``tool_calls`` (each call's
+        arguments as a dict where they are a JSON object, as chat templates expect: vLLM
+        does the same) or a tool message's ``tool_call_id``.
+
+        Raises:
+          ValueError: naming ``where``: a part that is not text, ``tool_calls`` on a message
+            that is not the assistant's, a tool message without ``tool_call_id``.
+        """
+        out = {"role": "system" if self.role == "developer" else self.role,
+               "content": self.text(where)}
+        if self.tool_calls is not None:
+            if self.role != "assistant":
+                raise ValueError(f"{where}.tool_calls: only assistant messages carry tool calls")
+            out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _json_object(c.function.arguments)}}
+                for c in self.tool_calls]
+        if self.role == "tool":
+            if self.tool_call_id is None:
+                raise ValueError(f"{where}.tool_call_id: a tool message needs the id of the "
+                                 "call it answers")
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+def _json_object(text: str) -> dict | str:
+    """``text`` decoded when it is a JSON object, else ``text`` itself."""
+    value = json_as(text, dict)
+    return text if value is None else value
+
+
+# OpenAI's rule for function names.
+FUNCTION_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
+
+
+def _json_text(value: dict) -> dict:
+    """A JSON value that can be written as JSON text for the prompt and the grammar: no
+    NaN / Infinity (``1e400`` parses to inf) and no lone surrogate."""
+    try:
+        json.dumps(value, ensure_ascii=False, allow_nan=False).encode("utf-8")
+    except (ValueError, UnicodeEncodeError):
+        raise ValueError("it holds a number out of range or a lone UTF-16 surrogate") from None
+    return value
+
+
+class FunctionDefinition(_Base):
+    name: Annotated[str, Field(pattern=FUNCTION_NAME_PATTERN)]
+    description: Text | None = None
+    # A JSON schema of the arguments object; None: the function takes no arguments.
+    parameters: Annotated[dict[str, Any], AfterValidator(_json_text)] | None = None
+    strict: bool | None = None
+
+
+class ChatCompletionToolsParam(_Base):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Base):
+    name: Text
+
+
+class ChatCompletionNamedToolChoiceParam(_Base):
+    """``tool_choice`` naming the function the model must call."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
 
 class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions: system / user / assistant messages, text content only."""
@@ -287,16 +375,10 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Int32 | None = None
     logprobs: bool | None = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    parallel_tool_calls: bool | None = None
-
-    def unsupported_field(self) -> str | None:
-        if self.tools:
-            return "tools"
-        if self.tool_choice not in (None, "none", "auto"):
-            return "tool_choice"
-        return None
+    tools: Items(ChatCompletionToolsParam) | None = None
+    tool_choice: (Literal["none", "auto", "required"] | ChatCompletionNamedToolChoiceParam
+                  | None) = None
+    parallel_tool_calls: bool | None = None  # None: OpenAI's default, true
 
     def _logprobs(self) -> tuple[int | None, int | None]:
         if not self.logprobs:
@@ -311,15 +393,44 @@ class ChatCompletionRequest(_SamplingFields):
     def template_messages(self) -> list[dict]:
         return template_messages(self.messages)
 
+    def template_tools(self) -> list[dict] | None:
+        return template_tools(self.tools)
+
+    def effective_tool_choice(self) -> str | None:
+        """What the model is asked to do with tools: None (no tools, or ``none``: no
+        parsing), ``auto``, ``required``, or the name of the function it must call. OpenAI's
+        default is ``auto`` when tools are given.
+
+        Raises:
+          ValueError: naming ``tool_choice``: ``required`` or a function without tools, or a
+            function that is not among them.
+        """
+        choice = self.tool_choice
+        if isinstance(choice, ChatCompletionNamedToolChoiceParam):
+            choice = choice.function.name
+            if not any(t.function.name == choice for t in self.tools or ()):
+                raise ValueError(f"tool_choice: function {choice!r} is not among the request's "
+                                 "tools")
+        if not self.tools:
+            if choice not in (None, "none", "auto"):
+                raise ValueError(f"tool_choice: {choice!r} needs tools (the request has none)")
+            return None
+        choice = choice or "auto"
+        return None if choice == "none" else choice
+
+
+def template_tools(tools: list[ChatCompletionToolsParam] | None) -> list[dict] | None:
+    """The tools for the chat template (OpenAI's definitions, as JSON values)."""
+    return [t.model_dump(exclude_none=True) for t in tools] if tools else None
+
 
 def template_messages(messages: list[ChatCompletionMessageParam]) -> list[dict]:
-    """Messages for the chat template ("developer" is OpenAI's new name for "system").
+    """Messages for the chat template (``ChatCompletionMessageParam.template_message``).
 
     Raises:
-      ValueError: naming the message, for a content part that is not text.
+      ValueError: naming the message's field at fault.
     """
-    return [{"role": "system" if m.role == "developer" else m.role,
-             "content": m.text(f"messages.{i}")} for i, m in enumerate(messages)]
+    return [m.template_message(f"messages.{i}") for i, m in enumerate(messages)]
 
 
 class TokenizeRequest(_Base):
@@ -329,12 +440,16 @@ class TokenizeRequest(_Base):
     model: Text | None = None
     prompt: Text | None = None
     messages: Annotated[list[ChatCompletionMessageParam], Field(fail_fast=True)] | None = None
+    tools: Items(ChatCompletionToolsParam) | None = None  # rendered with the messages
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
     add_generation_prompt: bool = True
     return_token_strs: bool = False
 
     def template_messages(self) -> list[dict]:
         return template_messages(self.messages or [])
+
+    def template_tools(self) -> list[dict] | None:
+        return template_tools(self.tools)
 
 
 class DetokenizeRequest(_Base):
@@ -454,13 +569,25 @@ class ChatCompletionLogProbs(OpenAIBaseModel):
     refusal: list[ChatCompletionLogProbsContent] | None = None  # jaxserve never refuses
 
 
+class FunctionCall(OpenAIBaseModel):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCall(OpenAIBaseModel):
+    id: str  # call_ and 24 characters, unique
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(OpenAIBaseModel):
     """The assistant's message in a non-streamed chat completion (``refusal`` is required and
-    nullable in OpenAI's schema)."""
+    nullable in OpenAI's schema; ``content`` is null when the message is only tool calls)."""
 
     role: Literal["assistant"] = "assistant"
     content: str | None
     refusal: str | None = None
+    tool_calls: list[ToolCall] | None = _omitted_if_none()
 
 
 class ChatCompletionResponseChoice(OpenAIBaseModel):
@@ -481,11 +608,28 @@ class ChatCompletionResponse(OpenAIBaseModel):
     usage: UsageInfo
 
 
+class DeltaFunctionCall(OpenAIBaseModel):
+    name: str | None = _omitted_if_none()
+    arguments: str | None = _omitted_if_none()
+
+
+class DeltaToolCall(OpenAIBaseModel):
+    """A fragment of call ``index``: the first carries ``id``, ``type`` and the function's
+    name (arguments ""), the next ones argument text."""
+
+    index: int
+    id: str | None = _omitted_if_none()
+    type: Literal["function"] | None = _omitted_if_none()
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(OpenAIBaseModel):
-    """What a chat chunk adds: the role once (first chunk), then text; ``{}`` when neither."""
+    """What a chat chunk adds: the role once (first chunk), then text or tool-call fragments;
+    ``{}`` when none."""
 
     role: Literal["assistant"] | None = _omitted_if_none()
     content: str | None = _omitted_if_none()
+    tool_calls: list[DeltaToolCall] | None = _omitted_if_none()
 
 
 class ChatCompletionResponseStreamChoice(OpenAIBaseModel):

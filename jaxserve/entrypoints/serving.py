@@ -13,7 +13,9 @@ SSE error event followed by ``[DONE]``, never a second HTTP response. A client t
 mid-request (handler cancelled, or a failed write) closes the generator, which aborts the
 request in the engine. A completions request with several prompts runs one engine request per
 prompt, all at once. Every body is one of protocol.py's response models, built by the
-endpoint's ``Bodies`` (bodies.py).
+endpoint's ``Bodies`` (bodies.py). A chat request with tools has its choices' text read by the
+``--tool-call-parser``'s ToolParser, and runs under the grammar of tool_grammar.py when its
+``tool_choice`` is enforced (docs/tool_calling.md).
 """
 
 from __future__ import annotations
@@ -40,8 +42,10 @@ from jaxserve.entrypoints.protocol import (
     ErrorResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse)
 from jaxserve.entrypoints.responses import SSEStream, json_response
 from jaxserve.entrypoints.safe_log import clip
+from jaxserve.entrypoints.tool_grammar import tool_call_grammar
+from jaxserve.entrypoints.tool_parsers import ToolParser
 from jaxserve.outputs import RequestOutput
-from jaxserve.sampling_params import MAX_N, SamplingParams
+from jaxserve.sampling_params import MAX_N, SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("jaxserve.api")
 
@@ -173,21 +177,40 @@ def _check_model(request: web.Request, model: str | None) -> str:
 
 
 async def _sampling_params(llm: AsyncLLM, req, max_tokens: int | None,
-                           renames: dict[str, str]) -> SamplingParams:
+                           renames: dict[str, str],
+                           tool_grammar: str | None = None) -> SamplingParams:
     """The request's SamplingParams, the model's generation config filling in what it leaves
     out. A value out of range is a 400 naming the request's field (``renames``: SamplingParams'
     name -> the request's, where they differ); so is ``n`` above the server's limit, and an
     output constraint (``response_format``, ``structured_outputs``, ``guided_*``) that does not
-    compile (checked off the event loop: AsyncLLM.check_structured_outputs)."""
+    compile (checked off the event loop: AsyncLLM.check_structured_outputs).
+
+    ``tool_grammar``: the grammar that enforces the chat request's ``tool_choice``
+    (``_tool_grammar``), its constraint instead: one that does not compile is a 400 on
+    ``tools`` (their parameter schemas are what it embeds), and a request that also has a
+    constraint of its own is a 400 on ``tool_choice`` (a reply cannot be both).
+    """
     try:
         so, so_field = req.structured_outputs_params()
     except ValueError as e:
         raise APIError(400, str(e), param=str(e).split(":", 1)[0]) from None
+    label = so_field  # what a 400 about the constraint starts with
+    if tool_grammar is not None:
+        if so is not None:
+            raise APIError(400, "tool_choice: enforced tool calls (tool_choice required or a "
+                           f"function, or a strict tool) cannot be combined with {so_field}",
+                           param="tool_choice")
+        so_field, label = "tools", "tools: the grammar that enforces the tool calls"
+        try:
+            so = StructuredOutputsParams(grammar=tool_grammar)
+        except ValueError as e:  # too long: the tools' schemas are
+            raise APIError(400, f"{label}: {str(e).removeprefix('structured_outputs: ')}",
+                           param=so_field) from None
     if so is not None:
         try:
             await llm.check_structured_outputs(so)
         except ValueError as e:
-            raise APIError(400, f"{so_field}: {e}", param=so_field) from None
+            raise APIError(400, f"{label}: {e}", param=so_field) from None
     try:
         sp = req.sampling_params(max_tokens, llm.generation_config, so)
     except ValueError as e:
@@ -367,8 +390,10 @@ async def _run(request, llm: AsyncLLM, prompts: list[list[int]], sp: SamplingPar
                         if text or c.finished or (token_news and c.token_ids):
                             # The prompt's ids ride along with the choice's first token ids.
                             first_ids = len(ch.token_ids) == len(c.token_ids)
-                            await sse.send(bodies.chunk(ch, text, c, entries,
-                                                        prompts[p] if first_ids else None))
+                            chunk = bodies.chunk(ch, text, c, entries,
+                                                 prompts[p] if first_ids else None)
+                            if chunk is not None:
+                                await sse.send(chunk)
             if include_usage:
                 await sse.send(bodies.usage_chunk(progress.usage()))
         except ConnectionError:
@@ -389,10 +414,11 @@ def _deadline(request: web.Request) -> float | None:
     return None if timeout is None else asyncio.get_running_loop().time() + timeout
 
 
-def _bodies(cls, prefix: str, model: str, llm: AsyncLLM, sp: SamplingParams, req) -> Bodies:
+def _bodies(cls, prefix: str, model: str, llm: AsyncLLM, sp: SamplingParams, req,
+            **kwargs) -> Bodies:
     piece = None if sp.logprobs is None else llm.output_processor.pieces.piece
     return cls(f"{prefix}-{uuid.uuid4().hex}", model, num_logprobs=sp.logprobs, piece=piece,
-               return_token_ids=req.return_token_ids)
+               return_token_ids=req.return_token_ids, **kwargs)
 
 
 async def create_completion(request: web.Request) -> web.StreamResponse:
@@ -429,19 +455,44 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     with _admitted(request):
         req: ChatCompletionRequest = await _parse(request, ChatCompletionRequest)
         model = _check_model(request, req.model)
+        try:
+            tool_choice = req.effective_tool_choice()
+        except ValueError as e:
+            raise APIError(400, str(e), param="tool_choice") from None
+        tool_parser = None if tool_choice is None else request.app[STATE_KEY]["tool_parser"]
+        grammar = None if tool_parser is None else _tool_grammar(llm, tool_parser, req,
+                                                                 tool_choice)
         max_tokens = req.requested_max_tokens()
         field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         sp = await _sampling_params(llm, req, max_tokens, {"logprobs": "top_logprobs",
-                                                           "max_tokens": field})
+                                                           "max_tokens": field}, grammar)
         messages = _template_messages(req)
-        ids = await _encode(llm.encode_chat(messages), "messages")
+        ids = await _encode(llm.encode_chat(messages, tools=req.template_tools()), "messages")
         _check_request(llm, ids, sp, "messages", field)
         if sp.max_tokens is None:  # OpenAI's and vLLM's meaning: up to the context
             sp.max_tokens = llm.max_model_len - len(ids)
-        bodies = _bodies(ChatBodies, "chatcmpl", model, llm, sp, req)
+        if tool_parser is not None:
+            tool_parser.adjust_sampling_params(sp)
+        bodies = _bodies(ChatBodies, "chatcmpl", model, llm, sp, req, tool_parser=tool_parser)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await _run(request, llm, [ids], sp, bodies, stream=bool(req.stream),
                           include_usage=include_usage, echo_texts=None, deadline=deadline)
+
+
+def _tool_grammar(llm: AsyncLLM, tool_parser: type[ToolParser], req: ChatCompletionRequest,
+                  tool_choice: str) -> str | None:
+    """The Lark grammar that enforces ``tool_choice`` (tool_grammar.py): for ``required``, a
+    named function, and ``auto`` with a ``strict`` tool; None otherwise (``auto`` is then
+    only parsed). A schema nested too deeply to be rewritten into it is a 400 on ``tools``
+    (the body's JSON may nest as deep as Python's recursion limit)."""
+    functions = [t.function.model_dump() for t in req.tools]
+    try:
+        return tool_call_grammar(tool_parser, functions, tool_choice,
+                                 parallel_tool_calls=req.parallel_tool_calls is not False,
+                                 special_tokens=llm.tokenizer.all_special_tokens)
+    except RecursionError:
+        raise APIError(400, "tools: a function's parameters are nested too deeply",
+                       param="tools") from None
 
 
 def _template_messages(req) -> list[dict]:
@@ -485,7 +536,8 @@ async def tokenize(request: web.Request) -> web.Response:
                             "prompt")
     else:
         ids = await _encode(llm.encode_chat(_template_messages(req), req.add_generation_prompt,
-                                            bool(req.add_special_tokens)), "messages")
+                                            bool(req.add_special_tokens), req.template_tools()),
+                            "messages")
     strs = llm.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
     return json_response(TokenizeResponse(count=len(ids), max_model_len=llm.max_model_len,
                                           tokens=ids, token_strs=strs))

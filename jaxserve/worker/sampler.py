@@ -18,9 +18,9 @@ vLLM V1, which masks the logits before its sampler, everything after that, log-p
 included, sees the masked logits.
 
 Before a row is drawn, the logits processors of vLLM V1 run in its order: min_tokens (EOS and
-stop token ids at -inf until enough tokens), logit bias, then the repetition, frequency and
-presence penalties (vLLM's definitions: repetition over prompt and output tokens, the other two
-over output tokens); greedy takes the argmax of the result; temperature, then min-p, then
+stop token ids at -inf until enough tokens, unless the grammar's mask left nothing else), logit
+bias, then the repetition, frequency and presence penalties (vLLM's definitions: repetition
+over prompt and output tokens, the other two over output tokens); greedy takes the argmax of the result; temperature, then min-p, then
 top-k / top-p apply to sampled rows. Log-probabilities are the log-softmax of the raw logits
 (before all of that but the grammar's mask), vLLM V1's default; the sampled token's rank counts the tokens more likely
 than it, plus one.
@@ -223,7 +223,10 @@ def apply_processors(logits: jax.Array, fm: FilterMetadata, state: SamplingState
     s, vocab = logits.shape
     row = jnp.arange(s)[:, None]
     stop_ids = jnp.where(fm.suppress_stop[:, None], state.stop_ids[fm.slots], vocab)
-    logits = logits.at[row, stop_ids].set(-jnp.inf, mode="drop")
+    held = logits.at[row, stop_ids].set(-jnp.inf, mode="drop")
+    # A grammar that allows nothing but stop tokens is complete, and wins over min_tokens: the
+    # row keeps them (the scheduler ends the request on one) rather than have no token left.
+    logits = jnp.where(jnp.any(held > -jnp.inf, axis=-1, keepdims=True), held, logits)
     bias_ids = jnp.where(fm.logit_bias[:, None], state.bias_ids[fm.slots], vocab)
     logits = logits.at[row, bias_ids].add(state.bias_values[fm.slots], mode="drop")
     counts = state.output_counts[fm.slots]

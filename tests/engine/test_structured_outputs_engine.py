@@ -1,7 +1,8 @@
 """Structured outputs in the offline engine (default model): constrained sequences stay valid
 through preemption (recompute replays tokens the matcher has consumed), each choice of an
 ``n`` request has its own matcher, async and synchronous scheduling both keep every output
-valid, and a constraint that does not compile fails before any work."""
+valid, min_tokens gives way to a complete grammar, and a constraint that does not compile fails
+before any work."""
 
 import json
 
@@ -90,6 +91,24 @@ def test_synchronous_steps_give_valid_outputs(smollm_llm):
         engine.config.async_scheduling = True
     for o in outs:
         assert o.outputs[0].finish_reason == "stop" and _valid(o.outputs[0].text), o.outputs[0]
+
+
+def test_min_tokens_gives_way_to_a_complete_grammar(smollm_llm):
+    """min_tokens past the grammar's end: the output stops where the grammar does (EOS, "stop"),
+    greedy and sampled; where the grammar can go on, min_tokens still holds EOS back."""
+    eos = smollm_llm.tokenizer.eos_token_id
+    choice = StructuredOutputsParams(choice=["yes", "no"])
+    sps = [SamplingParams(max_tokens=30, min_tokens=10, temperature=t, seed=1,
+                          structured_outputs=choice) for t in (0.0, 1.0)]
+    sps.append(SamplingParams(max_tokens=30, min_tokens=10, temperature=0, structured_outputs=
+                              StructuredOutputsParams(regex="[0-9]+")))
+    outs = smollm_llm.generate(["Is Paris in France? Answer:"] * 3, sps, use_tqdm=False)
+    for o in outs[:2]:
+        c = o.outputs[0]
+        assert c.text in ("yes", "no") and c.finish_reason == "stop", c
+        assert c.token_ids[-1] == eos and len(c.token_ids) < 10, c
+    digits = outs[2].outputs[0]
+    assert digits.text.isdigit() and len(digits.token_ids) >= 10, digits
 
 
 @pytest.mark.parametrize("so", [StructuredOutputsParams(regex="(a"),

@@ -1,10 +1,20 @@
 """Session fixtures of the tensor-parallel tests: tiny models, prompts, and the offline greedy
-outputs at every size (one fake-device subprocess), which the server tests compare against."""
+outputs at every size (one fake-device subprocess), which the server tests compare against;
+a small default-model server; and the official ``openai`` client over a module's ``server``,
+recording every body it reads (``transport``) for the tests that validate them against
+OpenAI's schema."""
 
+import openai
 import pytest
 
 from tests.conftest import sharegpt_prompts
 from tests.integration import tp_utils
+from tests.integration.server_utils import Server
+
+try:  # the HTTP library the openai client is built on (httpx2 in its 3.x releases)
+    import httpx2 as httpx
+except ImportError:
+    import httpx
 
 
 @pytest.fixture(scope="session")
@@ -57,3 +67,55 @@ def tp_offline(tiny_tp_folders, tp_prompts, smollm_llm) -> dict:
     out["default:1"] = {"prompt_ids": [r.prompt_token_ids for r in results],
                         "output_ids": [r.outputs[0].token_ids for r in results]}
     return out
+
+
+class _Tee(httpx.SyncByteStream):
+    """A response body stream that keeps a copy of what it yields."""
+
+    def __init__(self, stream, sink: bytearray):
+        self.stream, self.sink = stream, sink
+
+    def __iter__(self):
+        for chunk in self.stream:
+            self.sink += chunk
+            yield chunk
+
+    def close(self):
+        self.stream.close()
+
+
+class RecordingTransport(httpx.HTTPTransport):
+    """Records (path, status, body bytes) of every response (filled as it is read)."""
+
+    def __init__(self):
+        super().__init__()
+        self.records: list[tuple[str, int, bytearray]] = []
+
+    def handle_request(self, request):
+        response = super().handle_request(request)
+        sink = bytearray()
+        self.records.append((request.url.path, response.status_code, sink))
+        response.stream = _Tee(response.stream, sink)
+        return response
+
+
+
+@pytest.fixture(scope="module")
+def small_server():
+    """The default model's server of test_structured_outputs.py and test_tool_calling.py, one
+    per module; the same engine flags, so a warm compilation cache serves both."""
+    srv = Server("--max-model-len", "1024", "--max-num-seqs", "32",
+                 "--max-num-batched-tokens", "256")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def transport():
+    return RecordingTransport()
+
+
+@pytest.fixture(scope="module")
+def client(server, transport):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=600,
+                         http_client=httpx.Client(transport=transport, timeout=600))

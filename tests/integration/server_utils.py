@@ -11,6 +11,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -81,6 +82,13 @@ def parse_metrics(text: str) -> dict[str, float]:
     """
     return {s.name: s.value for family in text_string_to_metric_families(text)
             for s in family.samples}
+
+
+def in_parallel(fn, items, workers: int = 32) -> list:
+    """``fn`` of each item, called from ``workers`` threads at once (requests to a server), in
+    the items' order."""
+    with ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(fn, items))
 
 
 class Server:

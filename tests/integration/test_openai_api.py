@@ -4,9 +4,10 @@ models.retrieve, content parts, prompt lists, 400s naming the field, and every b
 valid against OpenAI's OpenAPI schema.
 
 One server for the module, with prefix caching off (acceptance 3 counts the prompt tokens an
-``n=8`` request computes). The client's HTTP transport records every response body as it
-arrives (whole JSON bodies and each SSE chunk); the last test validates all of them against
-the schema objects in tests/data/openai_openapi_subset.yaml. The tests run in file order.
+``n=8`` request computes). The client's HTTP transport (conftest.py's ``transport``) records
+every response body as it arrives (whole JSON bodies and each SSE chunk); the last test
+validates all of them against the schema objects in tests/data/openai_openapi_subset.yaml. The
+tests run in file order.
 """
 
 from __future__ import annotations
@@ -34,53 +35,12 @@ PARIS_Q = [{"role": "user", "content": "What is the capital of France?"}]
 pytestmark = pytest.mark.slow
 
 
-class _Tee(httpx.SyncByteStream):
-    """A response body stream that keeps a copy of what it yields."""
-
-    def __init__(self, stream, sink: bytearray):
-        self.stream, self.sink = stream, sink
-
-    def __iter__(self):
-        for chunk in self.stream:
-            self.sink += chunk
-            yield chunk
-
-    def close(self):
-        self.stream.close()
-
-
-class RecordingTransport(httpx.HTTPTransport):
-    """Records (path, status, body bytes) of every response (filled as it is read)."""
-
-    def __init__(self):
-        super().__init__()
-        self.records: list[tuple[str, int, bytearray]] = []
-
-    def handle_request(self, request):
-        response = super().handle_request(request)
-        sink = bytearray()
-        self.records.append((request.url.path, response.status_code, sink))
-        response.stream = _Tee(response.stream, sink)
-        return response
-
-
 @pytest.fixture(scope="module")
 def server():
     srv = Server("--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "32",
                  "--max-num-batched-tokens", "256", "--no-enable-prefix-caching")
     yield srv
     srv.stop()
-
-
-@pytest.fixture(scope="module")
-def transport():
-    return RecordingTransport()
-
-
-@pytest.fixture(scope="module")
-def client(server, transport):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=600,
-                         http_client=httpx.Client(transport=transport, timeout=600))
 
 
 def _post(server, path, body):

@@ -3,21 +3,19 @@
 always met, streamed and not; unconstrained requests unaffected by constrained neighbours;
 ``chat.completions.parse`` with a pydantic model; 400s naming the field.
 
-One server for the module, with the same engine flags as test_openai_api.py (so a warm
-compilation cache serves both)."""
+One server for the module (conftest.py's ``small_server``)."""
 
 from __future__ import annotations
 
 import json
 import pathlib
 import re
-from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import openai
 import pydantic
 import pytest
-from server_utils import Server
+from server_utils import in_parallel
 
 from tests.conftest import sharegpt_prompts
 from tests.greedy import compare_greedy, hf_greedy_margins
@@ -36,21 +34,9 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def server():
-    srv = Server("--max-model-len", "1024", "--max-num-seqs", "32",
-                 "--max-num-batched-tokens", "256")
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=600)
-
-
-def _in_parallel(fn, items, workers=32):
-    with ThreadPoolExecutor(workers) as pool:
-        return list(pool.map(fn, items))
+def client(small_server):
+    return openai.OpenAI(base_url=f"{small_server.url}/v1", api_key="none", max_retries=0,
+                         timeout=600)
 
 
 def _chat(client, content, stream=False, **kw):
@@ -79,7 +65,7 @@ def test_json_schemas_always_validate(client):
         return _chat(client, s["prompt"] + " Answer in JSON.", stream, seed=seed,
                      max_tokens=MAX_TOKENS, response_format=fmt)
 
-    for (s, seed, stream), (text, reason) in zip(jobs, _in_parallel(one, jobs)):
+    for (s, seed, stream), (text, reason) in zip(jobs, in_parallel(one, jobs)):
         assert reason == "stop", (s["name"], seed, stream, text)
         jsonschema.validate(json.loads(text), s["schema"])
 
@@ -109,7 +95,7 @@ def test_regex_choice_and_json_object_are_met(client):
         return _chat(client, "Name a European capital.", stream, seed=seed, max_tokens=30,
                      extra_body=extra)
 
-    for (kind, stream, seed), (text, reason) in zip(jobs, _in_parallel(one, jobs)):
+    for (kind, stream, seed), (text, reason) in zip(jobs, in_parallel(one, jobs)):
         assert reason == "stop", (kind, stream, seed, text)
         if kind == "regex":
             assert re.fullmatch(regex, text), text
@@ -152,10 +138,11 @@ def test_parse_with_a_pydantic_model(client):
     ("/v1/chat/completions", {"guided_json": "{not json"}, "guided_json"),
     ("/v1/chat/completions", {"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
 ])
-def test_invalid_constraints_are_400s_naming_the_field(server, path, body, param):
+def test_invalid_constraints_are_400s_naming_the_field(small_server, path, body, param):
     base = ({"messages": [{"role": "user", "content": "hi"}]} if "chat" in path
             else {"prompt": "hi"})
-    r = httpx.post(f"{server.url}{path}", json={**base, **body, "max_tokens": 5}, timeout=60)
+    r = httpx.post(f"{small_server.url}{path}", json={**base, **body, "max_tokens": 5},
+                   timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.text
 
@@ -179,8 +166,8 @@ def test_unconstrained_outputs_unchanged_by_constrained_neighbours(client, hf_sm
         return _chat(client, p, seed=1, max_tokens=MAX_TOKENS, response_format={
             "type": "json_schema", "json_schema": {"name": "x", "schema": schema["schema"]}})
 
-    alone = _in_parallel(plain, prompts)
-    mixed = _in_parallel(job, [("plain", p) for p in prompts] + [("so", p) for p in prompts])
+    alone = in_parallel(plain, prompts)
+    mixed = in_parallel(job, [("plain", p) for p in prompts] + [("so", p) for p in prompts])
     full = 0
     for (prompt_ids, ref), (_, ours) in zip(alone, mixed[:16]):
         same, n = compare_greedy(ours, ref, hf_greedy_margins(hf_smollm, prompt_ids, ref))

@@ -35,7 +35,7 @@ class FakeLLM:
     async def encode_prompt(self, prompt):
         return list(PROMPT_IDS)
 
-    async def encode_chat(self, messages):
+    async def encode_chat(self, messages, tools=None):
         return list(PROMPT_IDS)
 
     def check_request(self, ids, sp):

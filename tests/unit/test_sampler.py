@@ -248,6 +248,19 @@ def test_penalties_bias_and_min_tokens_follow_vllms_definitions():
     np.testing.assert_allclose(out, want, rtol=1e-6)
 
 
+def test_min_tokens_gives_way_to_a_grammar_that_allows_only_stops():
+    """Row 0's grammar allows only its stop tokens: min_tokens leaves them (the grammar is
+    complete); row 1's allows another token too: min_tokens holds the stops back."""
+    logits = np.full((2, V), -np.inf, np.float32)
+    logits[:, [2, 7]] = [1.0, 0.5]
+    logits[1, 4] = -3.0
+    st = state_with([([1], 1, {}, [2, 7]), ([1], 1, {}, [2, 7])])
+    out = np.asarray(apply_processors(jnp.asarray(logits), fmeta(2, suppress_stop=[True, True]),
+                                      st))
+    np.testing.assert_array_equal(out[0], logits[0])
+    assert np.flatnonzero(out[1] > -np.inf).tolist() == [4]
+
+
 def test_min_p_keeps_tokens_within_its_share_of_the_best():
     """min_p after temperature: the support is the tokens with p >= min_p * p_max, drawn in
     proportion (chi-square); min_p 1 is greedy."""

@@ -6,6 +6,7 @@ import random
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.request import RequestStatus
 from jaxserve.core.scheduler import Scheduler
+from jaxserve.sampling_params import StructuredOutputsParams
 from tests.unit.kv_fakes import FakeRunner, make_request, run_to_completion
 
 PS = 4
@@ -184,6 +185,18 @@ def test_stops_on_eos_stop_token_and_max_model_len():
     assert sched._check_stop(r, 77) == ("stop", 77)
     r.all_token_ids += [5] * 9
     assert sched._check_stop(r, 5) == ("length", None)
+
+
+def test_min_tokens_holds_stops_back_unless_a_grammar_gave_them():
+    """Before min_tokens a stop token does not stop a request, except a constrained one: the
+    sampler lets a stop through only when the grammar allows nothing else (it is complete)."""
+    sched, _ = make()
+    r = make_request("r", [1, 2, 3], max_tokens=100)
+    r.sampling_params.ignore_eos, r.sampling_params.min_tokens = False, 5
+    r.all_token_ids += [0]
+    assert sched._check_stop(r, 0) == (None, None)
+    r.sampling_params.structured_outputs = StructuredOutputsParams(choice=["a"])
+    assert sched._check_stop(r, 0) == ("stop", 0)
 
 
 def test_async_scheduling_gives_the_same_outputs():

@@ -345,8 +345,10 @@ class ModelRunner:
                 futures[pool.submit(lowered.compile)] = ("step", t)
             for s in seq_counts:
                 logits = jax.ShapeDtypeStruct((s, vocab), jnp.float32, sharding=self._replicated)
-                self._no_bitmask[s] = jax.device_put(
-                    np.full((s, self.bitmask_width), -1, np.int32), self._replicated)
+                # jitted, as the sampling state: a device_put cannot place it over two hosts
+                self._no_bitmask[s] = jax.jit(
+                    partial(jnp.full, (s, self.bitmask_width), -1, jnp.int32),
+                    out_shardings=self._replicated)()
                 lowered = self._filter_jitted.lower(logits, self._prev_sampled,
                                                     *self._dummy_sampling(s), self.sampling_state,
                                                     self._no_bitmask[s])

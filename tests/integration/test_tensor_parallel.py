@@ -1,5 +1,7 @@
 """Tensor parallelism on fake CPU devices (issue 15, docs/parallelism.md): greedy outputs at
-TP = 2, 3, 4 equal TP = 1's (docs/design.md section 7), offline and through the server; the
+TP = 2, 3, 4 equal TP = 1's (docs/design.md section 7), offline here and through the server in
+test_tensor_parallel_tiny_server.py (tiny models) and test_multihost.py (the default model at
+TP = 3, its mesh over two processes: the one-host server path plus the step stream); the
 step's collectives are the Megatron layout's; sizes the model or the machine cannot take are
 refused with an error naming the flag.
 
@@ -11,7 +13,7 @@ import subprocess
 import sys
 
 import pytest
-from server_utils import REPO, Server
+from server_utils import REPO
 
 from tests.integration import tp_utils
 
@@ -42,40 +44,27 @@ def test_step_collectives_are_megatrons(tp_offline):
     assert found["gathered"][0].startswith(f"f32[{num_seqs},{padded_vocab}]"), found
 
 
-def test_server_tp3_default_model_matches_tp1(tp_offline, tp_prompts, hf_smollm):
-    server = Server("--tensor-parallel-size", "3", *tp_utils.TP_CLI_FLAGS,
-                    env=tp_utils.fake_devices_env())
-    try:
-        choices = tp_utils.serve_greedy(server.url, tp_prompts)
-        log = server.output()
-    finally:
-        server.stop()
-    assert "split over 3 devices (tensor parallel)" in log
-    ref = tp_offline["default:1"]
-    assert [c.prompt_token_ids for c in choices] == ref["prompt_ids"]
-    tp_utils.assert_greedy_matches([c.token_ids for c in choices], ref["output_ids"],
-                                   ref["prompt_ids"], hf_smollm, "default model served at TP=3")
+REFUSED_SIZES = {
+    "2": "--tensor-parallel-size 2 does not divide the model's 9 attention heads; sizes that "
+         "fit this model: 1, 3",
+    "4": "--tensor-parallel-size 4 does not divide the model's 9 attention heads",
+    "5": "--tensor-parallel-size 5 exceeds the 4 cpu device(s) JAX sees",
+}
 
 
-def _serve_cli(*flags: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "jaxserve.serve", "--port", "0", *flags],
-                          capture_output=True, text=True, timeout=300, cwd=REPO,
-                          env=tp_utils.fake_devices_env())
-
-
-@pytest.mark.parametrize("tp,error", [
-    ("2", "--tensor-parallel-size 2 does not divide the model's 9 attention heads; sizes that "
-          "fit this model: 1, 3"),
-    ("4", "--tensor-parallel-size 4 does not divide the model's 9 attention heads"),
-    ("5", "--tensor-parallel-size 5 exceeds the 4 cpu device(s) JAX sees"),
-])
-def test_server_refuses_sizes_that_do_not_fit(tp, error):
+def test_server_refuses_sizes_that_do_not_fit():
     # The SmolLM2 shape as dummy weights: the same heads as the default model, nothing to read.
-    proc = _serve_cli("--model", "smollm2-135m", "--load-format", "dummy",
-                      "--tensor-parallel-size", tp)
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert error in proc.stderr
-    assert "Traceback" not in proc.stderr + proc.stdout
+    # The three servers start at once (each is a process start and a refusal).
+    procs = {tp: subprocess.Popen(
+        [sys.executable, "-m", "jaxserve.serve", "--port", "0", "--model", "smollm2-135m",
+         "--load-format", "dummy", "--tensor-parallel-size", tp],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+        env=tp_utils.fake_devices_env()) for tp in REFUSED_SIZES}
+    for tp, proc in procs.items():
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 2, err[-3000:]
+        assert REFUSED_SIZES[tp] in err
+        assert "Traceback" not in err + out
 
 
 DUMMY_70B_LAYER = """

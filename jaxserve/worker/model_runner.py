@@ -68,6 +68,8 @@ def powers_of_two_up_to(limit: int, start: int = 1) -> list[int]:
 # does (matmul and attention tiles have at least 16 rows; a step reads the weights once either
 # way), so smaller buckets would only add programs to compile at start-up (docs/performance.md).
 MIN_GPU_TOKEN_BUCKET = 16
+# Token buckets from this size compile without XLA command buffers on a GPU (_compiler_options).
+OP_BY_OP_MIN_TOKENS = 512
 
 
 def _bucket(buckets: list[int], n: int) -> int:
@@ -199,7 +201,7 @@ class ModelRunner:
         self.params = params
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
-        on_cpu = jax.default_backend() == "cpu"
+        self.on_cpu = on_cpu = jax.default_backend() == "cpu"
         self.token_buckets = powers_of_two_up_to(
             max_num_batched_tokens, 1 if on_cpu else MIN_GPU_TOKEN_BUCKET)
         self.max_pages_per_seq = -(-max_model_len // page_size)
@@ -325,6 +327,17 @@ class ModelRunner:
                                       self.params["embed_tokens"].dtype)
         return self.params, hidden, np.zeros(self.prompt_logprob_rows, np.int32)
 
+    def _compiler_options(self, tokens: int) -> dict | None:
+        """XLA options of the step for a bucket of ``tokens``. On a GPU, XLA updates a step's
+        command buffers (CUDA graphs) whenever its buffers move, which they do on every call:
+        host time before the first kernel, hidden behind the step in flight while the engine is
+        busy but paid in full by a prompt that arrives at an idle engine (its TTFT). Steps of
+        prefill size run long enough that launching their kernels one by one costs nothing, so
+        they go without; decode-size steps keep the graphs (docs/performance.md)."""
+        if self.on_cpu or tokens < OP_BY_OP_MIN_TOKENS:
+            return None
+        return {"xla_gpu_enable_command_buffer": ""}
+
     def compile_buckets(self, log: Callable[[str], None] = print) -> None:
         """Compile the step for every token bucket and the top-k/top-p sampler for every
         sequence count, with a progress line each. Tracing and lowering (Python) go one program
@@ -342,7 +355,7 @@ class ModelRunner:
                 inputs = self._dummy_inputs(t)
                 lowered = self._jitted.lower(
                     self.params, *inputs[:4], self.k_cache, self.v_cache, *inputs[4:])
-                futures[pool.submit(lowered.compile)] = ("step", t)
+                futures[pool.submit(lowered.compile, self._compiler_options(t))] = ("step", t)
             for s in seq_counts:
                 logits = jax.ShapeDtypeStruct((s, vocab), jnp.float32, sharding=self._replicated)
                 # jitted, as the sampling state: a device_put cannot place it over two hosts

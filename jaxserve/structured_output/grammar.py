@@ -42,9 +42,13 @@ def build_ll_tokenizer(tokenizer, vocab_size: int, eos_token_ids) -> llguidance.
         max(vocab_size, len(tokenizer)) ids; ids the tokenizer does not define (a model's
         padded vocabulary) are never allowed by a mask.
       eos_token_ids: the ids that end generation; a grammar that is complete allows them.
+        llguidance refuses an EOS id the tokenizer does not define, which a dummy model's
+        borrowed tokenizer can lack (Llama-3.1's 128001 against SmolLM2's 49,152 tokens): such
+        ids are left out, and with none left the tokenizer's own EOS stands in.
     """
+    eos = sorted(i for i in eos_token_ids if i < len(tokenizer))
     return llguidance.hf.from_tokenizer(tokenizer, n_vocab=max(vocab_size, len(tokenizer)),
-                                        eos_token=sorted(eos_token_ids) or None)
+                                        eos_token=eos or None)
 
 
 def grammar_text(params: StructuredOutputsParams) -> str:

@@ -35,6 +35,7 @@ from jaxserve.core.scheduler_output import ModelRunnerOutput, NewRequestData, Sc
 from jaxserve.engine import LogprobsLists
 from jaxserve.models import llama, sharding
 from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
+from jaxserve.structured_output.manager import bitmask_width
 from jaxserve.worker.input_batch import InputBatch
 from jaxserve.worker.sampler import (
     FilterMetadata,
@@ -260,7 +261,7 @@ class ModelRunner:
         # Grammar bitmask rows (structured outputs): ceil(V / 32) int32 words per sequence.
         # A step without constrained rows passes the all-allowed mask of its S, kept on the
         # device, so such steps move no bitmask to the device.
-        self.bitmask_width = -(-config.vocab_size // 32)
+        self.bitmask_width = bitmask_width(config.vocab_size)
         self._no_bitmask: dict[int, jax.Array] = {}  # by S
         self._compiled: dict[int, Callable] = {}
         self._filter_compiled: dict[int, Callable] = {}  # by S

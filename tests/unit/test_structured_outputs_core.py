@@ -108,6 +108,17 @@ def test_manager_caches_grammars_and_fills_masks(tokenizer, manager):
     assert yes[0] in first and tokenizer.eos_token_id not in first
 
 
+def test_borrowed_tokenizer_without_the_models_eos(tokenizer):
+    """A dummy Llama-3.1 (128,256 logits, EOS 128001) with the default model's tokenizer: the
+    manager starts, and a complete grammar allows the tokenizer's EOS."""
+    from jaxserve.structured_output.manager import StructuredOutputManager
+
+    m = StructuredOutputManager(tokenizer, 128256, [128001, 128009], max_num_seqs=1)
+    g = m.grammar_init(SO(choice=["yes"]))
+    assert all(g.consume_token(t) for t in tokenizer.encode("yes", add_special_tokens=False))
+    assert list(_allowed(m.grammar_bitmask([g])[0], 128256)) == [tokenizer.eos_token_id]
+
+
 def test_validator_caches_and_limits_time(tokenizer):
     from jaxserve.structured_output.validator import GrammarValidator
 

@@ -21,6 +21,8 @@ class InputBatch:
       num_computed_tokens: [max_num_seqs] int32, tokens whose K/V the steps dispatched so far
         compute.
       block_table: [max_num_seqs, max_pages_per_seq] int32 page ids (0, the null page, pads).
+        The model runner keeps a copy on the device and sends it only what changed
+        (``take_block_table_changes``).
       num_blocks: [max_num_seqs] int32 valid entries of each block_table row.
       temperature, top_k, top_p, min_p, presence_penalty, frequency_penalty,
         repetition_penalty, seeds: [max_num_seqs] sampling settings.
@@ -60,6 +62,7 @@ class InputBatch:
         self.in_flight_step = np.full(n, -1, np.int64)
         self.req_index: dict[str, int] = {}
         self._free_slots = list(range(n - 1, -1, -1))
+        self._changed_blocks: list[tuple[int, int, int]] = []  # (slot, first, end) columns
 
     def update_states(self, sched: SchedulerOutput) -> list[tuple[int, NewRequestData]]:
         """Apply a step's changes: drop requests that left, add new ones, append new pages.
@@ -79,6 +82,8 @@ class InputBatch:
             self.num_tokens[i] = n
             self.num_prompt_tokens[i] = r.num_prompt_tokens
             self.num_computed_tokens[i] = r.num_computed_tokens
+            # The slot's earlier request wrote its first num_blocks entries: they go back to 0.
+            self._changed_blocks.append((i, 0, max(self.num_blocks[i], len(r.block_ids))))
             self.block_table[i] = 0
             self.block_table[i, : len(r.block_ids)] = r.block_ids
             self.num_blocks[i] = len(r.block_ids)
@@ -104,7 +109,20 @@ class InputBatch:
             b = self.num_blocks[i]
             self.block_table[i, b : b + len(pages)] = pages
             self.num_blocks[i] = b + len(pages)
+            self._changed_blocks.append((i, b, b + len(pages)))
         return needs_state
+
+    def take_block_table_changes(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The block_table entries written since the last call, as (rows, columns, page ids),
+        each [N] int32; clears the record."""
+        spans, self._changed_blocks = self._changed_blocks, []
+        spans = [(i, a, e) for i, a, e in spans if e > a]
+        if not spans:
+            empty = np.zeros(0, np.int32)
+            return empty, empty, empty
+        rows = np.concatenate([np.full(e - a, i, np.int32) for i, a, e in spans])
+        cols = np.concatenate([np.arange(a, e, dtype=np.int32) for _, a, e in spans])
+        return rows, cols, self.block_table[rows, cols]
 
     def record_sampled(self, step: int, rows: np.ndarray, req_ids: list[str],
                        tokens: np.ndarray) -> None:

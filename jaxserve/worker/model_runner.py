@@ -17,6 +17,7 @@ tried and multiplied start-up compilation). Every program is compiled ahead of t
 ``compile_buckets``; ``execute`` never compiles (it raises if asked to).
 """
 
+import dataclasses
 import os
 import time
 from collections.abc import Callable
@@ -69,6 +70,11 @@ def powers_of_two_up_to(limit: int, start: int = 1) -> list[int]:
 # does (matmul and attention tiles have at least 16 rows; a step reads the weights once either
 # way), so smaller buckets would only add programs to compile at start-up (docs/performance.md).
 MIN_GPU_TOKEN_BUCKET = 16
+# Block table entries one dispatch of the device copy's write takes (_write_block_table_changes):
+# a step's new pages (at most its tokens / page size + one per sequence) fit in one.
+BLOCK_TABLE_WRITES = 1024
+# Token buckets from this size compile without XLA command buffers on a GPU (_compiler_options).
+OP_BY_OP_MIN_TOKENS = 512
 
 
 def _bucket(buckets: list[int], n: int) -> int:
@@ -79,15 +85,19 @@ def _bucket(buckets: list[int], n: int) -> int:
 
 
 def _step(config, attention_fn, mesh, max_num_seqs, branch_free, params, token_ids, prev_rows,
-          prev_sampled, md, k_cache, v_cache, logits_indices, hidden_indices, sm):
+          prev_sampled, md, k_cache, v_cache, logits_indices, hidden_indices, sm, block_table,
+          seq_slots):
     """prev_rows[T]: for each input token, the row of ``prev_sampled`` (the previous step's
-    sampled tokens) that holds it, or -1 to take ``token_ids``. Returns the greedy and plain
+    sampled tokens) that holds it, or -1 to take ``token_ids``. ``md.block_tables`` is None:
+    the step gathers its sequences' rows ``seq_slots`` [S] from the device-resident
+    ``block_table`` [max_num_seqs, P] (InputBatch slots). Returns the greedy and plain
     rows' tokens padded to [max_num_seqs] (so that the next step's prev_sampled has one shape
     in every bucket), the logits [S, V] for ``_filter``, the hidden rows [R, E] at
     ``hidden_indices`` for ``_prompt_logprobs`` and the updated KV pool.
     ``branch_free``: no control flow (the GPU; see the sampler's module docstring). ``mesh``:
     the tensor-parallel mesh (None: one device)."""
     token_ids = jnp.where(prev_rows >= 0, prev_sampled[jnp.maximum(prev_rows, 0)], token_ids)
+    md = dataclasses.replace(md, block_tables=block_table[seq_slots])
     logits, k_cache, v_cache, hidden = llama.forward(
         config, params, token_ids, md, k_cache, v_cache, logits_indices,
         attention_fn=attention_fn, mesh=mesh, hidden_indices=hidden_indices)
@@ -108,6 +118,12 @@ def _filter(logits, sampled, sm, fm, state, bitmask):
 def _prompt_logprobs(config, mesh, params, hidden, targets):
     """Logprobs of ``targets`` [R] from the hidden rows [R, E] that precede them."""
     return compute_logprobs(llama.compute_logits(config, params, hidden, mesh), targets)
+
+
+def _write_block_table(block_table, rows, cols, pages):
+    """``block_table`` [max_num_seqs, P] with ``pages`` [N] written at (``rows``, ``cols``);
+    entries with a row past the table pad (dropped)."""
+    return block_table.at[rows, cols].set(pages, mode="drop")
 
 
 def _copy_pages(k_cache, v_cache, src, dst):
@@ -200,7 +216,7 @@ class ModelRunner:
         self.params = params
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
-        on_cpu = jax.default_backend() == "cpu"
+        self.on_cpu = on_cpu = jax.default_backend() == "cpu"
         self.token_buckets = powers_of_two_up_to(
             max_num_batched_tokens, 1 if on_cpu else MIN_GPU_TOKEN_BUCKET)
         self.max_pages_per_seq = -(-max_model_len // page_size)
@@ -223,7 +239,7 @@ class ModelRunner:
             self._jitted = jax.jit(
                 step, donate_argnums=(5, 6),
                 in_shardings=(sharding.param_shardings(params, mesh), rep, rep, rep, rep, kv, kv,
-                              rep, rep, rep),
+                              rep, rep, rep, rep, rep),
                 out_shardings=(rep, rep, rep, kv, kv))
             self._filter_jitted = jax.jit(_filter, donate_argnums=(4,), in_shardings=rep,
                                           out_shardings=rep)
@@ -231,9 +247,17 @@ class ModelRunner:
         self._aux_jitted = {
             "state writer": jax.jit(write_state_row, donate_argnums=(0,)),
             "page copy": jax.jit(_copy_pages, donate_argnums=(0, 1)),
+            "block table write": jax.jit(_write_block_table, donate_argnums=(0,)),
             "prompt logprobs": jax.jit(partial(_prompt_logprobs, config, mesh)),
         }
         self._prev_sampled = jnp.zeros(max_num_seqs, jnp.int32, device=self._replicated)
+        # The InputBatch's block table, kept on the device: a step sends only the entries that
+        # changed (the whole table is 8 MB at 256 sequences of 131,072 tokens; staging it took
+        # ~2 ms of an idle engine's first token on the H200, docs/performance.md). Created by
+        # a jitted call, as the sampling state below.
+        self.block_table = jax.jit(
+            partial(jnp.zeros, (max_num_seqs, self.max_pages_per_seq), jnp.int32),
+            out_shardings=self._replicated)()
         # Grammar bitmask rows (structured outputs): ceil(V / 32) int32 words per sequence.
         # A step without constrained rows passes the all-allowed mask of its S, kept on the
         # device, so such steps move no bitmask to the device.
@@ -295,11 +319,11 @@ class ModelRunner:
         md = llama.AttentionMetadata(
             positions=zeros_t, slot_mapping=zeros_t,
             query_start_loc=np.zeros(s + 1, np.int32), seq_lens=np.zeros(s, np.int32),
-            block_tables=np.zeros((s, p), np.int32),
+            block_tables=None,
         )
         return (zeros_t, np.full(t, -1, np.int32), np.zeros(self.max_num_seqs, np.int32), md,
                 np.zeros(s, np.int32), np.zeros(self.prompt_logprob_rows, np.int32),
-                self._dummy_sampling(s)[0])
+                self._dummy_sampling(s)[0], self.block_table, np.zeros(s, np.int32))
 
     @staticmethod
     def _dummy_sampling(s: int) -> tuple[SamplingMetadata, FilterMetadata]:
@@ -322,9 +346,23 @@ class ModelRunner:
         if name == "page copy":
             pages = np.zeros(self.max_num_seqs, np.int32)
             return self.k_cache, self.v_cache, pages, pages
+        if name == "block table write":
+            entries = np.zeros(BLOCK_TABLE_WRITES, np.int32)
+            return self.block_table, entries, entries, entries
         hidden = jax.ShapeDtypeStruct((self.prompt_logprob_rows, self.config.hidden_size),
                                       self.params["embed_tokens"].dtype)
         return self.params, hidden, np.zeros(self.prompt_logprob_rows, np.int32)
+
+    def _compiler_options(self, tokens: int) -> dict | None:
+        """XLA options of the step for a bucket of ``tokens``. On a GPU, XLA updates a step's
+        command buffers (CUDA graphs) whenever its buffers move, which they do on every call:
+        host time before the first kernel, hidden behind the step in flight while the engine is
+        busy but paid in full by a prompt that arrives at an idle engine (its TTFT). Steps of
+        prefill size run long enough that launching their kernels one by one costs nothing, so
+        they go without; decode-size steps keep the graphs (docs/performance.md)."""
+        if self.on_cpu or tokens < OP_BY_OP_MIN_TOKENS:
+            return None
+        return {"xla_gpu_enable_command_buffer": ""}
 
     def compile_buckets(self, log: Callable[[str], None] = print) -> None:
         """Compile the step for every token bucket and the top-k/top-p sampler for every
@@ -343,7 +381,7 @@ class ModelRunner:
                 inputs = self._dummy_inputs(t)
                 lowered = self._jitted.lower(
                     self.params, *inputs[:4], self.k_cache, self.v_cache, *inputs[4:])
-                futures[pool.submit(lowered.compile)] = ("step", t)
+                futures[pool.submit(lowered.compile, self._compiler_options(t))] = ("step", t)
             for s in seq_counts:
                 logits = jax.ShapeDtypeStruct((s, vocab), jnp.float32, sharding=self._replicated)
                 # jitted, as the sampling state: a device_put cannot place it over two hosts
@@ -437,8 +475,8 @@ class ModelRunner:
         context = computed + counts  # each sequence's length after this step
         seq_lens = np.zeros(s, np.int32)
         seq_lens[:n_seq] = np.where(counts > 0, context, 0)  # a forked row attends to nothing
-        block_tables = np.zeros((s, self.max_pages_per_seq), np.int32)
-        block_tables[:n_seq] = b.block_table[slots]
+        seq_slots = np.zeros(s, np.int32)  # padding rows attend to nothing (seq_lens 0)
+        seq_slots[:n_seq] = slots
         logits_indices = np.zeros(s, np.int32)
         logits_indices[:n_seq] = ends - 1
         if sched.forked_from:
@@ -463,13 +501,14 @@ class ModelRunner:
             seeds=per_seq(b.seeds[slots], 0, np.uint32),
             steps=per_seq(steps, 0, np.int32),
         )
-        md = llama.AttentionMetadata(positions, slot_mapping, qsl, seq_lens, block_tables)
+        md = llama.AttentionMetadata(positions, slot_mapping, qsl, seq_lens, None)
         step = self._compiled.get(t)
         if step is None:
             raise RuntimeError(f"bucket tokens={t} was not compiled at start-up")
+        self._write_block_table_changes()
         sampled, logits, hidden, self.k_cache, self.v_cache = step(
             self.params, token_ids, prev_rows, self._prev_sampled, md, self.k_cache, self.v_cache,
-            logits_indices, hidden_indices, sm)
+            logits_indices, hidden_indices, sm, self.block_table, seq_slots)
         logprob_ks = b.logprobs[slots]
         suppress = b.min_tokens[slots] > steps
         redraw = (b.penalized[slots] | b.logit_bias[slots] | suppress
@@ -542,6 +581,19 @@ class ModelRunner:
             row_of = {r: i for i, r in enumerate(req_ids)}
             structured[[row_of[r] for r in sched.structured_output_request_ids]] = True
         return structured
+
+    def _write_block_table_changes(self) -> None:
+        """Send the InputBatch's block table entries written since the last step to the
+        device copy, BLOCK_TABLE_WRITES at a time (a step adding more, e.g. long prompts or
+        prefix-cache hits, takes several writes)."""
+        rows, cols, pages = self.input_batch.take_block_table_changes()
+        write = self._aux_compiled["block table write"]
+        for a in range(0, len(rows), BLOCK_TABLE_WRITES):
+            n = min(BLOCK_TABLE_WRITES, len(rows) - a)
+            r = np.full(BLOCK_TABLE_WRITES, self.max_num_seqs, np.int32)  # padding: dropped
+            c, p = np.zeros(BLOCK_TABLE_WRITES, np.int32), np.zeros(BLOCK_TABLE_WRITES, np.int32)
+            r[:n], c[:n], p[:n] = rows[a : a + n], cols[a : a + n], pages[a : a + n]
+            self.block_table = write(self.block_table, r, c, p)
 
     def _prompt_logprob_rows(self, sched, req_ids, slots, computed, counts, ends):
         """For the requests in ``sched.prompt_logprobs``: the flat-batch rows of their scheduled

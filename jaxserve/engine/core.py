@@ -88,6 +88,19 @@ def _timed(fn, *args):
     t = time.perf_counter()
     return fn(*args), time.perf_counter() - t
 
+
+def _structured_output_manager(tokenizer_future, model_config, max_num_seqs: int):
+    """(StructuredOutputManager, EOS ids, seconds), once ``tokenizer_future`` (of ``_timed``)
+    has the tokenizer. Generation ends at the model's EOS ids (config.json / GGUF) and the
+    tokenizer's own."""
+    tokenizer = tokenizer_future.result()[0]
+    eos = set(model_config.eos_token_ids) | {tokenizer.eos_token_id}
+    eos_token_ids = tuple(sorted(t for t in eos if t is not None))
+    (manager, seconds) = _timed(StructuredOutputManager, tokenizer, model_config.vocab_size,
+                                eos_token_ids, max_num_seqs)
+    return manager, eos_token_ids, seconds
+
+
 class EngineCore:
     """Loads the model, sizes and allocates the KV pool, compiles every bucket, then serves steps.
 
@@ -110,10 +123,10 @@ class EngineCore:
         log(f"sampling defaults for requests that leave them out: "
             f"{describe_sampling_defaults(self.generation_config)}")
         # The tokenizer (importing transformers: seconds on the GPU machine) loads on a thread
-        # while the backend starts and the parameters are built and the steps compiled.
+        # while the backend starts and the parameters are built and the steps compiled; the
+        # structured outputs' LLTokenizer follows it there once the model's EOS ids are known.
         pool = ThreadPoolExecutor(1)
         tokenizer = pool.submit(_timed, load_tokenizer_of, source, fmt)
-        pool.shutdown(wait=False)
         # JAX caps its GPU allocator at XLA_PYTHON_CLIENT_MEM_FRACTION (0.75 unless set) of total
         # memory; raise the cap above --gpu-memory-utilization before the backend starts (the
         # next line starts it). This is the one place that sets it, for the server's engine
@@ -153,6 +166,8 @@ class EngineCore:
         config = self.config = resolve_scheduler_limits(config, on_gpu, self.max_model_len)
         log(f"scheduler: max_num_seqs {config.max_num_seqs}, max_num_batched_tokens "
             f"{config.max_num_batched_tokens}, max_model_len {self.max_model_len}")
+        structured = pool.submit(_structured_output_manager, tokenizer, mc, config.max_num_seqs)
+        pool.shutdown(wait=False)
         kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
         backend = config.attention_backend
         self.runner = ModelRunner(
@@ -191,14 +206,9 @@ class EngineCore:
         log(f"tokenizer loaded in {tokenizer_s:.1f}s on a thread alongside; engine ready "
             f"{time.perf_counter() - start:.1f}s after it began")
 
-        # Generation ends at the model's EOS ids (config.json / GGUF) and the tokenizer's own.
-        eos = set(mc.eos_token_ids) | {self.tokenizer.eos_token_id}
-        self.eos_token_ids = tuple(sorted(t for t in eos if t is not None))
         self.vocab_size = mc.vocab_size
-        t4 = time.perf_counter()
-        self.structured_output_manager = StructuredOutputManager(
-            self.tokenizer, mc.vocab_size, self.eos_token_ids, config.max_num_seqs)
-        log(f"structured outputs: llguidance tokenizer built in {time.perf_counter() - t4:.1f}s")
+        self.structured_output_manager, self.eos_token_ids, so_s = structured.result()
+        log(f"structured outputs: llguidance tokenizer built in {so_s:.1f}s on that thread")
         self.scheduler = Scheduler(
             KVCacheManager(num_pages, config.page_size, config.enable_prefix_caching),
             max_num_seqs=config.max_num_seqs,

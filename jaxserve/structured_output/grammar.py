@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 
 import llguidance
-import llguidance.hf
 
 from jaxserve.sampling_params import StructuredOutputsParams
 
@@ -46,6 +45,8 @@ def build_ll_tokenizer(tokenizer, vocab_size: int, eos_token_ids) -> llguidance.
         borrowed tokenizer can lack (Llama-3.1's 128001 against SmolLM2's 49,152 tokens): such
         ids are left out, and with none left the tokenizer's own EOS stands in.
     """
+    import llguidance.hf  # imports transformers (seconds on a GPU machine): not at start-up
+
     eos = sorted(i for i in eos_token_ids if i < len(tokenizer))
     return llguidance.hf.from_tokenizer(tokenizer, n_vocab=max(vocab_size, len(tokenizer)),
                                         eos_token=eos or None)

@@ -300,8 +300,10 @@ class ModelRunner:
 
         shape, where = self._kv_pool(num_pages)
         kv = [kv_quant.pool_struct(shape, self.kv_dtype, where)] * self.config.num_layers
-        inputs = self._dummy_inputs(self.token_buckets[-1])
-        compiled = self._jitted.lower(self.params, *inputs[:4], kv, kv, *inputs[4:]).compile()
+        t = self.token_buckets[-1]
+        inputs = self._dummy_inputs(t)
+        compiled = self._jitted.lower(self.params, *inputs[:4], kv, kv, *inputs[4:]).compile(
+            self._compiler_options(t))  # the options the served step compiles with
         ma = compiled.memory_analysis()
         if ma is None:
             return 0

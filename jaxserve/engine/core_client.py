@@ -49,17 +49,19 @@ class _Pipe(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         buf = self._buf
         buf += data
-        while len(buf) >= 4:
-            n, head = int.from_bytes(buf[:4], "big", signed=True), 4
+        start = 0  # of the first frame not handled yet (frames are cut from buf once, at the end)
+        while len(buf) - start >= 4:
+            n, head = int.from_bytes(buf[start:start + 4], "big", signed=True), 4
             if n == -1:
-                if len(buf) < 12:
-                    return
-                n, head = int.from_bytes(buf[4:12], "big"), 12
-            if len(buf) < head + n:
-                return
-            frame = bytes(buf[head:head + n])
-            del buf[:head + n]
+                if len(buf) - start < 12:
+                    break
+                n, head = int.from_bytes(buf[start + 4:start + 12], "big"), 12
+            if len(buf) - start < head + n:
+                break
+            frame = bytes(buf[start + head:start + head + n])
+            start += head + n
             self._on_frame(frame)
+        del buf[:start]
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._on_lost()

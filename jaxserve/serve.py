@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 import resource
@@ -200,6 +201,11 @@ async def serve(args, sock: socket.socket) -> int:
     try:
         await asyncio.wait({start, stopper}, return_when=asyncio.FIRST_COMPLETED)
         if start.done() and start.exception() is None:
+            # What start-up made (the tokenizer, the app) lives as long as the server: frozen, a
+            # full collection no longer scans it (60-90 ms on 2 CPU cores, in a request's path
+            # if unlucky; the engine process does the same).
+            gc.collect()
+            gc.freeze()
             name = args.served_model_name or llm.model_name
             _say(f"ready: serving {name!r} (max_model_len {llm.max_model_len}, allocator "
                  f"fraction {llm.allocator_fraction:g} of device memory) at {url}/v1")

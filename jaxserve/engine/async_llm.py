@@ -29,13 +29,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import shutil
 import time
 from collections.abc import AsyncIterator
 
 from jaxserve.config import EngineConfig
-from jaxserve.engine import EngineCoreRequest
+from jaxserve.engine import EngineCoreRequest, child_request_id
 from jaxserve.engine import messages as M
 from jaxserve.engine.core_client import EngineCoreClient, EngineDeadError, EngineStartError
 from jaxserve.engine.input_processor import InputProcessor, chat_text_bytes
@@ -179,9 +180,37 @@ class AsyncLLM:
 
     # -- generation ----------------------------------------------------------------------------
 
-    async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
-        """Submit a request and yield its RequestOutput deltas until one has ``finished``.
+    def add_request(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                    request_id: str) -> asyncio.Queue:
+        """Submit a request: it is on its way to the engine when this returns, so the engine
+        starts on it while the caller sets up its response. Its RequestOutput deltas, then the
+        exception that ends it if one does, arrive on the returned queue (read it with
+        ``outputs``); ``abort`` ends it early.
+
+        Raises:
+          EngineDeadError: the engine is gone (or the server is shutting down).
+        """
+        if not self.ready or self.shutting_down:
+            raise EngineDeadError("the engine is not available")
+        self.engine_core.add_request(
+            EngineCoreRequest(request_id, prompt_token_ids, sampling_params))
+        # Tracked after the send, so that the detokenizers' set-up overlaps the engine's work:
+        # outputs are read on this event loop, so none can arrive before this returns.
+        queue: asyncio.Queue = asyncio.Queue()
+        try:
+            self.output_processor.add_request(request_id, None, prompt_token_ids,
+                                              sampling_params, queue)
+        except BaseException:
+            self.engine_core.abort_requests(
+                [child_request_id(request_id, i, sampling_params.n)
+                 for i in range(sampling_params.n)])
+            raise
+        return queue
+
+    async def outputs(self, request_id: str,
+                      queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+        """Yield the RequestOutput deltas of a request that ``add_request`` submitted (``queue``
+        is what it returned) until one has ``finished``.
 
         Each yielded ``outputs[0].text`` / ``.token_ids`` is new since the previous one (deltas
         that piled up while the consumer was busy are merged into one).
@@ -190,18 +219,11 @@ class AsyncLLM:
         engine, which frees its KV pages.
 
         Raises:
-          EngineDeadError: the engine is gone (or the server is shutting down).
+          EngineDeadError: the engine died.
           RequestError: the engine rejected the request or failed while running it.
         """
-        if not self.ready or self.shutting_down:
-            raise EngineDeadError("the engine is not available")
-        queue: asyncio.Queue = asyncio.Queue()
-        self.output_processor.add_request(request_id, None, prompt_token_ids, sampling_params,
-                                          queue)
         finished = False
         try:
-            self.engine_core.add_request(
-                EngineCoreRequest(request_id, prompt_token_ids, sampling_params))
             while not finished:
                 out = await queue.get()
                 while not isinstance(out, BaseException) and not out.finished and not queue.empty():
@@ -218,6 +240,14 @@ class AsyncLLM:
         finally:
             if not finished:
                 self.abort(request_id)
+
+    async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
+        """``add_request`` then ``outputs``: submit a request and yield its deltas."""
+        queue = self.add_request(prompt_token_ids, sampling_params, request_id)
+        async with contextlib.aclosing(self.outputs(request_id, queue)) as outputs:
+            async for out in outputs:
+                yield out
 
     def abort(self, request_id: str) -> None:
         """Abort a live request, every choice of it (no-op if it already finished)."""

@@ -1,24 +1,70 @@
 """EngineCoreClient: the API process's end of the pipe to the engine process.
 
 It starts the engine process (multiprocessing ``spawn`` context, target
-``jaxserve.engine.core_proc.run_engine_core``), reads the pipe from the asyncio event loop with
-``loop.add_reader`` (never a blocking read on the loop), and writes from a small sender thread so
-that a full pipe never blocks the loop (and the two processes can never deadlock writing to each
-other). This module never imports JAX.
+``jaxserve.engine.core_proc.run_engine_core``) and drives its end of the pipe as an asyncio
+transport (``_Pipe``): frames are handled on the event loop as they arrive, and written from it
+at once, the transport buffering what a full pipe does not take, so that the loop never blocks
+(and the two processes can never deadlock writing to each other). A request is in the pipe when
+``add_request`` returns: no thread hand-off, which could wait for the event loop to let go of
+the GIL. This module never imports JAX.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import multiprocessing
 import os
-import queue
-import threading
+import socket
 from collections.abc import Callable
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine import EngineCoreRequest
 from jaxserve.engine import messages as M
+
+
+logger = logging.getLogger("jaxserve.engine")
+
+
+def _frame(data: bytes) -> bytes:
+    """``data`` framed as ``multiprocessing.Connection.send_bytes`` frames it (the engine
+    process reads it with ``recv_bytes``): its length as a big-endian int32, or -1 then an
+    uint64 from 2 GiB on, then the bytes."""
+    n = len(data)
+    if n > 0x7FFFFFFF:
+        return (-1).to_bytes(4, "big", signed=True) + n.to_bytes(8, "big") + data
+    return n.to_bytes(4, "big") + data
+
+
+class _Pipe(asyncio.Protocol):
+    """The API end of the pipe on the event loop: calls ``on_frame`` with each complete frame
+    (``Connection``'s framing, see ``_frame``) and ``on_lost`` once the pipe is closed (EOF:
+    the engine process is gone)."""
+
+    def __init__(self, on_frame: Callable[[bytes], None], on_lost: Callable[[], None]):
+        self._on_frame = on_frame
+        self._on_lost = on_lost
+        self._buf = bytearray()
+
+    def data_received(self, data: bytes) -> None:
+        buf = self._buf
+        buf += data
+        start = 0  # of the first frame not handled yet (frames are cut from buf once, at the end)
+        while len(buf) - start >= 4:
+            n, head = int.from_bytes(buf[start:start + 4], "big", signed=True), 4
+            if n == -1:
+                if len(buf) - start < 12:
+                    break
+                n, head = int.from_bytes(buf[start + 4:start + 12], "big"), 12
+            if len(buf) - start < head + n:
+                break
+            frame = bytes(buf[start + head:start + head + n])
+            start += head + n
+            self._on_frame(frame)
+        del buf[:start]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._on_lost()
 
 
 class EngineStartError(RuntimeError):
@@ -44,11 +90,8 @@ class EngineCoreClient:
         self._on_message = on_message
         self._on_dead = on_dead
         self._proc = None
-        self._conn = None
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._transport: asyncio.Transport | None = None
         self._ready: asyncio.Future | None = None
-        self._sendq: queue.SimpleQueue = queue.SimpleQueue()
-        self._sender: threading.Thread | None = None
         self._closing = False
         self.dead = False
         self.ready_msg: M.Ready | None = None
@@ -63,19 +106,18 @@ class EngineCoreClient:
         """
         from jaxserve.engine.core_proc import run_engine_core
 
-        self._loop = asyncio.get_running_loop()
-        self._ready = self._loop.create_future()
+        loop = asyncio.get_running_loop()
+        self._ready = loop.create_future()
         ctx = multiprocessing.get_context("spawn")
-        parent_conn, child_conn = ctx.Pipe(duplex=True)
+        parent_conn, child_conn = ctx.Pipe(duplex=True)  # a socket pair
+        sock = socket.fromfd(parent_conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM)
+        parent_conn.close()
+        self._transport, _ = await loop.connect_accepted_socket(
+            lambda: _Pipe(self._on_frame, self._engine_gone), sock)
         self._proc = ctx.Process(target=run_engine_core, args=(self.config, child_conn, os.getpid()),
                                  name="jaxserve-engine", daemon=False)
         self._proc.start()
         child_conn.close()  # so that EOF reaches us when the engine exits
-        self._conn = parent_conn
-        self._loop.add_reader(parent_conn.fileno(), self._on_readable)
-        self._sender = threading.Thread(target=self._send_loop, name="jaxserve-pipe-sender",
-                                        daemon=True)
-        self._sender.start()
         self.ready_msg = await self._ready
         return self.ready_msg
 
@@ -88,8 +130,7 @@ class EngineCoreClient:
         if self._proc is None:
             return
         if not self.dead:
-            self._sendq.put(M.encode(M.Shutdown()))
-        self._sendq.put(None)
+            self._transport.write(_frame(M.encode(M.Shutdown())))
         if self.ready_msg is None:
             timeout = 0.5  # still loading/compiling: it would not read the pipe; SIGTERM it
         loop = asyncio.get_running_loop()
@@ -100,7 +141,7 @@ class EngineCoreClient:
         if self._proc.is_alive():
             self._proc.kill()
             await loop.run_in_executor(None, self._proc.join, 5.0)
-        self._close_conn()
+        self._transport.close()
 
     def kill(self) -> None:
         """Synchronous last resort (e.g. from atexit): make sure the engine process is gone."""
@@ -126,29 +167,20 @@ class EngineCoreClient:
     def _send(self, msg) -> None:
         if self.dead or self._closing:
             raise EngineDeadError("the engine is not running")
-        self._sendq.put(M.encode(msg))
-
-    def _send_loop(self) -> None:
-        while True:
-            data = self._sendq.get()
-            if data is None:
-                return
-            try:
-                self._conn.send_bytes(data)
-            except (OSError, EOFError, ValueError):
-                return  # the reader notices EOF and reports the engine dead
+        self._transport.write(_frame(M.encode(msg)))
 
     # -- reading -------------------------------------------------------------------------------
 
-    def _on_readable(self) -> None:
+    def _on_frame(self, data: bytes) -> None:
         try:
-            while self._conn.poll():
-                msg = M.decode(self._conn.recv_bytes())
-                self._dispatch(msg)
-        except (EOFError, OSError):
-            self._engine_gone()
+            msg = M.decode(data)
         except ValueError as e:  # a malformed frame: log and go on
             print(f"[jaxserve] dropping a malformed engine message: {e}", flush=True)
+            return
+        try:
+            self._dispatch(msg)
+        except Exception:  # noqa: BLE001 - raised into the transport, it would close the pipe
+            logger.exception("error handling an engine message")
 
     def _dispatch(self, msg) -> None:
         if isinstance(msg, M.Ready):
@@ -162,23 +194,11 @@ class EngineCoreClient:
         else:
             self._on_message(msg)
 
-    def _close_conn(self) -> None:
-        if self._conn is not None:
-            try:
-                self._loop.remove_reader(self._conn.fileno())
-            except (OSError, ValueError):
-                pass
-            try:
-                self._conn.close()
-            except OSError:
-                pass
-
     def _engine_gone(self) -> None:
         if self.dead:
             return
         self.dead = True
-        self._sendq.put(None)
-        self._close_conn()
+        self._transport.close()
         if self._ready is not None and not self._ready.done():
             code = None
             if self._proc is not None:

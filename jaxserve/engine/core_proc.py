@@ -22,6 +22,7 @@ the API process, which gets the same Ctrl-C, coordinates the shutdown.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import importlib
 import os
 import signal
@@ -225,6 +226,11 @@ def run_engine_core(config: EngineConfig, conn: Connection, parent_pid: int | No
                 traceback.print_exc()
             conn.send_bytes(M.encode(M.Error([], _describe(e), kind="internal", fatal=True)))
             return
+        # What start-up made (the model runner, its compiled steps, the tokenizer) lives as long
+        # as the process: frozen, a full collection no longer scans it (120-220 ms on 2 CPU
+        # cores with a tiny model, one in a run of 60 requests, in a request's path if unlucky).
+        gc.collect()
+        gc.freeze()
         conn.send_bytes(M.encode(M.Ready(
             model_name=str(core.model_name), max_model_len=core.max_model_len,
             tokenizer_dir=tokenizer_dir, eos_token_ids=list(core.eos_token_ids),

@@ -20,7 +20,7 @@ USAGE = {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7,
 
 
 class FakeLLM:
-    """What serving uses of AsyncLLM; ``generate`` yields DELTAS, or raises ``fail`` after the
+    """What serving uses of AsyncLLM; ``outputs`` yields DELTAS, or raises ``fail`` after the
     first."""
 
     ready, errored, shutting_down, restarting = True, False, False, False
@@ -41,8 +41,11 @@ class FakeLLM:
     def check_request(self, ids, sp):
         pass
 
-    async def generate(self, ids, sp, request_id):
+    def add_request(self, ids, sp, request_id):
         self.last_sampling_params = sp
+        return ids  # the "queue" that outputs gets back
+
+    async def outputs(self, request_id, ids):
         for i, (text, token_ids) in enumerate(DELTAS):
             if self.fail and i == 1:
                 raise self.fail
@@ -50,6 +53,9 @@ class FakeLLM:
             yield RequestOutput(request_id, None, ids,
                                 [CompletionOutput(0, text, token_ids, "stop" if last else None)],
                                 num_cached_tokens=2, finished=last)
+
+    def abort(self, request_id):
+        pass
 
 
 def _call(path, body=None, llm=None):

@@ -43,8 +43,7 @@ class ToolCallLLM(FakeLLM):
         self.last_tools = tools
         return await super().encode_chat(messages)
 
-    async def generate(self, ids, sp, request_id):
-        self.last_sampling_params = sp
+    async def outputs(self, request_id, ids):
         pieces = [CALL_TEXT[i:i + 7] for i in range(0, len(CALL_TEXT), 7)] + [""]
         for i, text in enumerate(pieces):
             last = i == len(pieces) - 1

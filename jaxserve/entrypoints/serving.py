@@ -400,9 +400,9 @@ async def _run(request, llm: AsyncLLM, prompts: list[list[int]], submitted: Subm
                echo_texts: list[str] | None, deadline: float | None):
     """Shared body of both endpoints: reads every prompt's ``n`` choices from the
     ``submitted`` requests, and answers with ``bodies``' response or chunks (a chunk per
-    choice update). ``echo_texts``: each
-    prompt's text, to start its choices with (completions' ``echo``). ``deadline`` (event
-    loop time, None for none) ends the request: 504, or an error event in a stream."""
+    choice update). ``echo_texts``: each prompt's text, to start its choices with
+    (completions' ``echo``). ``deadline`` (event loop time, None for none) ends the request:
+    504, or an error event in a stream."""
     progress = _Progress(prompts, echo_texts, sp)
     gen = _outputs(llm, submitted)
     if not stream:

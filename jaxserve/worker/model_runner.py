@@ -71,7 +71,9 @@ def powers_of_two_up_to(limit: int, start: int = 1) -> list[int]:
 # way), so smaller buckets would only add programs to compile at start-up (docs/performance.md).
 MIN_GPU_TOKEN_BUCKET = 16
 # Block table entries one dispatch of the device copy's write takes (_write_block_table_changes):
-# a step's new pages (at most its tokens / page size + one per sequence) fit in one.
+# a decode or chunked-prefill step's new pages (at most its tokens / page size + one per
+# sequence) fit in one; a new request's prefix-cache hits, or the stale row of a reused slot,
+# can take more.
 BLOCK_TABLE_WRITES = 1024
 # Token buckets from this size compile without XLA command buffers on a GPU (_compiler_options).
 OP_BY_OP_MIN_TOKENS = 512

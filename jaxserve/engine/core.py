@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import jax
 import numpy as np
 
+from checkpoints_tools.fetch_default import cache_dir
 from jaxserve import distributed
 from jaxserve.config import EngineConfig
 from jaxserve.sampling_params import describe_sampling_defaults
@@ -36,6 +37,7 @@ from jaxserve.model_loader import (
 from jaxserve.models import sharding
 from jaxserve.models.registry import build_params, resolve_dtype, resolve_kv_cache_dtype
 from jaxserve.structured_output.manager import StructuredOutputManager
+from jaxserve.worker.executable_cache import ExecutableCache
 from jaxserve.worker.model_runner import ModelRunner
 from pallas_kernels import get_attention_fn, kv_quant
 
@@ -46,16 +48,6 @@ CPU_MAX_MODEL_LEN = 4096
 # prefill phase.
 CPU_SCHEDULER_DEFAULTS = {"max_num_seqs": 32, "max_num_batched_tokens": 512}
 GPU_SCHEDULER_DEFAULTS = {"max_num_seqs": 256, "max_num_batched_tokens": 8192}
-
-
-def enable_compilation_cache() -> None:
-    """Persist compiled executables so a second start skips compilation (JAXSERVE_CACHE/xla)."""
-    cache = os.path.join(
-        os.environ.get("JAXSERVE_CACHE", os.path.expanduser("~/.cache/jaxserve")), "xla"
-    )
-    jax.config.update("jax_compilation_cache_dir", cache)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 
 def resolve_scheduler_limits(config: EngineConfig, on_gpu: bool, max_model_len: int) -> EngineConfig:
@@ -114,7 +106,6 @@ class EngineCore:
     """
 
     def __init__(self, config: EngineConfig, log: Callable[[str], None] = print):
-        enable_compilation_cache()
         distributed.initialize(config)  # before the first use of a JAX backend
         self.config = config
         start = time.perf_counter()
@@ -176,6 +167,7 @@ class EngineCore:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len, kv_dtype=kv_dtype,
             attention_fn=get_attention_fn(backend), mesh=mesh,
+            executable_cache=ExecutableCache(cache_dir() / "executables", log),
         )
         del params
         per_page = kv_bytes_per_page(mc, self.runner.layout, config.page_size, kv_dtype)

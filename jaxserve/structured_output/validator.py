@@ -33,12 +33,16 @@ class GrammarValidator:
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids,
                  timeout_s: float = COMPILE_TIMEOUT_S):
-        self.ll_tokenizer = build_ll_tokenizer(tokenizer, vocab_size, eos_token_ids)
         self.timeout_s = timeout_s
         # One thread: a compile that overran its time limit holds it until llguidance's limits
         # end it, and no spec is compiled twice.
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="jaxserve-grammar")
+        # Built on that thread, ahead of the first compile: the server is ready without
+        # waiting for it (0.6 s of the 8B model's start on the H200). The engine built the
+        # same one before it was ready, so it does not fail here.
+        self._ll_tokenizer = self._pool.submit(build_ll_tokenizer, tokenizer, vocab_size,
+                                               eos_token_ids)
         # (kind, SHA-256 of the spec) -> "" (compiles) or the error
         self._verdicts: OrderedDict[tuple[str, bytes], str] = OrderedDict()
         self._pending: dict[tuple[str, bytes], asyncio.Future] = {}
@@ -49,7 +53,7 @@ class GrammarValidator:
     def _compile(self, params: StructuredOutputsParams) -> str:
         start = time.perf_counter()
         try:
-            compile_matcher(self.ll_tokenizer, params)
+            compile_matcher(self._ll_tokenizer.result(), params)
         except ValueError as e:
             return str(e)
         return self._too_slow(params.key[0]) if time.perf_counter() - start > self.timeout_s else ""

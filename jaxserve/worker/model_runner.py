@@ -36,6 +36,7 @@ from jaxserve.engine import LogprobsLists
 from jaxserve.models import llama, sharding
 from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
 from jaxserve.structured_output.manager import bitmask_width
+from jaxserve.worker.executable_cache import ExecutableCache
 from jaxserve.worker.input_batch import InputBatch
 from jaxserve.worker.sampler import (
     FilterMetadata,
@@ -196,6 +197,8 @@ class ModelRunner:
       mesh: the tensor-parallel mesh (``jaxserve.models.sharding``) that params are split over;
         the KV pool is split by KV head over it, the step's other inputs and outputs are
         replicated. None: one device, the default.
+      executable_cache: where compiled programs are loaded from and saved to
+        (``executable_cache.py``); None: compiled at every start.
     """
 
     def __init__(
@@ -211,8 +214,10 @@ class ModelRunner:
         attention_fn: Callable,
         branch_free: bool | None = None,
         mesh: Mesh | None = None,
+        executable_cache: ExecutableCache | None = None,
     ):
         self.config = config
+        self.executables = executable_cache or ExecutableCache(None)
         self.mesh = mesh
         self.layout = sharding.Layout.of(config, sharding.mesh_size(mesh))
         self.params = params
@@ -304,8 +309,10 @@ class ModelRunner:
         kv = [kv_quant.pool_struct(shape, self.kv_dtype, where)] * self.config.num_layers
         t = self.token_buckets[-1]
         inputs = self._dummy_inputs(t)
-        compiled = self._jitted.lower(self.params, *inputs[:4], kv, kv, *inputs[4:]).compile(
-            self._compiler_options(t))  # the options the served step compiles with
+        with ThreadPoolExecutor(1) as pool:
+            compiled = self.executables.submit(
+                pool, self._jitted, (self.params, *inputs[:4], kv, kv, *inputs[4:]),
+                self._compiler_options(t)).result()  # the options the served step compiles with
         ma = compiled.memory_analysis()
         if ma is None:
             return 0
@@ -370,37 +377,38 @@ class ModelRunner:
 
     def compile_buckets(self, log: Callable[[str], None] = print) -> None:
         """Compile the step for every token bucket and the top-k/top-p sampler for every
-        sequence count, with a progress line each. Tracing and lowering (Python) go one program
-        after another on this thread; each lowered program is compiled at once by a pool of a
-        thread per core (XLA's compiler runs outside the GIL), so compiling overlaps the
-        lowering of the next. JAX's persistent compilation cache serves the compiles of a later
-        start."""
+        sequence count, with a progress line each. A program in the executable cache is loaded
+        from it on a pool of a thread per core; the others are traced and lowered one after
+        another on this thread, and each lowered program is compiled (and saved to the cache)
+        at once on that pool (XLA's compiler runs outside the GIL), so compiling overlaps the
+        lowering of the next."""
         start = time.perf_counter()
-        vocab = self.config.vocab_size
-        seq_counts = sorted({self.num_seqs_for(t) for t in self.token_buckets})
-        total = len(self.token_buckets) + len(seq_counts) + len(self._aux_jitted)
+        programs = {}  # (kind, tokens or seqs) -> (jitted, args, compiler options)
+        for t in self.token_buckets:
+            inputs = self._dummy_inputs(t)
+            programs["step", t] = (self._jitted, (self.params, *inputs[:4], self.k_cache,
+                                                  self.v_cache, *inputs[4:]),
+                                   self._compiler_options(t))
+        for s in sorted({self.num_seqs_for(t) for t in self.token_buckets}):
+            logits = jax.ShapeDtypeStruct((s, self.config.vocab_size), jnp.float32,
+                                          sharding=self._replicated)
+            # jitted, as the sampling state: a device_put cannot place it over two hosts
+            self._no_bitmask[s] = jax.jit(
+                partial(jnp.full, (s, self.bitmask_width), -1, jnp.int32),
+                out_shardings=self._replicated)()
+            programs["filter", s] = (self._filter_jitted, (
+                logits, self._prev_sampled, *self._dummy_sampling(s), self.sampling_state,
+                self._no_bitmask[s]), None)
+        for name, fn in self._aux_jitted.items():
+            programs[name, None] = (fn, self._aux_args(name), None)
+        total, hits = len(programs), self.executables.hits
         with ThreadPoolExecutor(min(total, os.cpu_count() or 1)) as pool:
-            futures = {}
-            for t in self.token_buckets:
-                inputs = self._dummy_inputs(t)
-                lowered = self._jitted.lower(
-                    self.params, *inputs[:4], self.k_cache, self.v_cache, *inputs[4:])
-                futures[pool.submit(lowered.compile, self._compiler_options(t))] = ("step", t)
-            for s in seq_counts:
-                logits = jax.ShapeDtypeStruct((s, vocab), jnp.float32, sharding=self._replicated)
-                # jitted, as the sampling state: a device_put cannot place it over two hosts
-                self._no_bitmask[s] = jax.jit(
-                    partial(jnp.full, (s, self.bitmask_width), -1, jnp.int32),
-                    out_shardings=self._replicated)()
-                lowered = self._filter_jitted.lower(logits, self._prev_sampled,
-                                                    *self._dummy_sampling(s), self.sampling_state,
-                                                    self._no_bitmask[s])
-                futures[pool.submit(lowered.compile)] = ("filter", s)
-            for name, fn in self._aux_jitted.items():
-                futures[pool.submit(fn.lower(*self._aux_args(name)).compile)] = (name, None)
+            futures = {self.executables.submit(pool, *program): label
+                       for label, program in programs.items()}
             log(f"traced and lowered {total} programs ({len(self.token_buckets)} token buckets, "
-                f"{len(seq_counts)} samplers, {len(self._aux_jitted)} others) in "
-                f"{time.perf_counter() - start:.1f}s")
+                f"{total - len(self.token_buckets) - len(self._aux_jitted)} samplers, "
+                f"{len(self._aux_jitted)} others; those in the executable cache are loaded "
+                f"instead) in {time.perf_counter() - start:.1f}s")
             for i, done in enumerate(as_completed(futures), 1):
                 kind, n = futures[done]
                 table = {"step": self._compiled, "filter": self._filter_compiled}.get(kind)
@@ -410,8 +418,9 @@ class ModelRunner:
                 else:
                     table[n] = done.result()
                     what = f"{kind} {'tokens' if kind == 'step' else 'seqs'}={n}"
-                log(f"compiling (or loading from the cache): {i}/{total} ({what}) "
+                log(f"compiling (or loading from a cache): {i}/{total} ({what}) "
                     f"{time.perf_counter() - start:.1f}s")
+        log(f"{self.executables.hits - hits} of {total} programs came from the executable cache")
 
     def _write_state_row(self, slot: int, r: NewRequestData) -> None:
         """Dispatch the sampler-state row of a request entering the batch (sampler.py)."""

@@ -1,0 +1,149 @@
+"""Compiled programs kept on disk whole, so that a later start neither traces, lowers nor
+compiles them.
+
+JAX's persistent compilation cache spares a later start XLA's compile only: it is keyed by the
+lowered program, so every start still traces and lowers each program first (on the H200, 6.2 s
+of an 18.3 s warm start for the 8B model's 19 programs, docs/performance.md). This cache is
+keyed by what decides a program before it is traced:
+
+- the source of the jaxserve and pallas_kernels packages, the jax and jaxlib versions, the
+  devices, JAX's configuration and the ``JAX_*``/``XLA_*`` environment (``environment_key``);
+- the jitted function with what it closes over (a ``functools.partial``'s arguments), the tree
+  structure and abstract values (shape, dtype, weak type, sharding) of the arguments, and the
+  compiler options.
+
+An entry (``$JAXSERVE_CACHE/executables/<sha256>.jex``) holds the executable as
+``jax.experimental.serialize_executable`` writes it, with its argument and output trees. An
+entry that does not load is compiled again and rewritten. Entries are never evicted: a new
+version of the code writes new ones.
+
+JAX's persistent cache is not used alongside: an executable it loaded does not serialize
+whole (on the CPU, jax 0.10.2, the copy fails at its first call with "Function ... not
+found"), so the programs cached here are always compiled by XLA itself.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib
+import os
+import pathlib
+import pickle
+import tempfile
+from collections.abc import Callable
+from concurrent.futures import Executor, Future
+
+import jax
+import jaxlib
+from jax.experimental import serialize_executable
+
+_SOURCE_PACKAGES = ("jaxserve", "pallas_kernels")
+
+
+@functools.cache
+def environment_key() -> str:
+    """sha256 hex of what every program of this process depends on beyond its own arguments:
+    the Python source of jaxserve and pallas_kernels, jax/jaxlib versions, the backend's
+    platform version and devices, JAX's configuration (its cache settings aside) and the
+    JAX_/XLA_ environment variables."""
+    h = hashlib.sha256()
+    for package in _SOURCE_PACKAGES:
+        root = pathlib.Path(importlib.import_module(package).__file__).parent
+        for path in sorted(root.rglob("*.py")):
+            h.update(str(path.relative_to(root)).encode())
+            h.update(path.read_bytes())
+    devices = jax.devices()
+    env = sorted((k, v) for k, v in os.environ.items() if k.startswith(("JAX_", "XLA_")))
+    flags = sorted((k, repr(v)) for k, v in jax.config.values.items() if "cache" not in k)
+    h.update(repr((jax.__version__, jaxlib.__version__, devices[0].client.platform_version,
+                   [(d.platform, d.device_kind, d.id, d.process_index) for d in devices],
+                   env, flags)).encode())
+    return h.hexdigest()
+
+
+def _describe(value) -> str:
+    """A stable text of a jitted function's static part: functions by qualified name (their
+    repr holds an address), partials by function and arguments, other values by repr."""
+    if isinstance(value, functools.partial):
+        return (f"partial({_describe(value.func)}, "
+                f"{[_describe(a) for a in value.args]}, "
+                f"{ {k: _describe(v) for k, v in value.keywords.items()} })")
+    if callable(value) and hasattr(value, "__qualname__"):
+        return f"{value.__module__}.{value.__qualname__}"
+    return repr(value)
+
+
+def _abstract(leaf) -> tuple:
+    return (tuple(getattr(leaf, "shape", ())), str(getattr(leaf, "dtype", type(leaf).__name__)),
+            bool(getattr(leaf, "weak_type", False)), str(getattr(leaf, "sharding", None)))
+
+
+def program_key(jitted: Callable, args: tuple, options: dict | None) -> str:
+    """sha256 hex naming the executable ``jitted.lower(*args).compile(options)`` would make in
+    this environment.
+
+    Args:
+      jitted: a ``jax.jit`` of a module-level function or of a ``functools.partial`` of one.
+      args: the positional arguments (arrays, ShapeDtypeStructs, numpy values, pytrees).
+      options: XLA compiler options, or None.
+    """
+    leaves, tree = jax.tree.flatten(args)
+    text = repr((environment_key(), _describe(jitted.__wrapped__), str(tree),
+                 [_abstract(x) for x in leaves], sorted((options or {}).items())))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+class ExecutableCache:
+    """Compiled programs by ``program_key``, in ``directory`` (created when first written).
+
+    Args:
+      directory: where entries live, e.g. ``$JAXSERVE_CACHE/executables``; None: compile
+        every program, keep none.
+      log: where a failure to read or write an entry is reported (it never fails a compile).
+    """
+
+    def __init__(self, directory: str | os.PathLike | None, log: Callable[[str], None] = print):
+        self.directory = None if directory is None else pathlib.Path(directory)
+        self.log = log
+        self.hits = 0
+
+    def submit(self, pool: Executor, jitted: Callable, args: tuple,
+               options: dict | None = None) -> Future:
+        """Future of the ``jax.stages.Compiled`` of ``jitted`` for ``args``: its entry loaded
+        on ``pool`` when there is one, else lowered here (tracing holds the GIL, so it stays
+        on the caller's thread) and compiled and saved on ``pool``."""
+        if self.directory is None:
+            return pool.submit(jitted.lower(*args).compile, options)
+        path = self.directory / f"{program_key(jitted, args, options)}.jex"
+        if path.exists():
+            return pool.submit(self._load, path, jitted, args, options)
+        return pool.submit(self._compile, path, jitted.lower(*args), options)
+
+    def _load(self, path: pathlib.Path, jitted, args, options):
+        try:
+            payload, in_tree, out_tree = pickle.loads(path.read_bytes())
+            compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+        except Exception as e:  # noqa: BLE001 - a bad entry is compiled again
+            self.log(f"executable cache: {path.name} did not load ({type(e).__name__}: {e}); "
+                     "compiling it again")
+            return self._compile(path, jitted.lower(*args), options)
+        self.hits += 1
+        return compiled
+
+    def _compile(self, path: pathlib.Path, lowered, options):
+        compiled = lowered.compile(options)
+        tmp = None
+        try:
+            entry = pickle.dumps(serialize_executable.serialize(compiled))
+            self.directory.mkdir(parents=True, exist_ok=True)
+            # Written whole then renamed: another process starting alongside never reads half.
+            fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
+            with os.fdopen(fd, "wb") as f:
+                f.write(entry)
+            os.replace(tmp, path)
+        except Exception as e:  # noqa: BLE001 - caching is an optimisation
+            self.log(f"executable cache: not saved ({type(e).__name__}: {e})")
+            if tmp is not None and os.path.exists(tmp):
+                os.unlink(tmp)
+        return compiled

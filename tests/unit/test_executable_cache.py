@@ -1,0 +1,78 @@
+"""ExecutableCache: a program compiled once is loaded whole by a later cache (another start),
+with its donation; the key follows shapes, static arguments and compiler options; a bad entry
+is compiled again."""
+
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.worker.executable_cache import ExecutableCache, program_key
+
+
+def _scale(factor, pages, x):
+    """pages is donated and updated in place; returns it with x * factor."""
+    return pages.at[0].set(x * factor), (x * factor).sum()
+
+
+def _jitted(factor):
+    return jax.jit(partial(_scale, factor), donate_argnums=(0,))
+
+
+def _compile(cache, jitted, args, options=None):
+    with ThreadPoolExecutor(1) as pool:
+        return cache.submit(pool, jitted, args, options).result()
+
+
+def test_a_later_cache_loads_the_program_and_keeps_its_donation(tmp_path):
+    args = (jnp.zeros((2, 3)), jnp.arange(3.0))
+    first = ExecutableCache(tmp_path)
+    _compile(first, _jitted(2.0), args)
+    assert first.hits == 0 and len(list(tmp_path.glob("*.jex"))) == 1
+
+    later = ExecutableCache(tmp_path)  # as a new process would: a new jit, a new cache object
+    compiled = _compile(later, _jitted(2.0), args)
+    assert later.hits == 1
+    pages = jnp.zeros((2, 3))
+    new_pages, total = compiled(pages, jnp.arange(3.0))
+    np.testing.assert_array_equal(np.asarray(new_pages[0]), [0.0, 2.0, 4.0])
+    assert float(total) == 6.0
+    assert pages.is_deleted()  # donated, as the jit asked
+
+
+def test_the_key_follows_shapes_static_arguments_and_options():
+    args = (jnp.zeros((2, 3)), jnp.arange(3.0))
+    key = program_key(_jitted(2.0), args, None)
+    assert key == program_key(_jitted(2.0), args, None)  # no object addresses in it
+    assert key != program_key(_jitted(3.0), args, None)
+    assert key != program_key(_jitted(2.0), (jnp.zeros((4, 3)), jnp.arange(3.0)), None)
+    assert key != program_key(_jitted(2.0), (jnp.zeros((2, 3), jnp.bfloat16),
+                                             jnp.arange(3.0)), None)
+    assert key != program_key(_jitted(2.0), args, {"xla_cpu_enable_fast_math": True})
+    # abstract values stand for arrays: a ShapeDtypeStruct of the same type gives the same key
+    struct = jax.ShapeDtypeStruct((3,), jnp.float32, sharding=args[1].sharding)
+    assert key == program_key(_jitted(2.0), (args[0], struct), None)
+
+
+def test_a_bad_entry_is_compiled_again_and_rewritten(tmp_path):
+    args = (jnp.zeros((2, 3)), jnp.arange(3.0))
+    _compile(ExecutableCache(tmp_path), _jitted(2.0), args)
+    (entry,) = tmp_path.glob("*.jex")
+    entry.write_bytes(b"not a pickle")
+    logged = []
+    cache = ExecutableCache(tmp_path, log=logged.append)
+    compiled = _compile(cache, _jitted(2.0), args)
+    assert cache.hits == 0 and "did not load" in logged[0]
+    assert float(compiled(jnp.zeros((2, 3)), jnp.arange(3.0))[1]) == 6.0
+    later = ExecutableCache(tmp_path)
+    _compile(later, _jitted(2.0), args)
+    assert later.hits == 1
+
+
+def test_without_a_directory_nothing_is_kept(tmp_path):
+    cache = ExecutableCache(None)
+    compiled = _compile(cache, _jitted(2.0), (jnp.zeros((2, 3)), jnp.arange(3.0)))
+    assert float(compiled(jnp.zeros((2, 3)), jnp.arange(3.0))[1]) == 6.0
+    assert cache.hits == 0 and not list(tmp_path.iterdir())

@@ -26,6 +26,25 @@ from jaxserve.sampling_params import StructuredOutputsParams
 LIMITS = dict(max_grammar_size=200_000, verbose_errors=False)
 _JSON_OPTIONS = {"whitespace_flexible": False}
 
+# The token sets ("slices") llguidance precomputes (LLTokenizer's ``slices``): llguidance's
+# general_slices() (whitespace; 1-10, 1-30 and any number of JSON string characters) plus
+# 1-8, 1-12 and 1-15 characters. A mask inside a string takes whole the largest slice that the
+# lexer state contains (a regex-containment check) and walks the token trie for the tokens
+# outside it (parser/src/earley/slicer.rs in guidance-ai/llguidance). An unbounded string
+# contains every slice; a string with a maxLength (a counted regex, ``(?s:.{0,n})`` in
+# parser/src/json/compiler.rs) with r characters left contains only the slices of at most r
+# characters, and the defaults jump from 10 to 30: with 10 <= r < 30 every token of 11-30
+# characters was walked (~30k trie nodes for SmolLM2's vocabulary), with r < 10 the whole trie.
+# The extra slices shrink those walks (tokens longer than 15 characters are few): 15-25%
+# off the masks of bounded-string schemas (scripts/bench_structured.py mask); they cannot do
+# more: a token longer than r characters never lies in a slice that applies, so llguidance
+# always walks those to depth r + 1 (15k-40k nodes for 3 <= r <= 10). Slices only speed up
+# the mask; which tokens it allows is the same.
+_STRING_CHAR = r'[^"\\\x00-\x1F\x7F]'
+SLICES = [r"[\x20\x0A\x0D\x09]+",
+          *(f"{_STRING_CHAR}{{1,{n}}}" for n in (8, 10, 12, 15, 30)),
+          f"{_STRING_CHAR}+"]
+
 
 def limits() -> llguidance.LLParserLimits:
     return llguidance.LLParserLimits(**LIMITS)
@@ -49,7 +68,7 @@ def build_ll_tokenizer(tokenizer, vocab_size: int, eos_token_ids) -> llguidance.
 
     eos = sorted(i for i in eos_token_ids if i < len(tokenizer))
     return llguidance.hf.from_tokenizer(tokenizer, n_vocab=max(vocab_size, len(tokenizer)),
-                                        eos_token=eos or None)
+                                        eos_token=eos or None, slices=SLICES)
 
 
 def grammar_text(params: StructuredOutputsParams) -> str:

@@ -119,6 +119,42 @@ def test_borrowed_tokenizer_without_the_models_eos(tokenizer):
     assert list(_allowed(m.grammar_bitmask([g])[0], 128256)) == [tokenizer.eos_token_id]
 
 
+def test_bounded_string_masks_walk_fewer_tokens(tokenizer, manager):
+    """A string with a maxLength and 20 characters left: llguidance's own slices (1-10 and
+    1-30 characters) leave every token of 11-30 characters to a trie walk, ours (grammar.SLICES)
+    only those of 16-30 characters; the allowed tokens are the same."""
+    import json as _json
+
+    import llguidance
+    import llguidance.hf
+
+    from jaxserve.structured_output.grammar import grammar_text, limits
+
+    text = grammar_text(SO(json={"type": "object", "properties": {"s": {
+        "type": "string", "maxLength": 24}}, "required": ["s"], "additionalProperties": False}))
+    prefix = '{"s":"abcd'
+
+    def walk(lt):
+        it = llguidance.LLInterpreter(lt, text, enable_backtrack=False, enable_ff_tokens=False,
+                                      log_level=0, limits=limits())
+        it.start_without_prompt()
+        nodes = 0
+        for t in [*lt.tokenize_str(prefix), None]:
+            mask, info = it.compute_mask()
+            nodes += sum(p["stats"]["trie_nodes_walked"] for p in _json.loads(info)["progress"]
+                         if "stats" in p)
+            if t is not None:
+                it.commit_token(t)
+        return mask, nodes
+
+    default = llguidance.hf.from_tokenizer(tokenizer, n_vocab=49152,
+                                           eos_token=[tokenizer.eos_token_id])
+    ours_mask, ours = walk(manager.ll_tokenizer)
+    default_mask, theirs = walk(default)
+    assert ours_mask == default_mask
+    assert ours < theirs / 2, (ours, theirs)
+
+
 def test_validator_caches_and_limits_time(tokenizer):
     from jaxserve.structured_output.validator import GrammarValidator
 

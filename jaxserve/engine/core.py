@@ -50,6 +50,15 @@ CPU_SCHEDULER_DEFAULTS = {"max_num_seqs": 32, "max_num_batched_tokens": 512}
 GPU_SCHEDULER_DEFAULTS = {"max_num_seqs": 256, "max_num_batched_tokens": 8192}
 
 
+def enable_compilation_cache() -> None:
+    """Keep XLA's compiles of the start-up's other programs (parameter set-up, ...) in JAX's
+    persistent cache ($JAXSERVE_CACHE/jax-compiles); the model runner's programs go to the
+    executable cache ($JAXSERVE_CACHE/executables), which skips their tracing too."""
+    jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "jax-compiles"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
 def resolve_scheduler_limits(config: EngineConfig, on_gpu: bool, max_model_len: int) -> EngineConfig:
     """The configuration with ``max_model_len`` and the device's defaults for the scheduler
     limits left unset.
@@ -106,6 +115,7 @@ class EngineCore:
     """
 
     def __init__(self, config: EngineConfig, log: Callable[[str], None] = print):
+        enable_compilation_cache()
         distributed.initialize(config)  # before the first use of a JAX backend
         self.config = config
         start = time.perf_counter()

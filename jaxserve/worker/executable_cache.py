@@ -8,35 +8,50 @@ keyed by what decides a program before it is traced:
 
 - the source of the jaxserve and pallas_kernels packages, the jax and jaxlib versions, the
   devices, JAX's configuration and the ``JAX_*``/``XLA_*`` environment (``environment_key``);
-- the jitted function with what it closes over (a ``functools.partial``'s arguments), the tree
-  structure and abstract values (shape, dtype, weak type, sharding) of the arguments, and the
-  compiler options.
+- the jitted function with what it closes over (a ``functools.partial``'s arguments) and its
+  jit settings, the tree structure and abstract values (shape, dtype, weak type, sharding) of
+  the arguments, and the compiler options.
 
 An entry (``$JAXSERVE_CACHE/executables/<sha256>.jex``) holds the executable as
 ``jax.experimental.serialize_executable`` writes it, with its argument and output trees. An
 entry that does not load is compiled again and rewritten. Entries are never evicted: a new
 version of the code writes new ones.
 
-JAX's persistent cache is not used alongside: an executable it loaded does not serialize
-whole (on the CPU, jax 0.10.2, the copy fails at its first call with "Function ... not
-found"), so the programs cached here are always compiled by XLA itself.
+JAX's persistent cache keeps none of these programs: an executable it loaded does not
+serialize whole (on the CPU, jax 0.10.2, the copy fails at its first call with "Function ...
+not found"), so a program compiled here is never written to it, and one that it served
+anyway (a cache shared with other code) is not saved here.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import math
 import importlib
 import os
 import pathlib
 import pickle
 import tempfile
+import threading
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
 
 import jax
 import jaxlib
+from jax._src import config as jax_config
 from jax.experimental import serialize_executable
+
+# Whether JAX's persistent cache served this thread's last compile (jax.monitoring's event).
+_served_by_jax = threading.local()
+
+
+def _on_event(event: str, **kwargs) -> None:
+    if event == "/jax/compilation_cache/cache_hits":
+        _served_by_jax.hit = True
+
+
+jax.monitoring.register_event_listener(_on_event)
 
 _SOURCE_PACKAGES = ("jaxserve", "pallas_kernels")
 
@@ -79,17 +94,23 @@ def _abstract(leaf) -> tuple:
             bool(getattr(leaf, "weak_type", False)), str(getattr(leaf, "sharding", None)))
 
 
-def program_key(jitted: Callable, args: tuple, options: dict | None) -> str:
+def program_key(jitted: Callable, args: tuple, options: dict | None) -> str | None:
     """sha256 hex naming the executable ``jitted.lower(*args).compile(options)`` would make in
-    this environment.
+    this environment; None for a callable that does not show its jit settings (it is then
+    compiled, not cached).
 
     Args:
-      jitted: a ``jax.jit`` of a module-level function or of a ``functools.partial`` of one.
+      jitted: a ``jax.jit`` of a module-level function or of a ``functools.partial`` of one;
+        its settings (donation, shardings, static arguments) are read from its ``_jit_info``
+        (jax's PjitInfo, whose repr holds them all).
       args: the positional arguments (arrays, ShapeDtypeStructs, numpy values, pytrees).
       options: XLA compiler options, or None.
     """
+    info, fn = getattr(jitted, "_jit_info", None), getattr(jitted, "__wrapped__", None)
+    if info is None or fn is None:
+        return None
     leaves, tree = jax.tree.flatten(args)
-    text = repr((environment_key(), _describe(jitted.__wrapped__), str(tree),
+    text = repr((environment_key(), _describe(fn), repr(info), str(tree),
                  [_abstract(x) for x in leaves], sorted((options or {}).items())))
     return hashlib.sha256(text.encode()).hexdigest()
 
@@ -101,22 +122,36 @@ class ExecutableCache:
       directory: where entries live, e.g. ``$JAXSERVE_CACHE/executables``; None: compile
         every program, keep none.
       log: where a failure to read or write an entry is reported (it never fails a compile).
+
+    Attributes:
+      hits: programs loaded from an entry so far.
     """
 
     def __init__(self, directory: str | os.PathLike | None, log: Callable[[str], None] = print):
         self.directory = None if directory is None else pathlib.Path(directory)
         self.log = log
         self.hits = 0
+        self._lock = threading.Lock()
+
+    def _path(self, jitted, args, options) -> pathlib.Path | None:
+        key = None if self.directory is None else program_key(jitted, args, options)
+        return None if key is None else self.directory / f"{key}.jex"
+
+    def compile(self, jitted: Callable, args: tuple = (), options: dict | None = None):
+        """The ``jax.stages.Compiled`` of ``jitted`` for ``args``, on this thread: loaded from
+        its entry when there is one, else compiled (and saved)."""
+        path = self._path(jitted, args, options)
+        if path is not None and path.exists():
+            return self._load(path, jitted, args, options)
+        return self._compile(path, jitted.lower(*args), options)
 
     def submit(self, pool: Executor, jitted: Callable, args: tuple,
                options: dict | None = None) -> Future:
-        """Future of the ``jax.stages.Compiled`` of ``jitted`` for ``args``: its entry loaded
-        on ``pool`` when there is one, else lowered here (tracing holds the GIL, so it stays
-        on the caller's thread) and compiled and saved on ``pool``."""
-        if self.directory is None:
-            return pool.submit(jitted.lower(*args).compile, options)
-        path = self.directory / f"{program_key(jitted, args, options)}.jex"
-        if path.exists():
+        """``compile`` on ``pool``, but a program that is not in the cache is traced and
+        lowered here first (tracing holds the GIL: done one after another on the caller's
+        thread, it overlaps the compiles running on the pool)."""
+        path = self._path(jitted, args, options)
+        if path is not None and path.exists():
             return pool.submit(self._load, path, jitted, args, options)
         return pool.submit(self._compile, path, jitted.lower(*args), options)
 
@@ -128,17 +163,23 @@ class ExecutableCache:
             self.log(f"executable cache: {path.name} did not load ({type(e).__name__}: {e}); "
                      "compiling it again")
             return self._compile(path, jitted.lower(*args), options)
-        self.hits += 1
+        with self._lock:
+            self.hits += 1
         return compiled
 
-    def _compile(self, path: pathlib.Path, lowered, options):
-        compiled = lowered.compile(options)
+    def _compile(self, path: pathlib.Path | None, lowered, options):
+        _served_by_jax.hit = False
+        # A thread-local setting: only this compile stays out of JAX's persistent cache.
+        with jax_config.persistent_cache_min_compile_time_secs(math.inf):
+            compiled = lowered.compile(options)
+        if path is None or _served_by_jax.hit:
+            return compiled
         tmp = None
         try:
             entry = pickle.dumps(serialize_executable.serialize(compiled))
-            self.directory.mkdir(parents=True, exist_ok=True)
+            path.parent.mkdir(parents=True, exist_ok=True)
             # Written whole then renamed: another process starting alongside never reads half.
-            fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
+            fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
             with os.fdopen(fd, "wb") as f:
                 f.write(entry)
             os.replace(tmp, path)

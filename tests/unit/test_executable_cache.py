@@ -76,3 +76,50 @@ def test_without_a_directory_nothing_is_kept(tmp_path):
     compiled = _compile(cache, _jitted(2.0), (jnp.zeros((2, 3)), jnp.arange(3.0)))
     assert float(compiled(jnp.zeros((2, 3)), jnp.arange(3.0))[1]) == 6.0
     assert cache.hits == 0 and not list(tmp_path.iterdir())
+
+
+def test_the_key_follows_the_jit_settings():
+    args = (jnp.zeros((2, 3)), jnp.arange(3.0))
+    assert (program_key(_jitted(2.0), args, None)
+            != program_key(jax.jit(partial(_scale, 2.0)), args, None))  # no donation
+
+
+_WITH_JAX_CACHE = """
+import json, pathlib, sys
+import jax, jax.numpy as jnp
+sys.path.insert(0, {tests!r})
+from test_executable_cache import _jitted
+from jaxserve.worker.executable_cache import ExecutableCache
+tmp = pathlib.Path({tmp!r})
+jax.config.update("jax_compilation_cache_dir", str(tmp / "jax"))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+args = (jnp.zeros((2, 3)), jnp.arange(3.0))
+count = lambda d: len([p for p in (tmp / d).glob("*") if "atime" not in p.name])
+_jitted(2.0).lower(*args).compile()  # JAX's cache now holds this one
+before = count("jax")
+cache = ExecutableCache(tmp / "ours")
+cache.compile(_jitted(2.0), args)  # served by JAX's cache: not re-serialized
+served = count("ours")
+cache.compile(_jitted(3.0), args)  # compiled here: saved here only
+print(json.dumps(dict(before=before, served=served, ours=count("ours"), jax=count("jax"))))
+"""
+
+
+def test_jax_persistent_cache_neither_keeps_nor_feeds_the_cached_programs(tmp_path):
+    import json
+    import pathlib
+    import subprocess
+    import sys
+
+    script = _WITH_JAX_CACHE.format(tests=str(pathlib.Path(__file__).parent), tmp=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    counts = json.loads(out.strip().splitlines()[-1])
+    # nothing was saved from JAX's copy, and the program compiled here is not in JAX's cache
+    assert counts["before"] >= 1 and counts["served"] == 0, counts
+    assert counts["ours"] == 1 and counts["jax"] == counts["before"], counts
+    later = ExecutableCache(tmp_path / "ours")
+    compiled = _compile(later, _jitted(3.0), (jnp.zeros((2, 3)), jnp.arange(3.0)))
+    assert later.hits == 1
+    assert float(compiled(jnp.zeros((2, 3)), jnp.arange(3.0))[1]) == 9.0

@@ -108,18 +108,19 @@ def measure_idle(llm: LLM, rng, batch: int, prompt_len: int, steps: int):
     loop = (time.perf_counter() - t0) / steps
     runner._compiled[decode_bucket] = original
 
-    # The last step's inputs again, before any other program runs: the KV pools (5, 6) it
-    # donated are the runner's now, and each call takes the one before's.
+    # The last step's inputs again, before any other program runs: the KV pools (3, 4) and
+    # the block table (5) it donated are the runner's now, and each call takes the one
+    # before's.
     args = list(recorded["args"])
-    args[5], args[6] = runner.k_cache, runner.v_cache
+    args[3], args[4], args[5] = runner.k_cache, runner.v_cache, runner.block_table
     for i in range(steps + 1):  # the first call is a warm-up
         if i == 1:
-            jax.block_until_ready(args[5])
+            jax.block_until_ready(args[3])
             t0 = time.perf_counter()
-        sampled, _, _, args[5], args[6] = original(*args)
+        sampled, _, _, args[3], args[4], args[5] = original(*args)
     jax.block_until_ready(sampled)
     device = (time.perf_counter() - t0) / steps
-    runner.k_cache, runner.v_cache = args[5], args[6]
+    runner.k_cache, runner.v_cache, runner.block_table = args[3], args[4], args[5]
     finish(llm, ids)
     return loop * 1e3, device * 1e3
 

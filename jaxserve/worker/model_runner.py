@@ -38,6 +38,7 @@ from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
 from jaxserve.structured_output.manager import bitmask_width
 from jaxserve.worker.executable_cache import ExecutableCache
 from jaxserve.worker.input_batch import InputBatch
+from jaxserve.worker.step_inputs import StepLayout
 from jaxserve.worker.sampler import (
     FilterMetadata,
     Logprobs,
@@ -71,10 +72,10 @@ def powers_of_two_up_to(limit: int, start: int = 1) -> list[int]:
 # does (matmul and attention tiles have at least 16 rows; a step reads the weights once either
 # way), so smaller buckets would only add programs to compile at start-up (docs/performance.md).
 MIN_GPU_TOKEN_BUCKET = 16
-# Block table entries one dispatch of the device copy's write takes (_write_block_table_changes):
+# Block table entries a step writes to the device copy before it runs (_block_table_writes):
 # a decode or chunked-prefill step's new pages (at most its tokens / page size + one per
-# sequence) fit in one; a new request's prefix-cache hits, or the stale row of a reused slot,
-# can take more.
+# sequence) fit; a new request's prefix-cache hits, or the stale row of a reused slot, can
+# take more, and those go first by the "block table write" program, as many at a time.
 BLOCK_TABLE_WRITES = 1024
 # Token buckets from this size compile without XLA command buffers on a GPU (_compiler_options).
 OP_BY_OP_MIN_TOKENS = 512
@@ -87,26 +88,37 @@ def _bucket(buckets: list[int], n: int) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
-def _step(config, attention_fn, mesh, max_num_seqs, branch_free, params, token_ids, prev_rows,
-          prev_sampled, md, k_cache, v_cache, logits_indices, hidden_indices, sm, block_table,
-          seq_slots):
-    """prev_rows[T]: for each input token, the row of ``prev_sampled`` (the previous step's
-    sampled tokens) that holds it, or -1 to take ``token_ids``. ``md.block_tables`` is None:
-    the step gathers its sequences' rows ``seq_slots`` [S] from the device-resident
-    ``block_table`` [max_num_seqs, P] (InputBatch slots). Returns the greedy and plain
+def _step(config, attention_fn, mesh, max_num_seqs, branch_free, layout, params, packed,
+          prev_sampled, k_cache, v_cache, block_table):
+    """One model step of a token bucket, from its host inputs ``packed`` ([layout.size] int32,
+    ``StepLayout.pack``: one transfer).
+
+    ``prev_rows`` [T]: for each input token, the row of ``prev_sampled`` (the previous step's
+    sampled tokens) that holds it, or -1 to take ``token_ids``. The step writes the block table
+    entries changed since the last step (``block_table_rows/cols/pages``, ``_write_block_table``)
+    to the device-resident ``block_table`` [max_num_seqs, P] (InputBatch slots), then gathers
+    its sequences' rows ``seq_slots`` [S] from it: one dispatch, where a separate write cost an
+    idle engine's first token ~1 ms of host time on the H200. Returns the greedy and plain
     rows' tokens padded to [max_num_seqs] (so that the next step's prev_sampled has one shape
     in every bucket), the logits [S, V] for ``_filter``, the hidden rows [R, E] at
-    ``hidden_indices`` for ``_prompt_logprobs`` and the updated KV pool.
-    ``branch_free``: no control flow (the GPU; see the sampler's module docstring). ``mesh``:
-    the tensor-parallel mesh (None: one device)."""
-    token_ids = jnp.where(prev_rows >= 0, prev_sampled[jnp.maximum(prev_rows, 0)], token_ids)
-    md = dataclasses.replace(md, block_tables=block_table[seq_slots])
+    ``hidden_indices`` for ``_prompt_logprobs``, the updated KV pool and the updated block
+    table. ``branch_free``: no control flow (the GPU; see the sampler's module docstring).
+    ``mesh``: the tensor-parallel mesh (None: one device)."""
+    x = layout.unpack(packed)
+    prev_rows = x["prev_rows"]
+    token_ids = jnp.where(prev_rows >= 0, prev_sampled[jnp.maximum(prev_rows, 0)],
+                          x["token_ids"])
+    block_table = _write_block_table(block_table, x["block_table_rows"], x["block_table_cols"],
+                                     x["block_table_pages"])
+    md = llama.AttentionMetadata(x["positions"], x["slot_mapping"], x["query_start_loc"],
+                                 x["seq_lens"], block_table[x["seq_slots"]])
+    sm = SamplingMetadata(**{f.name: x[f.name] for f in dataclasses.fields(SamplingMetadata)})
     logits, k_cache, v_cache, hidden = llama.forward(
-        config, params, token_ids, md, k_cache, v_cache, logits_indices,
-        attention_fn=attention_fn, mesh=mesh, hidden_indices=hidden_indices)
+        config, params, token_ids, md, k_cache, v_cache, x["logits_indices"],
+        attention_fn=attention_fn, mesh=mesh, hidden_indices=x["hidden_indices"])
     sampled = sample_unfiltered(logits, sm, branch_free=branch_free)
     return (jnp.pad(sampled, (0, max_num_seqs - sampled.shape[0])), logits, hidden, k_cache,
-            v_cache)
+            v_cache, block_table)
 
 
 def _filter(logits, sampled, sm, fm, state, bitmask):
@@ -240,22 +252,28 @@ class ModelRunner:
         self.prompt_logprob_rows = min(PROMPT_LOGPROB_ROWS, max_num_batched_tokens)
         if branch_free is None:
             branch_free = not on_cpu
-        step = partial(_step, config, attention_fn, mesh, max_num_seqs, branch_free)
         # Everything but the params and the pool is replicated over the mesh (None: one device).
         self._replicated = None if mesh is None else sharding.replicated(mesh)
+        self.step_layouts = {
+            t: StepLayout(t, self.num_seqs_for(t), self.prompt_logprob_rows, BLOCK_TABLE_WRITES)
+            for t in self.token_buckets}
+        # The step of each token bucket (its layout is static); the pool and the block table
+        # are donated.
         if mesh is None:
-            self._jitted = jax.jit(step, donate_argnums=(5, 6))
+            jit_step = partial(jax.jit, donate_argnums=(3, 4, 5))
             self._filter_jitted = jax.jit(_filter, donate_argnums=(4,))
         else:
             # Params as split by the Megatron layout, the pool by KV head.
             rep, kv = self._replicated, sharding.kv_sharding(mesh)
-            self._jitted = jax.jit(
-                step, donate_argnums=(5, 6),
-                in_shardings=(sharding.param_shardings(params, mesh), rep, rep, rep, rep, kv, kv,
-                              rep, rep, rep, rep, rep),
-                out_shardings=(rep, rep, rep, kv, kv))
+            jit_step = partial(
+                jax.jit, donate_argnums=(3, 4, 5),
+                in_shardings=(sharding.param_shardings(params, mesh), rep, rep, kv, kv, rep),
+                out_shardings=(rep, rep, rep, kv, kv, rep))
             self._filter_jitted = jax.jit(_filter, donate_argnums=(4,), in_shardings=rep,
                                           out_shardings=rep)
+        self._step_jitted = {
+            t: jit_step(partial(_step, config, attention_fn, mesh, max_num_seqs, branch_free,
+                                layout)) for t, layout in self.step_layouts.items()}
         # The other programs a step may dispatch, each compiled once at start-up.
         self._aux_jitted = {
             "state writer": jax.jit(write_state_row, donate_argnums=(0,)),
@@ -316,11 +334,8 @@ class ModelRunner:
         shape, where = self._kv_pool(num_pages)
         kv = [kv_quant.pool_struct(shape, self.kv_dtype, where)] * self.config.num_layers
         t = self.token_buckets[-1]
-        inputs = self._dummy_inputs(t)
-        with ThreadPoolExecutor(1) as pool:
-            compiled = self.executables.submit(
-                pool, self._jitted, (self.params, *inputs[:4], kv, kv, *inputs[4:]),
-                self._compiler_options(t)).result()  # the options the served step compiles with
+        compiled = self.executables.compile(  # with the options the served step compiles with
+            self._step_jitted[t], self.step_args(t, kv, kv), self._compiler_options(t))
         ma = compiled.memory_analysis()
         if ma is None:
             return 0
@@ -332,17 +347,12 @@ class ModelRunner:
     def num_seqs_for(self, num_tokens_bucket: int) -> int:
         return min(num_tokens_bucket, self.max_num_seqs)
 
-    def _dummy_inputs(self, t: int):
-        s, p = self.num_seqs_for(t), self.max_pages_per_seq
-        zeros_t = np.zeros(t, np.int32)
-        md = llama.AttentionMetadata(
-            positions=zeros_t, slot_mapping=zeros_t,
-            query_start_loc=np.zeros(s + 1, np.int32), seq_lens=np.zeros(s, np.int32),
-            block_tables=None,
-        )
-        return (zeros_t, np.full(t, -1, np.int32), np.zeros(self.max_num_seqs, np.int32), md,
-                np.zeros(s, np.int32), np.zeros(self.prompt_logprob_rows, np.int32),
-                self._dummy_sampling(s)[0], self.block_table, np.zeros(s, np.int32))
+    def step_args(self, t: int, k_cache, v_cache) -> tuple:
+        """Placeholder arguments of token bucket t's step (``_step_jitted[t]``), for its
+        compilation, with the given pool (arrays, or ShapeDtypeStructs to compile against a
+        pool that is not allocated)."""
+        packed = np.zeros(self.step_layouts[t].size, np.int32)
+        return self.params, packed, self._prev_sampled, k_cache, v_cache, self.block_table
 
     @staticmethod
     def _dummy_sampling(s: int) -> tuple[SamplingMetadata, FilterMetadata]:
@@ -393,9 +403,8 @@ class ModelRunner:
         start = time.perf_counter()
         programs = {}  # (kind, tokens or seqs) -> (jitted, args, compiler options)
         for t in self.token_buckets:
-            inputs = self._dummy_inputs(t)
-            programs["step", t] = (self._jitted, (self.params, *inputs[:4], self.k_cache,
-                                                  self.v_cache, *inputs[4:]),
+            programs["step", t] = (self._step_jitted[t],
+                                   self.step_args(t, self.k_cache, self.v_cache),
                                    self._compiler_options(t))
         for s in sorted({self.num_seqs_for(t) for t in self.token_buckets}):
             logits = jax.ShapeDtypeStruct((s, self.config.vocab_size), jnp.float32,
@@ -522,14 +531,19 @@ class ModelRunner:
             seeds=per_seq(b.seeds[slots], 0, np.uint32),
             steps=per_seq(steps, 0, np.int32),
         )
-        md = llama.AttentionMetadata(positions, slot_mapping, qsl, seq_lens, None)
         step = self._compiled.get(t)
         if step is None:
             raise RuntimeError(f"bucket tokens={t} was not compiled at start-up")
-        self._write_block_table_changes()
-        sampled, logits, hidden, self.k_cache, self.v_cache = step(
-            self.params, token_ids, prev_rows, self._prev_sampled, md, self.k_cache, self.v_cache,
-            logits_indices, hidden_indices, sm, self.block_table, seq_slots)
+        bt_rows, bt_cols, bt_pages = self._block_table_writes()
+        packed = self.step_layouts[t].pack(dict(
+            token_ids=token_ids, prev_rows=prev_rows, positions=positions,
+            slot_mapping=slot_mapping, query_start_loc=qsl, seq_lens=seq_lens,
+            seq_slots=seq_slots, logits_indices=logits_indices, hidden_indices=hidden_indices,
+            block_table_rows=bt_rows, block_table_cols=bt_cols, block_table_pages=bt_pages,
+            **{f.name: getattr(sm, f.name) for f in dataclasses.fields(sm)}))
+        sampled, logits, hidden, self.k_cache, self.v_cache, self.block_table = step(
+            self.params, packed, self._prev_sampled, self.k_cache, self.v_cache,
+            self.block_table)
         logprob_ks = b.logprobs[slots]
         suppress = b.min_tokens[slots] > steps
         redraw = (b.penalized[slots] | b.logit_bias[slots] | suppress
@@ -603,18 +617,25 @@ class ModelRunner:
             structured[[row_of[r] for r in sched.structured_output_request_ids]] = True
         return structured
 
-    def _write_block_table_changes(self) -> None:
-        """Send the InputBatch's block table entries written since the last step to the
-        device copy, BLOCK_TABLE_WRITES at a time (a step adding more, e.g. long prompts or
-        prefix-cache hits, takes several writes)."""
+    def _no_block_table_writes(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """BLOCK_TABLE_WRITES entries that write nothing (rows past the table are dropped)."""
+        return (np.full(BLOCK_TABLE_WRITES, self.max_num_seqs, np.int32),
+                np.zeros(BLOCK_TABLE_WRITES, np.int32), np.zeros(BLOCK_TABLE_WRITES, np.int32))
+
+    def _block_table_writes(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The InputBatch's block table entries written since the last step, for the step to
+        write to the device copy: its last BLOCK_TABLE_WRITES (padded); any before those go
+        now by the "block table write" program, as many at a time."""
         rows, cols, pages = self.input_batch.take_block_table_changes()
-        write = self._aux_compiled["block table write"]
+        chunks = []
         for a in range(0, len(rows), BLOCK_TABLE_WRITES):
+            r, c, p = self._no_block_table_writes()
             n = min(BLOCK_TABLE_WRITES, len(rows) - a)
-            r = np.full(BLOCK_TABLE_WRITES, self.max_num_seqs, np.int32)  # padding: dropped
-            c, p = np.zeros(BLOCK_TABLE_WRITES, np.int32), np.zeros(BLOCK_TABLE_WRITES, np.int32)
             r[:n], c[:n], p[:n] = rows[a : a + n], cols[a : a + n], pages[a : a + n]
-            self.block_table = write(self.block_table, r, c, p)
+            chunks.append((r, c, p))
+        for r, c, p in chunks[:-1]:
+            self.block_table = self._aux_compiled["block table write"](self.block_table, r, c, p)
+        return chunks[-1] if chunks else self._no_block_table_writes()
 
     def _prompt_logprob_rows(self, sched, req_ids, slots, computed, counts, ends):
         """For the requests in ``sched.prompt_logprobs``: the flat-batch rows of their scheduled

@@ -103,7 +103,7 @@ class RecordingTransport(httpx.HTTPTransport):
 @pytest.fixture(scope="module")
 def small_server():
     """The default model's server of test_structured_outputs.py and test_tool_calling.py, one
-    per module; the same engine flags, so a warm compilation cache serves both."""
+    per module; the same engine flags, so the executable cache serves the second."""
     srv = Server("--max-model-len", "1024", "--max-num-seqs", "32",
                  "--max-num-batched-tokens", "256")
     yield srv

@@ -1,6 +1,6 @@
 """The real server (``python -m jaxserve.serve``, default model) over loopback, issue 3's acceptance.
 
-One server per module (started once, ~30 s with a warm compilation cache, a few minutes cold),
+One server per module (started once, ~30 s with a warm executable cache, a few minutes cold),
 with ``--api-key`` so the 401 path is covered too. The tests run in file order; the last one
 shuts the server down and checks that no process is left.
 """

@@ -26,9 +26,8 @@ COLLECTIVE = re.compile(
 def collectives(runner) -> dict:
     """Collective ops in the compiled program of the runner's largest token bucket."""
     t = runner.token_buckets[-1]
-    inputs = runner._dummy_inputs(t)
-    text = runner._jitted.lower(runner.params, *inputs[:4], runner.k_cache, runner.v_cache,
-                                *inputs[4:]).compile().as_text()
+    text = runner._step_jitted[t].lower(
+        *runner.step_args(t, runner.k_cache, runner.v_cache)).compile().as_text()
     found = COLLECTIVE.findall(text)
     return {"ops": dict(collections.Counter(op for _, op in found)),
             "gathered": [shape for shape, op in found if op == "all-gather"]}

@@ -36,9 +36,8 @@ def test_step_lowers_without_control_flow():
                          max_num_seqs=4, max_num_batched_tokens=8, max_model_len=64,
                          kv_dtype=np.float32, attention_fn=attention_stub, branch_free=True)
     runner.allocate_kv_cache(8)
-    inputs = runner._dummy_inputs(8)
-    text = runner._jitted.lower(runner.params, *inputs[:4], runner.k_cache, runner.v_cache,
-                                *inputs[4:]).as_text()
+    text = runner._step_jitted[8].lower(
+        *runner.step_args(8, runner.k_cache, runner.v_cache)).as_text()
     for func in re.split(r"\n\s*func\.func ", text):
         found = CONTROL_FLOW.search(func)
         if found and not (found.group(1) == "while" and func.startswith("private @threefry2x32")):

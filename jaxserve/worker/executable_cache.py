@@ -13,7 +13,9 @@ keyed by what decides a program before it is traced:
   the arguments, and the compiler options.
 
 An entry (``$JAXSERVE_CACHE/executables/<sha256>.jex``) holds the executable as
-``jax.experimental.serialize_executable`` writes it, with its argument and output trees. An
+``jax.experimental.serialize_executable`` writes it, with its argument and output trees and
+the ids of its devices (it is loaded onto those). Several processes serving one model (hosts)
+cache nothing. An
 entry that does not load is compiled again and rewritten. Entries are never evicted: a new
 version of the code writes new ones.
 
@@ -96,8 +98,8 @@ def _abstract(leaf) -> tuple:
 
 def program_key(jitted: Callable, args: tuple, options: dict | None) -> str | None:
     """sha256 hex naming the executable ``jitted.lower(*args).compile(options)`` would make in
-    this environment; None for a callable that does not show its jit settings (it is then
-    compiled, not cached).
+    this environment; None for a callable that does not show its jit settings, and in a
+    process that is one of several hosts (the program is then compiled, not cached).
 
     Args:
       jitted: a ``jax.jit`` of a module-level function or of a ``functools.partial`` of one;
@@ -107,8 +109,8 @@ def program_key(jitted: Callable, args: tuple, options: dict | None) -> str | No
       options: XLA compiler options, or None.
     """
     info, fn = getattr(jitted, "_jit_info", None), getattr(jitted, "__wrapped__", None)
-    if info is None or fn is None:
-        return None
+    if info is None or fn is None or jax.process_count() > 1:
+        return None  # several processes (hosts): each compiles its own part, never cached
     leaves, tree = jax.tree.flatten(args)
     text = repr((environment_key(), _describe(fn), repr(info), str(tree),
                  [_abstract(x) for x in leaves], sorted((options or {}).items())))
@@ -157,8 +159,12 @@ class ExecutableCache:
 
     def _load(self, path: pathlib.Path, jitted, args, options):
         try:
-            payload, in_tree, out_tree = pickle.loads(path.read_bytes())
-            compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+            payload, in_tree, out_tree, device_ids = pickle.loads(path.read_bytes())
+            by_id = {d.id: d for d in jax.devices()}
+            # The program's own devices, in its order: loaded onto any other set (the default
+            # is all of them) XLA aborts the process (a TP=2 program among 4 devices).
+            compiled = serialize_executable.deserialize_and_load(
+                payload, in_tree, out_tree, execution_devices=[by_id[i] for i in device_ids])
         except Exception as e:  # noqa: BLE001 - a bad entry is compiled again
             self.log(f"executable cache: {path.name} did not load ({type(e).__name__}: {e}); "
                      "compiling it again")
@@ -176,7 +182,8 @@ class ExecutableCache:
             return compiled
         tmp = None
         try:
-            entry = pickle.dumps(serialize_executable.serialize(compiled))
+            devices = [d.id for d in compiled.runtime_executable().local_devices()]
+            entry = pickle.dumps((*serialize_executable.serialize(compiled), devices))
             path.parent.mkdir(parents=True, exist_ok=True)
             # Written whole then renamed: another process starting alongside never reads half.
             fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")

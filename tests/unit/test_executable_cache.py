@@ -123,3 +123,50 @@ def test_jax_persistent_cache_neither_keeps_nor_feeds_the_cached_programs(tmp_pa
     compiled = _compile(later, _jitted(3.0), (jnp.zeros((2, 3)), jnp.arange(3.0)))
     assert later.hits == 1
     assert float(compiled(jnp.zeros((2, 3)), jnp.arange(3.0))[1]) == 9.0
+
+
+_ON_A_MESH = """
+import json, pathlib, sys
+import jax, jax.numpy as jnp, numpy as np
+from functools import partial
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+sys.path.insert(0, {tests!r})
+from test_executable_cache import _scale
+from jaxserve.worker.executable_cache import ExecutableCache
+devices = jax.devices()  # 4 fake CPU devices
+mesh = NamedSharding(Mesh(np.array(devices[1:3]), ("tp",)), P("tp"))
+programs = {{
+    "two devices": jax.jit(partial(_scale, 2.0), donate_argnums=(0,), out_shardings=(mesh, None)),
+    "one device": jax.jit(partial(_scale, 3.0), donate_argnums=(0,)),
+}}
+inputs = {{"two devices": jax.device_put(jnp.zeros((2, 4)), mesh), "one device": jnp.zeros((2, 4))}}
+cache = ExecutableCache(pathlib.Path({tmp!r}))
+out = {{}}
+for name, jitted in programs.items():
+    compiled = cache.compile(jitted, (inputs[name], jnp.arange(4.0)))
+    pages = inputs[name].copy()
+    out[name] = [float(compiled(pages, jnp.arange(4.0))[1]), len(compiled(inputs[name].copy(),
+                 jnp.arange(4.0))[0].sharding.device_set)]
+out["hits"] = cache.hits
+print(json.dumps(out))
+"""
+
+
+def test_a_program_loads_onto_its_own_devices(tmp_path):
+    # Loaded onto all devices, a program of fewer aborts the process; a later process (the
+    # second run) must load each onto the devices it was compiled for.
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    script = _ON_A_MESH.format(tests=str(pathlib.Path(__file__).parent), tmp=str(tmp_path))
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+           "JAX_PLATFORMS": "cpu"}
+    runs = [json.loads(subprocess.run([sys.executable, "-c", script], capture_output=True,
+                                      text=True, timeout=120, env=env, check=True)
+                       .stdout.strip().splitlines()[-1]) for _ in range(2)]
+    assert runs[0]["hits"] == 0 and runs[1]["hits"] == 2
+    for run in runs:
+        assert run["two devices"] == [12.0, 2] and run["one device"] == [18.0, 1], run

@@ -107,7 +107,7 @@ def _prefill_kernel(
     block_tables_ref,  # [S, P_pad] int32 (whole array)
     q_ref,  # [T, D], this query head
     k_ref,  # [num_pages * page_size, D], this head's KV head's pool, flattened
-    v_ref,  # [num_pages * page_size, D]
+    v_ref,  # [num_pages * page_size, D] (FP8: uint16 pairs [..., D / 2], kv_quant.as_pairs)
     *refs,  # (ks_ref, vs_ref [num_pages * page_size] if quantized), o_ref [T, D] (this head)
     sm_scale: float,
     block_q: int,
@@ -159,9 +159,9 @@ def _prefill_kernel(
             if masked:
                 visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < ctx_len)
                 s = jnp.where(visible, s, MASK_VALUE)
-            return online_softmax_step(acc, m_prev, l_prev, s, v, v_scale)
+            return online_softmax_step(acc, m_prev, l_prev, s, v if quantized else (v,), v_scale)
 
-        carry = online_softmax_init(block_q, head_dim)
+        carry = online_softmax_init(block_q, head_dim, groups=2 if quantized else 1)
         carry = lax.fori_loop(0, num_full, functools.partial(step, masked=False), carry)
         acc, m, l = lax.fori_loop(
             num_full, num_kv_blocks, functools.partial(step, masked=True), carry)

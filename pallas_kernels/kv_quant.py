@@ -13,7 +13,11 @@ which made the decode kernel slower than on a bfloat16 pool (docs/performance.md
 value is exact in float16, and queries are clipped to float16's range on the way in. The pool stores the 8-bit patterns as uint8
 (bitcast on the way in and out, free): XLA scatters float8 (and bfloat16) on the CPU by
 converting the whole operand, i.e. copying the pool every write (~100 ms a layer at 2 GiB),
-and uint8 in place.
+and uint8 in place. The kernels read a value tile as uint16 pairs of neighbouring columns
+(``as_pairs``, ``widen_pairs``) and keep the even and the odd columns apart: a [tokens, D]
+tile of bytes is the p @ V dot's second operand with its contracted axis strided, which Triton
+loaded from shared memory one byte at a time (ncu on the H200: 4.2 M single-byte loads and 253
+registers a thread in the decode kernel; docs/performance.md).
 
 Source: the OCP 8-bit floating point specification (E4M3: 4 exponent bits, 3 mantissa bits,
 no infinities, max 448); per-token scaling as in KIVI / vLLM's per-token-head KV quantization.
@@ -121,6 +125,19 @@ def quantize_pages(x: jax.Array) -> QuantizedPages:
     """A whole pool [KV, num_pages, page_size, D] quantized row by row."""
     values, scales = quantize(x)
     return QuantizedPages(to_storage(values), scales)
+
+
+def as_pairs(values: jax.Array) -> jax.Array:
+    """The pool's uint8 bits [..., D] viewed as uint16 [..., D / 2]: element j holds columns
+    2j (low byte) and 2j + 1 (high byte). A reshape and a bitcast, no copy."""
+    return jax.lax.bitcast_convert_type(values.reshape(*values.shape[:-1], -1, 2), jnp.uint16)
+
+
+def widen_pairs(pairs: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+    """uint16 pairs [..., D / 2] (``as_pairs``) -> (even columns, odd columns), each
+    [..., D / 2] in dtype."""
+    low, high = (pairs & 0xFF).astype(STORAGE_DTYPE), (pairs >> 8).astype(STORAGE_DTYPE)
+    return from_storage(low).astype(dtype), from_storage(high).astype(dtype)
 
 
 def dequantize(values: jax.Array, scales: jax.Array) -> jax.Array:

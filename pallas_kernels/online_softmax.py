@@ -3,6 +3,11 @@
 A kernel keeps, per query row, a running max ``m``, denominator ``l`` and weighted value sum
 ``acc``, all float32; scores are in base-2 units (scaled by ``LOG2E``) so that the update uses
 ``exp2``. Masked scores are ``MASK_VALUE``. These run inside a kernel body (Triton backend).
+
+``acc`` is a tuple of column groups matching the value tile's: one [R, D] array, or for an FP8
+pool two [R, D/2] arrays holding the even and the odd columns (``kv_quant.widen_pairs``: the
+8-bit values are read two at a time, so that no dot operand is loaded from shared memory a
+byte at a time). ``merge_columns`` puts the groups back in column order.
 """
 
 import math
@@ -16,9 +21,10 @@ MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 LOG2E = math.log2(math.e)
 
 
-def online_softmax_init(rows: int, head_dim: int):
-    """The empty state (acc [rows, head_dim], m [rows], l [rows]), before any key block."""
-    acc = jnp.zeros((rows, head_dim), jnp.float32)
+def online_softmax_init(rows: int, head_dim: int, groups: int = 1):
+    """The empty state (acc: ``groups`` arrays [rows, head_dim / groups], m [rows], l [rows]),
+    before any key block."""
+    acc = tuple(jnp.zeros((rows, head_dim // groups), jnp.float32) for _ in range(groups))
     m = jnp.full((rows,), MASK_VALUE, jnp.float32)
     l = jnp.zeros((rows,), jnp.float32)
     return acc, m, l
@@ -28,9 +34,10 @@ def online_softmax_step(acc, m_prev, l_prev, s, v, v_scale=None):
     """Fold one key block into the running softmax.
 
     Args:
-      acc: [R, D] f32 running sum of p @ V; m_prev, l_prev: [R] f32 running max and denominator.
+      acc: the running sum of p @ V, f32 column groups (see the module docstring); m_prev,
+        l_prev: [R] f32 running max and denominator.
       s: [R, block_k] f32 scores in base-2 units, masked entries MASK_VALUE.
-      v: [block_k, D] values.
+      v: the values' column groups, each [block_k, D / len(acc)].
       v_scale: [block_k] f32 per-row scales of v (an FP8 pool, ``kv_quant``), or None.
 
     Returns:
@@ -41,17 +48,28 @@ def online_softmax_step(acc, m_prev, l_prev, s, v, v_scale=None):
     p = jnp.exp2(s - m_next[:, None])
     l_next = alpha * l_prev + p.sum(axis=1)
     if v_scale is None:
-        return acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v), m_next, l_next
+        p = p.astype(v[0].dtype)
+        return tuple(a * alpha[:, None] + plgpu.dot(p, x) for a, x in zip(acc, v)), m_next, l_next
     # Scales relative to the block's largest keep p * scale in [0, 1] for the 16-bit dot (a small
     # scale times a small p would lose its bits in float16); the largest is applied after. Only
     # unmasked keys count (a masked slot may hold a stale row's scale; the null page's are 0).
     top = jnp.where(s.max(axis=0) > MASK_VALUE, v_scale, 0.0).max()
     top = jnp.where(top > 0.0, top, 1.0)
-    pv = p * (v_scale / top)[None, :]
-    return acc * alpha[:, None] + plgpu.dot(pv.astype(v.dtype), v) * top, m_next, l_next
+    pv = (p * (v_scale / top)[None, :]).astype(v[0].dtype)
+    return (tuple(a * alpha[:, None] + plgpu.dot(pv, x) * top for a, x in zip(acc, v)),
+            m_next, l_next)
+
+
+def merge_columns(acc):
+    """Column groups (even and odd columns, or one group) -> one [R, D] array."""
+    if len(acc) == 1:
+        return acc[0]
+    rows, half = acc[0].shape
+    return jnp.stack(acc, axis=-1).reshape(rows, 2 * half)
 
 
 def online_softmax_output(acc, l):
-    """The attention output acc / l in float32; rows that saw no key (l = 0) come out 0."""
+    """The attention output acc / l as one [R, D] float32 array; rows that saw no key (l = 0)
+    come out 0."""
     safe_l = jnp.where(l > 0.0, l, 1.0)
-    return acc / safe_l[:, None]
+    return merge_columns(acc) / safe_l[:, None]

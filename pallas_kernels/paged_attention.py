@@ -28,6 +28,7 @@ from pallas_kernels.kv_quant import QuantizedPages, queries_for
 from pallas_kernels.online_softmax import (
     LOG2E,
     MASK_VALUE,
+    merge_columns,
     online_softmax_init,
     online_softmax_output,
     online_softmax_step,
@@ -69,9 +70,12 @@ def resolve_decode_tuning(
     """Fills the unset fields of ``tuning`` for these shapes (``quantized``: an FP8 pool);
     returns a complete DecodeTuning."""
     tuning = tuning or DecodeTuning()
-    # 64 tokens of bfloat16 or 128 of FP8: the same bytes per tile (FP8: 0.144 against 0.170 ms
-    # at 64, H200, docs/performance.md).
-    block_k = max(pl.next_power_of_2(tuning.block_k or (128 if quantized else 64)), page_size)
+    # bfloat16: 64 tokens. FP8: 256 while the programs fit in about two waves (b64: 2.76
+    # against 2.34 TB/s at 128), else 128 (b256: 2.92 against 2.81); H200, docs/performance.md.
+    default_block_k = 64
+    if quantized:
+        default_block_k = 256 if num_seqs * num_kv_heads <= 4 * NUM_SMS else 128
+    block_k = max(pl.next_power_of_2(tuning.block_k or default_block_k), page_size)
     max_tokens = pages_per_seq * page_size
     num_splits = tuning.num_splits
     if num_splits is None:
@@ -98,16 +102,17 @@ def token_slots(block_table_row, tokens, page_size: int):
 
 
 def load_kv(k_ref, v_ref, scale_refs, slots, dtype):
-    """K and V rows ``slots`` [n] of a flattened pool -> (k [n, D], v [n, D] in dtype,
-    k_scale [1, n] f32 or None, v_scale [n] f32 or None). For an FP8 pool (``scale_refs`` =
-    its per-row scale refs) the 8-bit values are widened to dtype and the scales come back
-    for the caller to fold into the scores and the probabilities (``kv_quant``)."""
+    """K and V rows ``slots`` [n] of a flattened pool (``flat_pool``) -> (k [n, D], v, k_scale
+    [1, n] f32 or None, v_scale [n] f32 or None), v as column groups (``online_softmax``):
+    (v [n, D],), or for an FP8 pool (``scale_refs`` = its per-row scale refs) its (even, odd)
+    columns, each [n, D / 2]. FP8 values are widened to dtype and the scales come back for the
+    caller to fold into the scores and the probabilities (``kv_quant``)."""
     k, v = k_ref[slots], v_ref[slots]
     if not scale_refs:
         return k, v, None, None
     ks_ref, vs_ref = scale_refs
-    k, v = (kv_quant.from_storage(x).astype(dtype) for x in (k, v))
-    return k, v, ks_ref[slots][None, :], vs_ref[slots]
+    k = kv_quant.from_storage(k).astype(dtype)
+    return k, kv_quant.widen_pairs(v, dtype), ks_ref[slots][None, :], vs_ref[slots]
 
 
 def _decode_kernel(
@@ -115,7 +120,7 @@ def _decode_kernel(
     block_tables_ref,  # [P_pad] int32, this sequence's row
     q_ref,  # [Gp, D]
     k_ref,  # [num_pages * page_size, D], this KV head's pool, flattened
-    v_ref,  # [num_pages * page_size, D]
+    v_ref,  # [num_pages * page_size, D] (FP8: uint16 pairs [..., D / 2], kv_quant.as_pairs)
     *refs,  # (ks_ref, vs_ref [num_pages * page_size] if quantized), o_ref [Gp, D],
     # then (m_ref [Gp], l_ref [Gp]) when the KV length is split
     sm_scale: float,
@@ -145,13 +150,14 @@ def _decode_kernel(
         k, v, k_scale, v_scale = load_kv(k_ref, v_ref, scale_refs, slots, q.dtype)
         s = plgpu.dot(q, k, trans_b=True) * (scale if k_scale is None else scale * k_scale)
         s = jnp.where((pos < split_end)[None, :], s, MASK_VALUE)  # [Gp, block_k] f32
-        return online_softmax_step(acc, m_prev, l_prev, s, v, v_scale)
+        return online_softmax_step(acc, m_prev, l_prev, s, v if quantized else (v,), v_scale)
 
-    acc, m, l = lax.fori_loop(0, num_blocks, body, online_softmax_init(rows, head_dim))
+    init = online_softmax_init(rows, head_dim, groups=2 if quantized else 1)
+    acc, m, l = lax.fori_loop(0, num_blocks, body, init)
 
     if stat_refs:
         m_ref, l_ref = stat_refs
-        o_ref[...] = acc
+        o_ref[...] = merge_columns(acc)
         m_ref[...] = m
         l_ref[...] = l
     else:
@@ -250,14 +256,15 @@ def decode_grouped(
 def flat_pool(k_pages, v_pages) -> list[jax.Array]:
     """[KV, num_pages, page_size, D] -> [KV, num_pages * page_size, D] (a free reshape), the
     layout the kernels gather token rows from (``token_slots``): [k, v], and for an FP8 pool
-    (``kv_quant.QuantizedPages``) also its scales as [KV, num_pages * page_size]: [k, v,
-    k_scales, v_scales]."""
+    (``kv_quant.QuantizedPages``) [k, v as uint16 pairs [KV, num_pages * page_size, D / 2]
+    (``kv_quant.as_pairs``), k_scales, v_scales [KV, num_pages * page_size]]."""
     kv, num_pages, page_size, head_dim = k_pages.shape
     if not isinstance(k_pages, QuantizedPages):
         shape = (kv, num_pages * page_size, head_dim)
         return [k_pages.reshape(shape), v_pages.reshape(shape)]
-    return flat_pool(k_pages.values, v_pages.values) + [
-        k_pages.scales.reshape(kv, -1), v_pages.scales.reshape(kv, -1)]
+    k, v = flat_pool(k_pages.values, v_pages.values)
+    return [k, kv_quant.as_pairs(v),
+            k_pages.scales.reshape(kv, -1), v_pages.scales.reshape(kv, -1)]
 
 
 def group_queries(q: jax.Array, num_kv_heads: int) -> tuple[jax.Array, int]:

@@ -12,28 +12,34 @@ keyed by what decides a program before it is traced:
   jit settings, the tree structure and abstract values (shape, dtype, weak type, sharding) of
   the arguments, and the compiler options.
 
-An entry (``$JAXSERVE_CACHE/executables/<sha256>.jex``) holds the executable as
+An entry (``$JAXSERVE_CACHE/executables/<environment>/<sha256>.jex``, one folder per
+``environment_key``) holds the executable as
 ``jax.experimental.serialize_executable`` writes it, with its argument and output trees and
 the ids of its devices (it is loaded onto those). Several processes serving one model (hosts)
-cache nothing. An
-entry that does not load is compiled again and rewritten. Entries are never evicted: a new
-version of the code writes new ones.
+keep nothing here. An
+entry that does not load is compiled again and rewritten. Each version of the code writes a
+folder of its own; only the ``KEEP_ENVIRONMENTS`` most recently used folders are kept (without
+this the folder grew by ~80 MB a configuration for every commit tested: 3.1 GB in a day on the
+development machine).
 
-JAX's persistent cache keeps none of these programs: an executable it loaded does not
-serialize whole (on the CPU, jax 0.10.2, the copy fails at its first call with "Function ...
-not found"), so a program compiled here is never written to it, and one that it served
-anyway (a cache shared with other code) is not saved here.
+JAX's persistent cache sits underneath: a program missing here is traced and lowered, and JAX's
+cache may then spare its compile (after a change to the code that leaves the program as it
+was, and always for several hosts). A program JAX's cache served is not saved here: an
+executable it loaded does not serialize whole (on the CPU, jax 0.10.2, the copy fails at its
+first call with "Function ... not found"). Keeping JAX's cache out of these compiles instead
+(as this module first did) made every start after a code change compile everything: the CPU
+test suite went from ~26 to ~40 minutes.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
-import math
 import importlib
 import os
 import pathlib
 import pickle
+import shutil
 import tempfile
 import threading
 from collections.abc import Callable
@@ -41,7 +47,6 @@ from concurrent.futures import Executor, Future
 
 import jax
 import jaxlib
-from jax._src import config as jax_config
 from jax.experimental import serialize_executable
 
 # Whether JAX's persistent cache served this thread's last compile (jax.monitoring's event).
@@ -56,6 +61,9 @@ def _on_event(event: str, **kwargs) -> None:
 jax.monitoring.register_event_listener(_on_event)
 
 _SOURCE_PACKAGES = ("jaxserve", "pallas_kernels")
+# Folders of entries (versions of the code x device sets x JAX settings) kept; older ones are
+# deleted. One run of the test suite alone uses several (fake device counts, JAX_ variables).
+KEEP_ENVIRONMENTS = 16
 
 
 @functools.cache
@@ -137,7 +145,27 @@ class ExecutableCache:
 
     def _path(self, jitted, args, options) -> pathlib.Path | None:
         key = None if self.directory is None else program_key(jitted, args, options)
-        return None if key is None else self.directory / f"{key}.jex"
+        return None if key is None else self._folder / f"{key}.jex"
+
+    @functools.cached_property
+    def _folder(self) -> pathlib.Path:
+        """This environment's folder of entries, marked as the latest used; the first call
+        deletes the folders beyond the ``KEEP_ENVIRONMENTS`` most recently used."""
+        folder = self.directory / environment_key()[:32]
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            os.utime(folder)
+            # (entries of the first layout, directly in the directory, count as one each)
+            others = sorted((p for p in self.directory.iterdir() if p != folder),
+                            key=lambda p: p.stat().st_mtime, reverse=True)
+            for old in others[KEEP_ENVIRONMENTS - 1:]:
+                if old.is_dir():
+                    shutil.rmtree(old, ignore_errors=True)
+                else:
+                    old.unlink(missing_ok=True)
+        except OSError as e:  # an unwritable cache: entries then fail to save, and say so
+            self.log(f"executable cache: {self.directory} ({type(e).__name__}: {e})")
+        return folder
 
     def compile(self, jitted: Callable, args: tuple = (), options: dict | None = None):
         """The ``jax.stages.Compiled`` of ``jitted`` for ``args``, on this thread: loaded from
@@ -175,9 +203,7 @@ class ExecutableCache:
 
     def _compile(self, path: pathlib.Path | None, lowered, options):
         _served_by_jax.hit = False
-        # A thread-local setting: only this compile stays out of JAX's persistent cache.
-        with jax_config.persistent_cache_min_compile_time_secs(math.inf):
-            compiled = lowered.compile(options)
+        compiled = lowered.compile(options)
         if path is None or _served_by_jax.hit:
             return compiled
         tmp = None

@@ -422,10 +422,10 @@ class ModelRunner:
         with ThreadPoolExecutor(min(total, os.cpu_count() or 1)) as pool:
             futures = {self.executables.submit(pool, *program): label
                        for label, program in programs.items()}
-            log(f"traced and lowered {total} programs ({len(self.token_buckets)} token buckets, "
+            log(f"{total} programs ({len(self.token_buckets)} token buckets, "
                 f"{total - len(self.token_buckets) - len(self._aux_jitted)} samplers, "
-                f"{len(self._aux_jitted)} others; those in the executable cache are loaded "
-                f"instead) in {time.perf_counter() - start:.1f}s")
+                f"{len(self._aux_jitted)} others) traced, or found in the executable cache, in "
+                f"{time.perf_counter() - start:.1f}s")
             for i, done in enumerate(as_completed(futures), 1):
                 kind, n = futures[done]
                 table = {"step": self._compiled, "filter": self._filter_compiled}.get(kind)

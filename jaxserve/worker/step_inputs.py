@@ -10,6 +10,7 @@ bucket: the step's jit closes over it.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import jax
@@ -49,6 +50,7 @@ class StepLayout:
     rows: int
     writes: int
 
+    @functools.cached_property
     def _spans(self) -> list[tuple[str, int, int, np.dtype]]:
         n = {"t": self.tokens, "s": self.seqs, "s+1": self.seqs + 1, "r": self.rows,
              "w": self.writes}
@@ -60,7 +62,7 @@ class StepLayout:
 
     @property
     def size(self) -> int:
-        return self._spans()[-1][2]
+        return self._spans[-1][2]
 
     def pack(self, fields: dict[str, np.ndarray]) -> np.ndarray:
         """[size] int32 of every field of FIELDS (each of its length and dtype).
@@ -69,7 +71,7 @@ class StepLayout:
           ValueError: a field missing, or of the wrong length or dtype.
         """
         out = np.empty(self.size, np.int32)
-        for name, a, b, dtype in self._spans():
+        for name, a, b, dtype in self._spans:
             value = fields[name]
             if value.shape != (b - a,) or value.dtype != dtype:
                 raise ValueError(f"step input {name}: {value.dtype}{list(value.shape)}, "
@@ -81,4 +83,4 @@ class StepLayout:
         """``pack``'s inverse, inside the step: name -> [length] array of its dtype."""
         return {name: packed[a:b] if dtype == np.int32
                 else jax.lax.bitcast_convert_type(packed[a:b], jnp.dtype(dtype))
-                for name, a, b, dtype in self._spans()}
+                for name, a, b, dtype in self._spans}

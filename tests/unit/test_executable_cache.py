@@ -30,7 +30,7 @@ def test_a_later_cache_loads_the_program_and_keeps_its_donation(tmp_path):
     args = (jnp.zeros((2, 3)), jnp.arange(3.0))
     first = ExecutableCache(tmp_path)
     _compile(first, _jitted(2.0), args)
-    assert first.hits == 0 and len(list(tmp_path.glob("*.jex"))) == 1
+    assert first.hits == 0 and len(list(tmp_path.glob("*/*.jex"))) == 1
 
     later = ExecutableCache(tmp_path)  # as a new process would: a new jit, a new cache object
     compiled = _compile(later, _jitted(2.0), args)
@@ -59,7 +59,7 @@ def test_the_key_follows_shapes_static_arguments_and_options():
 def test_a_bad_entry_is_compiled_again_and_rewritten(tmp_path):
     args = (jnp.zeros((2, 3)), jnp.arange(3.0))
     _compile(ExecutableCache(tmp_path), _jitted(2.0), args)
-    (entry,) = tmp_path.glob("*.jex")
+    (entry,) = tmp_path.glob("*/*.jex")
     entry.write_bytes(b"not a pickle")
     logged = []
     cache = ExecutableCache(tmp_path, log=logged.append)
@@ -71,11 +71,12 @@ def test_a_bad_entry_is_compiled_again_and_rewritten(tmp_path):
     assert later.hits == 1
 
 
-def test_without_a_directory_nothing_is_kept(tmp_path):
+def test_without_a_directory_nothing_is_kept():
     cache = ExecutableCache(None)
-    compiled = _compile(cache, _jitted(2.0), (jnp.zeros((2, 3)), jnp.arange(3.0)))
-    assert float(compiled(jnp.zeros((2, 3)), jnp.arange(3.0))[1]) == 6.0
-    assert cache.hits == 0 and not list(tmp_path.iterdir())
+    for _ in range(2):  # the second compile finds nothing kept from the first
+        compiled = _compile(cache, _jitted(2.0), (jnp.zeros((2, 3)), jnp.arange(3.0)))
+        assert float(compiled(jnp.zeros((2, 3)), jnp.arange(3.0))[1]) == 6.0
+    assert cache.hits == 0
 
 
 def test_the_key_follows_the_jit_settings():
@@ -95,18 +96,18 @@ jax.config.update("jax_compilation_cache_dir", str(tmp / "jax"))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 args = (jnp.zeros((2, 3)), jnp.arange(3.0))
-count = lambda d: len([p for p in (tmp / d).glob("*") if "atime" not in p.name])
+count = lambda d: len([p for p in (tmp / d).rglob("*") if p.is_file() and "atime" not in p.name])
 _jitted(2.0).lower(*args).compile()  # JAX's cache now holds this one
 before = count("jax")
 cache = ExecutableCache(tmp / "ours")
 cache.compile(_jitted(2.0), args)  # served by JAX's cache: not re-serialized
 served = count("ours")
-cache.compile(_jitted(3.0), args)  # compiled here: saved here only
+cache.compile(_jitted(3.0), args)  # compiled: saved here (and by JAX's cache)
 print(json.dumps(dict(before=before, served=served, ours=count("ours"), jax=count("jax"))))
 """
 
 
-def test_jax_persistent_cache_neither_keeps_nor_feeds_the_cached_programs(tmp_path):
+def test_a_program_jax_persistent_cache_served_is_not_saved(tmp_path):
     import json
     import pathlib
     import subprocess
@@ -116,9 +117,11 @@ def test_jax_persistent_cache_neither_keeps_nor_feeds_the_cached_programs(tmp_pa
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          timeout=120, check=True).stdout
     counts = json.loads(out.strip().splitlines()[-1])
-    # nothing was saved from JAX's copy, and the program compiled here is not in JAX's cache
+    # nothing was saved from JAX's copy (it would not run once loaded); the program compiled
+    # here is saved, and JAX's cache spared the compile of the first (a code change that leaves
+    # a program as it was costs no compile)
     assert counts["before"] >= 1 and counts["served"] == 0, counts
-    assert counts["ours"] == 1 and counts["jax"] == counts["before"], counts
+    assert counts["ours"] == 1 and counts["jax"] > counts["before"], counts
     later = ExecutableCache(tmp_path / "ours")
     compiled = _compile(later, _jitted(3.0), (jnp.zeros((2, 3)), jnp.arange(3.0)))
     assert later.hits == 1
@@ -170,3 +173,22 @@ def test_a_program_loads_onto_its_own_devices(tmp_path):
     assert runs[0]["hits"] == 0 and runs[1]["hits"] == 2
     for run in runs:
         assert run["two devices"] == [12.0, 2] and run["one device"] == [18.0, 1], run
+
+
+def test_only_the_latest_environments_are_kept(tmp_path, monkeypatch):
+    import os
+
+    from jaxserve.worker import executable_cache
+
+    monkeypatch.setattr(executable_cache, "KEEP_ENVIRONMENTS", 3)
+    for age, name in enumerate(["b", "a", "c", "d"]):  # "d" the least recently used
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "x.jex").write_bytes(b"")
+        os.utime(tmp_path / name, (1e9 - age, 1e9 - age))
+    (tmp_path / "flat.jex").write_bytes(b"")  # the first layout's entry, older still
+    os.utime(tmp_path / "flat.jex", (1.0, 1.0))
+    cache = ExecutableCache(tmp_path)
+    _compile(cache, _jitted(2.0), (jnp.zeros((2, 3)), jnp.arange(3.0)))
+    current = executable_cache.environment_key()[:32]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["a", "b", current])
+    assert len(list((tmp_path / current).glob("*.jex"))) == 1

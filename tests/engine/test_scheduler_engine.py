@@ -3,8 +3,8 @@ and preemption give the same greedy outputs (docs/design.md section 7, margins f
 transformers' own model over the same tokens), and the scheduler does what it claims along the way.
 
 One engine serves all three (start-up loads and compiles for tens of seconds): its pool is
-232 usable pages of 16 tokens, enough for one 3,000-token prompt. The scheduler's token budget
-and the prefix-caching switch are runtime settings, so the 256-vs-4096 and on-vs-off
+232 usable pages of 16 tokens, enough for one 1,800-token prompt and more. The scheduler's token budget
+and the prefix-caching switch are runtime settings, so the 256-vs-2048 and on-vs-off
 comparisons run on the same compiled buckets; the preemption test shrinks the pool to 64 free
 pages by holding the rest.
 """
@@ -28,7 +28,7 @@ def engine():
     from jaxserve.engine.core import EngineCore
 
     # 0.16 GiB / 737,280 B per page (float32) = 233 pages.
-    return EngineCore(EngineConfig(max_model_len=3200, max_num_batched_tokens=4096, max_num_seqs=16,
+    return EngineCore(EngineConfig(max_model_len=2048, max_num_batched_tokens=2048, max_num_seqs=16,
                                    kv_cache_gib=0.16), log=lambda s: None)
 
 
@@ -116,9 +116,9 @@ def assert_identical(hf_model, prompts, ours, ref, what):
 
 def test_chunked_prefill_same_output_and_decodes_advance(engine, hf_smollm):
     tok = engine.tokenizer
-    long_prompt = long_token_prompt(tok, 3000, skip=0)
+    long_prompt = long_token_prompt(tok, 1800, skip=0)
     shorts = [tok.encode(t, add_special_tokens=False)[:40] for t in sharegpt_prompts(3, skip=900)]
-    with scheduler_settings(engine, budget=4096, caching=False):
+    with scheduler_settings(engine, budget=2048, caching=False):
         whole = run(engine, [long_prompt]).outputs[0]
 
     with scheduler_settings(engine, budget=256, caching=False):
@@ -136,8 +136,8 @@ def test_chunked_prefill_same_output_and_decodes_advance(engine, hf_smollm):
                 "a running decode did not advance during the long prefill"
         long_run.finish()
     chunked = long_run.outputs[0]
-    assert len(chunks) >= 3000 // 256 and max(chunks) == 256 - 3
-    assert_identical(hf_smollm, [long_prompt], [chunked], [whole], "budget 256 vs 4096")
+    assert len(chunks) >= 1800 // 256 and max(chunks) == 256 - 3
+    assert_identical(hf_smollm, [long_prompt], [chunked], [whole], "budget 256 vs 2048")
     assert not engine.has_unfinished_requests()
 
 

@@ -27,8 +27,8 @@ cache may then spare its compile (after a change to the code that leaves the pro
 was, and always for several hosts). A program JAX's cache served is not saved here: an
 executable it loaded does not serialize whole (on the CPU, jax 0.10.2, the copy fails at its
 first call with "Function ... not found"). Keeping JAX's cache out of these compiles instead
-(as this module first did) made every start after a code change compile everything: the CPU
-test suite went from ~26 to ~40 minutes.
+(as this module first did) made every start after a code change compile everything (65-78 s
+against 26 s for the default model's small engine on 2 CPU cores).
 """
 
 from __future__ import annotations

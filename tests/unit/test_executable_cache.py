@@ -9,7 +9,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import pytest
+from jax.experimental.compilation_cache import compilation_cache
+
 from jaxserve.worker.executable_cache import ExecutableCache, program_key
+
+
+@pytest.fixture(autouse=True)
+def _without_jax_persistent_cache():
+    """These tests count the executable cache's entries, and a program JAX's persistent cache
+    serves is not saved there: off while they run (an engine started earlier in this process,
+    or an earlier run, may have left these programs in it)."""
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
+    yield
+    jax.config.update("jax_enable_compilation_cache", True)
+    compilation_cache.reset_cache()
 
 
 def _scale(factor, pages, x):

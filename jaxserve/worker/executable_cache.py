@@ -22,13 +22,11 @@ folder of its own; only the ``KEEP_ENVIRONMENTS`` most recently used folders are
 this the folder grew by ~80 MB a configuration for every commit tested: 3.1 GB in a day on the
 development machine).
 
-JAX's persistent cache sits underneath: a program missing here is traced and lowered, and JAX's
-cache may then spare its compile (after a change to the code that leaves the program as it
-was, and always for several hosts). A program JAX's cache served is not saved here: an
-executable it loaded does not serialize whole (on the CPU, jax 0.10.2, the copy fails at its
-first call with "Function ... not found"). Keeping JAX's cache out of these compiles instead
-(as this module first did) made every start after a code change compile everything (65-78 s
-against 26 s for the default model's small engine on 2 CPU cores).
+JAX's persistent cache keeps none of these programs: on the CPU (jax 0.10.2) an executable it
+loaded failed at its first call with "Function ... not found", whether re-serialized here or
+used as loaded (letting it keep and serve the runner programs broke the tiny models' tests in a
+second run of the suite), so a program compiled here is never written to it, and one that it
+served anyway (a cache shared with other code) is not saved here.
 """
 
 from __future__ import annotations
@@ -36,6 +34,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib
+import math
 import os
 import pathlib
 import pickle
@@ -47,6 +46,7 @@ from concurrent.futures import Executor, Future
 
 import jax
 import jaxlib
+from jax._src import config as jax_config
 from jax.experimental import serialize_executable
 
 # Whether JAX's persistent cache served this thread's last compile (jax.monitoring's event).
@@ -203,7 +203,9 @@ class ExecutableCache:
 
     def _compile(self, path: pathlib.Path | None, lowered, options):
         _served_by_jax.hit = False
-        compiled = lowered.compile(options)
+        # A thread-local setting: only this compile stays out of JAX's persistent cache.
+        with jax_config.persistent_cache_min_compile_time_secs(math.inf):
+            compiled = lowered.compile(options)
         if path is None or _served_by_jax.hit:
             return compiled
         tmp = None

@@ -159,7 +159,7 @@ def _prefill_kernel(
             if masked:
                 visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < ctx_len)
                 s = jnp.where(visible, s, MASK_VALUE)
-            return online_softmax_step(acc, m_prev, l_prev, s, v if quantized else (v,), v_scale)
+            return online_softmax_step(acc, m_prev, l_prev, s, v, v_scale)
 
         carry = online_softmax_init(block_q, head_dim, groups=2 if quantized else 1)
         carry = lax.fori_loop(0, num_full, functools.partial(step, masked=False), carry)

@@ -109,7 +109,7 @@ def load_kv(k_ref, v_ref, scale_refs, slots, dtype):
     caller to fold into the scores and the probabilities (``kv_quant``)."""
     k, v = k_ref[slots], v_ref[slots]
     if not scale_refs:
-        return k, v, None, None
+        return k, (v,), None, None
     ks_ref, vs_ref = scale_refs
     k = kv_quant.from_storage(k).astype(dtype)
     return k, kv_quant.widen_pairs(v, dtype), ks_ref[slots][None, :], vs_ref[slots]
@@ -150,7 +150,7 @@ def _decode_kernel(
         k, v, k_scale, v_scale = load_kv(k_ref, v_ref, scale_refs, slots, q.dtype)
         s = plgpu.dot(q, k, trans_b=True) * (scale if k_scale is None else scale * k_scale)
         s = jnp.where((pos < split_end)[None, :], s, MASK_VALUE)  # [Gp, block_k] f32
-        return online_softmax_step(acc, m_prev, l_prev, s, v if quantized else (v,), v_scale)
+        return online_softmax_step(acc, m_prev, l_prev, s, v, v_scale)
 
     init = online_softmax_init(rows, head_dim, groups=2 if quantized else 1)
     acc, m, l = lax.fori_loop(0, num_blocks, body, init)

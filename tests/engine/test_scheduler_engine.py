@@ -3,8 +3,8 @@ and preemption give the same greedy outputs (docs/design.md section 7, margins f
 transformers' own model over the same tokens), and the scheduler does what it claims along the way.
 
 One engine serves all three (start-up loads and compiles for tens of seconds): its pool is
-232 usable pages of 16 tokens, enough for one 1,800-token prompt and more. The scheduler's token budget
-and the prefix-caching switch are runtime settings, so the 256-vs-2048 and on-vs-off
+232 usable pages of 16 tokens, more than one 1,800-token prompt needs. The scheduler's token
+budget and the prefix-caching switch are runtime settings, so the 256-vs-2048 and on-vs-off
 comparisons run on the same compiled buckets; the preemption test shrinks the pool to 64 free
 pages by holding the rest.
 """

@@ -2,9 +2,6 @@
 
 import os
 
-# JAX preallocates 75% of GPU memory by default; the engine sizes its own KV pool instead
-# (docs/design.md section 3). Must be set before jax is imported.
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # The API process uses transformers for tokenizers only; its "PyTorch was not found" advisory
 # reads like an error in a server log.
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")

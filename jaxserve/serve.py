@@ -75,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
         "generation requests in flight beyond the engine's --max-num-seqs; past it a request "
         "gets 503 with Retry-After"))
     g.add_argument("--max-connections", type=_positive_int, default=d.max_connections,
-                   help="open client connections; one past it is closed when accepted")
+                   help=("open client connections served at once; a request on one past it "
+                         "gets 503 with Retry-After"))
     g.add_argument("--max-request-body-mib", type=_positive, default=d.max_body_bytes / 2**20,
                    help="largest request body, MiB (413 beyond it)")
     g.add_argument("--body-timeout", type=_positive, default=d.body_timeout_s,
@@ -103,17 +104,18 @@ def server_limits(args) -> ServerLimits:
         keepalive_timeout_s=args.keepalive_timeout, request_timeout_s=args.request_timeout)
 
 
-def _raise_fd_limit(needed: int) -> None:
+def _raise_fd_limit(needed: int) -> int:
     """Raise the soft open-files limit towards ``needed`` (as vLLM does): a default of 1,024
-    would fail accepts well below --max-connections."""
+    would fail accepts well below --max-connections. Returns the limit in effect."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     want = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
     if soft != resource.RLIM_INFINITY and soft < want:
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
         except (ValueError, OSError) as e:
-            _say(f"cannot raise the open-files limit to {want} ({e}); --max-connections "
-                 f"{needed - _SPARE_FDS} may not be reachable")
+            _say(f"cannot raise the open-files limit to {want} ({e})")
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return needed if soft == resource.RLIM_INFINITY else soft
 
 
 def parse_args(argv=None):
@@ -169,7 +171,11 @@ async def serve(args, sock: socket.socket) -> int:
 
     loop = asyncio.get_running_loop()
     limits = server_limits(args)
-    _raise_fd_limit(limits.max_connections + _SPARE_FDS)
+    # Connections past --max-connections are answered 503, up to the open-files limit.
+    max_open = _raise_fd_limit(limits.max_connections * 2 + _SPARE_FDS) - _SPARE_FDS
+    _say(f"connections: {min(limits.max_connections, max_open)} served at once "
+         f"(--max-connections {limits.max_connections}); the open-files limit allows "
+         f"{max_open} in all, those past --max-connections answered 503 with Retry-After")
     llm = AsyncLLM(from_cli_args(args), max_engine_restarts=args.max_engine_restarts)
     app = build_app(llm, served_model_name=args.served_model_name, api_key=args.api_key,
                     limits=limits, tool_call_parser=args.tool_call_parser)
@@ -188,7 +194,9 @@ async def serve(args, sock: socket.socket) -> int:
         loop.add_signal_handler(sig, on_signal)
 
     await runner.setup()
-    site = CappedSockSite(runner, sock, limits.max_connections)
+    site = CappedSockSite(runner, sock, limits.max_connections, max_open, limits.retry_after_s,
+                          keepalive_timeout=limits.keepalive_timeout_s,
+                          lingering_time=limits.lingering_s)
     await site.start()
     host, port = sock.getsockname()[:2]
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"

@@ -12,7 +12,10 @@ Datasets (`--dataset-name`):
 - `sharegpt`: the first human turn of each conversation of `--dataset-path` (default: the repo's
   sample, data/README.md) as a text prompt; the first answer's token count as output length
   (or `--sharegpt-output-len`); conversations are shuffled (`--seed`) and those whose prompt or
-  answer has fewer than 4 tokens, or that do not fit `--max-model-len`, are skipped, as vLLM's.
+  answer has fewer than 4 tokens, whose prompt has more than 1,024, or whose prompt and answer
+  together have more than 2,048 (or `--max-model-len`) are skipped, as vLLM's benchmark does
+  (`--sharegpt-max-prompt-len`, `--sharegpt-max-total-len`); `--num-prompts 0` sends every
+  conversation that passes.
 - `shared-prefix`: one random `--prefix-len` prefix shared by all requests, then `--input-len`
   random ids of each request's own: a prefix-caching workload.
 
@@ -70,6 +73,8 @@ from sharegpt import SAMPLE, prompt_answer_pairs
 DEFAULT_VOCAB = 49152  # the default model's (SmolLM2) vocabulary
 DEFAULT_MAX_MODEL_LEN = 2048  # when the server does not say
 MIN_SHAREGPT_TOKENS = 4  # vLLM's: shorter prompts or answers are skipped
+MAX_SHAREGPT_PROMPT_TOKENS = 1024  # vLLM's: longer prompts are skipped
+MAX_SHAREGPT_TOTAL_TOKENS = 2048  # vLLM's: longer prompt + answer pairs are skipped
 PERCENTILES = (50, 90, 99)
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
 
@@ -115,16 +120,20 @@ def shared_prefix_requests(n, prefix_len, input_len, output_len, vocab, rng) -> 
             for r in random_requests(n, input_len, output_len, vocab, rng)]
 
 
-def sharegpt_requests(n, path, tokenizer, max_model_len, fixed_output_len, rng) -> list[Request]:
-    """`n` text prompts from a ShareGPT file, as vLLM samples them: conversations in a seeded
-    random order; the output length is the answer's token count (or `fixed_output_len`); a
-    conversation is skipped when its prompt or output length is below MIN_SHAREGPT_TOKENS or
-    prompt + output exceeds `max_model_len` tokens.
+def sharegpt_requests(n, path, tokenizer, max_model_len, fixed_output_len, rng,
+                      max_prompt_len=MAX_SHAREGPT_PROMPT_TOKENS,
+                      max_total_len=MAX_SHAREGPT_TOTAL_TOKENS) -> list[Request]:
+    """`n` text prompts from a ShareGPT file (None: every one that passes), as vLLM samples
+    them: conversations in a seeded random order; the output length is the answer's token
+    count (or `fixed_output_len`); a conversation is skipped when its prompt or output length
+    is below MIN_SHAREGPT_TOKENS, its prompt exceeds `max_prompt_len`, or prompt + output
+    exceeds `max_total_len` or `max_model_len` tokens (vLLM's benchmark: 1,024 and 2,048).
 
     Raises:
       SystemExit: fewer than `n` conversations pass.
     """
     pairs = prompt_answer_pairs(path)
+    total = min(max_total_len, max_model_len)
     out = []
     for i in rng.permutation(len(pairs)):
         prompt, answer = pairs[i]
@@ -132,14 +141,16 @@ def sharegpt_requests(n, path, tokenizer, max_model_len, fixed_output_len, rng) 
         # Without special tokens: the answer is generated after the prompt, with no BOS of its own.
         output_len = fixed_output_len or len(tokenizer.encode(answer, add_special_tokens=False))
         too_short = min(prompt_len, output_len) < MIN_SHAREGPT_TOKENS
-        if too_short or prompt_len + output_len > max_model_len:
+        if too_short or prompt_len > max_prompt_len or prompt_len + output_len > total:
             continue
         out.append(Request(prompt, prompt_len, output_len))
         if len(out) == n:
             return out
+    if n is None:
+        return out
     raise SystemExit(f"{path}: only {len(out)} of {len(pairs)} conversations fit "
-                     f"(>= {MIN_SHAREGPT_TOKENS} tokens each side, <= {max_model_len} in all); "
-                     f"{n} needed")
+                     f"(>= {MIN_SHAREGPT_TOKENS} tokens each side, a prompt <= {max_prompt_len}, "
+                     f"<= {total} in all); {n} needed")
 
 
 def load_tokenizer(folder):
@@ -163,7 +174,8 @@ def sample_requests(args, n, tokenizer, vocab, max_model_len, rng) -> list[Reque
         return shared_prefix_requests(n, args.prefix_len, args.input_len, args.output_len, vocab,
                                       rng)
     return sharegpt_requests(n, args.dataset_path, tokenizer, max_model_len,
-                             args.sharegpt_output_len, rng)
+                             args.sharegpt_output_len, rng, args.sharegpt_max_prompt_len,
+                             args.sharegpt_max_total_len)
 
 
 def arrival_offsets(n, rate, rng) -> np.ndarray:
@@ -385,8 +397,9 @@ async def benchmark(args) -> dict:
         vocab = args.vocab or (len(tokenizer) if args.tokenizer else DEFAULT_VOCAB)
         seeds = np.random.SeedSequence(args.seed).spawn(2)
         data_rng, arrival_rng = map(np.random.default_rng, seeds)
-        requests = sample_requests(args, args.num_warmup + args.num_prompts, tokenizer, vocab,
-                                   max_model_len, data_rng)
+        every = args.num_prompts == 0  # sharegpt: every conversation that passes
+        requests = sample_requests(args, None if every else args.num_warmup + args.num_prompts,
+                                   tokenizer, vocab, max_model_len, data_rng)
         warmup, timed = requests[:args.num_warmup], requests[args.num_warmup:]
         offsets = arrival_offsets(len(timed), args.request_rate, arrival_rng)
         url = f"{args.base_url}/v1/completions"
@@ -545,7 +558,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--dataset-path", default=str(SAMPLE),
                     help="sharegpt: a ShareGPT-format file (default: the repo's sample)")
     ap.add_argument("--num-prompts", type=int, default=256,
-                    help="timed requests (default: %(default)s)")
+                    help="timed requests; 0 with sharegpt: every conversation that passes the "
+                         "filter, the warm-ups among them (default: %(default)s)")
     ap.add_argument("--input-len", type=int, default=1000,
                     help="random, shared-prefix: prompt tokens after the prefix "
                          "(default: %(default)s)")
@@ -555,6 +569,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="shared-prefix: tokens of the shared prefix (default: %(default)s)")
     ap.add_argument("--sharegpt-output-len", type=int, default=None,
                     help="sharegpt: this output length for every request instead of the answer's")
+    ap.add_argument("--sharegpt-max-prompt-len", type=int, default=MAX_SHAREGPT_PROMPT_TOKENS,
+                    help="sharegpt: longer prompts are skipped (default: %(default)s, vLLM's)")
+    ap.add_argument("--sharegpt-max-total-len", type=int, default=MAX_SHAREGPT_TOTAL_TOKENS,
+                    help="sharegpt: longer prompt + answer pairs are skipped (default: "
+                         "%(default)s, vLLM's; also at most --max-model-len)")
     ap.add_argument("--vocab", type=int, default=None,
                     help=f"random ids are drawn below this (default: the size of --tokenizer "
                          f"if given, else {DEFAULT_VOCAB})")
@@ -580,8 +599,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--result-name", default=None,
                     help="default: <dataset>-<local time YYYYmmdd-HHMMSS>")
     args = ap.parse_args(argv)
-    if args.num_prompts < 1:
-        ap.error("--num-prompts must be at least 1")
+    if args.num_prompts < 0 or (args.num_prompts == 0 and args.dataset_name != "sharegpt"):
+        ap.error("--num-prompts must be at least 1 (0 only with --dataset-name sharegpt)")
     return args
 
 

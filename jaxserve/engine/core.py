@@ -22,6 +22,7 @@ from jaxserve.sampling_params import describe_sampling_defaults
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.request import Request
 from jaxserve.core.scheduler import Scheduler
+from jaxserve.core.scheduler_output import SchedulerOutput
 from jaxserve.engine import (
     EngineCoreOutput,
     EngineCoreRequest,
@@ -129,11 +130,12 @@ class EngineCore:
         pool = ThreadPoolExecutor(1)
         tokenizer = pool.submit(_timed, load_tokenizer_of, source, fmt)
         # JAX caps its GPU allocator at XLA_PYTHON_CLIENT_MEM_FRACTION (0.75 unless set) of total
-        # memory; raise the cap above --gpu-memory-utilization before the backend starts (the
-        # next line starts it). This is the one place that sets it, for the server's engine
-        # process and LLM alike. (In a process whose JAX GPU backend is already running, the
-        # variable no longer takes effect; the pool sizing then errs small, see kv_sizing.)
-        self.allocator_fraction = kv_sizing.allocator_fraction_env(
+        # memory; raise the cap above --gpu-memory-utilization, and keep preallocation on (one
+        # region, see kv_sizing), before the backend starts (the next line starts it). This is
+        # the one place that sets them, for the server's engine process and LLM alike. (In a
+        # process whose JAX GPU backend is already running, they no longer take effect; the
+        # pool sizing then errs small, see kv_sizing.)
+        self.allocator_fraction = kv_sizing.configure_allocator(
             config.gpu_memory_utilization, os.environ)
         on_gpu = jax.default_backend() == "gpu"
         mesh = sharding.make_mesh(config.tensor_parallel_size)
@@ -181,29 +183,31 @@ class EngineCore:
         )
         del params
         per_page = kv_bytes_per_page(mc, self.runner.layout, config.page_size, kv_dtype)
+        peak = 0
         if on_gpu:
-            num_pages = self._gpu_num_pages(per_page, log)
-            hint = "raise --gpu-memory-utilization or lower --max-model-len"
-        else:
-            num_pages = kv_sizing.cpu_num_pages(config.kv_cache_gib, per_page)
-            hint = "raise --kv-cache-gib or lower --max-model-len"
-        if config.num_hosts > 1:  # one pool over all hosts: the size every host can hold
-            num_pages = distributed.min_over_hosts(num_pages, mesh)
-        num_seqs = kv_sizing.check_pool_fits(num_pages, config.page_size, self.max_model_len, hint)
+            probe = kv_sizing.pages_per_seq(self.max_model_len, config.page_size) + 1
+            t0 = time.perf_counter()
+            peak = self.runner.profile_peak_bytes(probe)
+            log(f"profiled the largest programs against a {probe}-page pool: peak "
+                f"{peak / 2**30:.2f} GiB in {time.perf_counter() - t0:.1f}s")
+        num_pages = self._plan_pages(per_page, peak, log)
+        self.runner.compile_buckets(num_pages, log)
+        if on_gpu and self.runner.peak_program_bytes > peak:
+            # A program the profile did not cover needs more: a smaller pool, compiled again.
+            peak = self.runner.peak_program_bytes
+            log(f"at the pool's size the programs' peak is {peak / 2**30:.2f} GiB; sizing again")
+            num_pages = self._plan_pages(per_page, peak, log)
+            self.runner.compile_buckets(num_pages, log)
         self.num_pages = num_pages
-        log(f"KV cache: {num_pages - 1} pages of {config.page_size} tokens "
-            f"({(num_pages - 1) * config.page_size} tokens, {(num_pages - 1) * per_page / 2**30:.2f} GiB "
-            f"in {np.dtype(kv_dtype).name}{'' if mesh is None else ' per device'}; "
-            f"{num_seqs} sequences of {self.max_model_len} tokens fit); prefix caching "
-            f"{'on' if config.enable_prefix_caching else 'off'}")
-        if num_seqs < config.max_num_seqs:
-            log(f"note: fewer than --max-num-seqs {config.max_num_seqs} sequences of "
-                f"--max-model-len {self.max_model_len} tokens fit in the KV cache; the scheduler "
-                "admits by the pages requests really use, and preempts when they run out")
         t3 = time.perf_counter()
-        self.runner.allocate_kv_cache(num_pages)
+        in_use = self._bytes_in_use() if on_gpu else None
+        try:
+            self.runner.allocate_kv_cache(num_pages)
+        except ValueError as e:
+            raise ValueError(f"{e}: lower --gpu-memory-utilization" if on_gpu else str(e)) from None
         log(f"allocated the KV pool in {time.perf_counter() - t3:.1f}s")
-        self.runner.compile_buckets(log)
+        if on_gpu:
+            self._check_pool_fits(in_use, num_pages * per_page, self.runner.peak_program_bytes)
         self.tokenizer, tokenizer_s = tokenizer.result()
         log(f"tokenizer loaded in {tokenizer_s:.1f}s on a thread alongside; engine ready "
             f"{time.perf_counter() - start:.1f}s after it began")
@@ -222,6 +226,8 @@ class EngineCore:
         )
         self._rng = random.Random(config.seed)
         self._in_flight = None  # (SchedulerOutput, StepHandle) dispatched, not yet updated
+        # Steps scheduled whose tokens are not applied yet: the ones a failure takes down.
+        self._unsettled: list[SchedulerOutput] = []
         self._channel = None  # multi-host: host 0 publishes each step, the others receive it
         if config.num_hosts > 1:
             self._channel = distributed.StepChannel(config.num_hosts, config.host_id)
@@ -231,21 +237,53 @@ class EngineCore:
                 + ("serving; the other hosts follow its steps" if config.host_id == 0
                    else "following host 0's steps"))
 
-    def _gpu_num_pages(self, per_page: int, log: Callable[[str], None]) -> int:
+    def _plan_pages(self, per_page: int, peak: int, log: Callable[[str], None]) -> int:
+        """Pages for the pool: --kv-cache-gib on the CPU; on a GPU what --gpu-memory-utilization
+        leaves once ``peak`` (the programs' peak bytes, kv_sizing) is set aside; with several
+        hosts the size every host can hold. Logs the pool.
+
+        Raises:
+          ValueError: not one max_model_len sequence fits (naming the flags).
+        """
+        config = self.config
+        if self.runner.on_cpu:
+            num_pages = kv_sizing.cpu_num_pages(config.kv_cache_gib, per_page)
+            hint = "raise --kv-cache-gib or lower --max-model-len"
+        else:
+            num_pages = self._gpu_num_pages(per_page, peak, log)
+            hint = "raise --gpu-memory-utilization or lower --max-model-len"
+        if config.num_hosts > 1:  # one pool over all hosts: the size every host can hold
+            num_pages = distributed.min_over_hosts(num_pages, self.runner.mesh)
+        num_seqs = kv_sizing.check_pool_fits(num_pages, config.page_size, self.max_model_len, hint)
+        mesh = self.runner.mesh
+        log(f"KV cache: {num_pages - 1} pages of {config.page_size} tokens "
+            f"({(num_pages - 1) * config.page_size} tokens, {(num_pages - 1) * per_page / 2**30:.2f} GiB "
+            f"in {np.dtype(self.runner.kv_dtype).name}{'' if mesh is None else ' per device'}; "
+            f"{num_seqs} sequences of {self.max_model_len} tokens fit); prefix caching "
+            f"{'on' if config.enable_prefix_caching else 'off'}")
+        if num_seqs < config.max_num_seqs:
+            log(f"note: fewer than --max-num-seqs {config.max_num_seqs} sequences of "
+                f"--max-model-len {self.max_model_len} tokens fit in the KV cache; the scheduler "
+                "admits by the pages requests really use, and preempts when they run out")
+        return num_pages
+
+    def _devices(self) -> list:
+        """The devices of this process that hold the model."""
+        mesh = self.runner.mesh
+        return [jax.local_devices()[0]] if mesh is None else list(mesh.local_devices)
+
+    def _bytes_in_use(self) -> list[int]:
+        """Allocator bytes in use on each of ``_devices``."""
+        return [int((d.memory_stats() or {}).get("bytes_in_use", 0)) for d in self._devices()]
+
+    def _gpu_num_pages(self, per_page: int, peak: int, log: Callable[[str], None]) -> int:
         """Pages for the pool under --gpu-memory-utilization (see kv_sizing), which applies to
         each device: on every device of this process that holds the model, its budget minus
-        what is resident there now (its part of the weights) minus the largest step's bytes
+        what is resident there now (its part of the weights) minus the programs' peak bytes
         (per device: XLA analyses the partitioned program); the pool gets the smallest."""
-        mesh = self.runner.mesh
-        devices = [jax.local_devices()[0]] if mesh is None else list(mesh.local_devices)
-        probe = kv_sizing.pages_per_seq(self.max_model_len, self.config.page_size) + 1
-        t0 = time.perf_counter()
-        step = self.runner.profile_step_bytes(probe)
-        log(f"profiled the largest step ({self.runner.token_buckets[-1]} tokens): "
-            f"{step / 2**30:.2f} GiB in {time.perf_counter() - t0:.1f}s")
         util = self.config.gpu_memory_utilization
         memory = []  # (allocator limit, bytes in use) of each device
-        for d in devices:
+        for d in self._devices():
             stats = d.memory_stats() or {}
             limit = stats.get("bytes_limit")
             if not limit:
@@ -257,9 +295,23 @@ class EngineCore:
             memory.append((int(limit), int(max(stats.get("bytes_in_use", 0), weights))))
         b = kv_sizing.smallest_kv_budget(memory, utilization=util,
                                          allocator_fraction=self.allocator_fraction,
-                                         step_bytes=step)
-        log(b.describe(util) + ("" if mesh is None else f" (the smallest of {len(devices)} devices)"))
+                                         peak_bytes=peak)
+        log(b.describe(util) + ("" if len(memory) == 1 else f" (the smallest of {len(memory)} devices)"))
         return kv_sizing.num_pages_for_bytes(b.pool_bytes, per_page)
+
+    def _check_pool_fits(self, in_use_before: list[int], pool_bytes: int, peak: int) -> None:
+        """After the pool is allocated: on each device it took its bytes, and the programs'
+        peak still fits under the allocator's limit.
+
+        Raises:
+          ValueError: either does not hold (naming --gpu-memory-utilization).
+        """
+        for d, before in zip(self._devices(), in_use_before):
+            stats = d.memory_stats() or {}
+            in_use, limit = int(stats.get("bytes_in_use", 0)), int(stats.get("bytes_limit", 0))
+            problem = kv_sizing.pool_fit_problem(before, in_use, limit, pool_bytes, peak)
+            if problem:
+                raise ValueError(f"on {d}: {problem}: lower --gpu-memory-utilization")
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a request that the InputProcessor checked (non-empty prompt in the vocabulary,
@@ -310,10 +362,10 @@ class EngineCore:
             self._channel is not None and self.scheduler.has_structured_requests())
         flushed = []
         if sync and self._in_flight is not None:
-            flushed = self.scheduler.update(self._in_flight[0],
-                                            self.runner.get_output(self._in_flight[1]))
+            flushed = self._update(self._in_flight[0], self._in_flight[1])
             self._in_flight = None
         sched = self.scheduler.schedule()
+        self._unsettled.append(sched)
         if sync:
             self.scheduler.grammar_bitmask(sched)
         if self._channel is not None:
@@ -321,16 +373,37 @@ class EngineCore:
         handle = self.runner.execute(sched)
         if sync:
             if handle is None:
+                self._unsettled.remove(sched)
                 return flushed
-            return flushed + self.scheduler.update(sched, self.runner.get_output(handle))
+            return flushed + self._update(sched, handle)
         prev, self._in_flight = self._in_flight, (sched, handle) if handle else None
+        if handle is None:
+            self._unsettled.remove(sched)
         outputs = []
         if prev is not None:
-            outputs = self.scheduler.update(prev[0], self.runner.get_output(prev[1]))
+            outputs = self._update(*prev)
         if handle is not None and handle.awaits_bitmask:
             self.scheduler.grammar_bitmask(sched)
             self.runner.sample_filtered(handle, sched.grammar_bitmask)
         return outputs
+
+    def _update(self, sched: SchedulerOutput, handle) -> list[EngineCoreOutput]:
+        """Wait for a dispatched step's tokens and apply them to the scheduler."""
+        outputs = self.scheduler.update(sched, self.runner.get_output(handle))
+        self._unsettled.remove(sched)
+        return outputs
+
+    def recover_from_failed_step(self) -> tuple[list[str], bool]:
+        """After ``step`` raised: aborts the sequences of the steps whose tokens were not yet
+        applied (the one being dispatched, and under async scheduling the one in flight), and
+        returns their ids and whether the engine can go on (``ModelRunner.device_state_ok``:
+        a program that failed after its KV pool was donated leaves none to serve from). The
+        other requests, waiting or running, are untouched."""
+        ids = sorted({r for sched in self._unsettled for r in sched.num_scheduled_tokens})
+        self._unsettled.clear()
+        self._in_flight = None
+        self.scheduler.abort_requests(ids)
+        return ids, self.runner.device_state_ok()
 
     def follow(self) -> None:
         """Hosts other than 0: run every step host 0 runs, with its SchedulerOutputs, in the

@@ -76,6 +76,11 @@ class _Exit(Exception):
     pass
 
 
+# Failed steps in a row after which the engine process exits to be started again: a failure
+# that recurs whatever the batch is not one request's doing.
+MAX_FAILED_STEPS = 3
+
+
 def check_engine_request(req: EngineCoreRequest, vocab_size: int, max_model_len: int) -> None:
     """What the model runner's arrays need of a request. Raises ValueError naming the field."""
     n = len(req.prompt_token_ids)
@@ -94,6 +99,7 @@ class EngineCoreProc:
         self.conn = conn
         self.live: set[str] = set()
         self._last_stats = None
+        self._failed_steps = 0  # in a row
 
     # -- pipe --------------------------------------------------------------------------------
 
@@ -147,18 +153,35 @@ class EngineCoreProc:
             raise _Exit()
 
     def _step(self) -> None:
+        """One engine step. A step that fails fails the requests in it (EngineCore's
+        ``recover_from_failed_step``), and the others go on; when the engine cannot go on (its
+        KV pool went down with the step) or after MAX_FAILED_STEPS failed steps in a row, every
+        live request fails and the process exits, for the API process to start it again."""
         try:
             outputs = self.core.step()
-        except Exception as e:  # noqa: BLE001 - fail the live requests, keep serving
+        except Exception as e:  # noqa: BLE001 - fail the step's requests, keep serving
             traceback.print_exc()
-            ids = sorted(self.live)
-            self.live.clear()
+            self._failed_steps += 1
+            message = f"engine step failed: {_describe(e)}"
             try:
-                self.core.abort_requests(ids)
+                ids, usable = self.core.recover_from_failed_step()
             except Exception:  # noqa: BLE001
                 traceback.print_exc()
-            self.send(M.Error(ids, f"engine step failed: {_describe(e)}", kind="internal"))
-            return
+                ids, usable = sorted(self.live), False
+            if usable and self._failed_steps < MAX_FAILED_STEPS:
+                ids = [i for i in ids if i in self.live]
+                self.live.difference_update(ids)
+                if ids:
+                    self.send(M.Error(ids, message, kind="internal"))
+                return
+            why = ("the KV pool did not survive it" if not usable
+                   else f"{self._failed_steps} failed steps in a row")
+            _log(f"{message}; {why}: restarting the engine")
+            # The requests get the reason; the API process sees the exit and restarts us.
+            self.send(M.Error(sorted(self.live), f"{message} ({why}; the engine restarts)",
+                              kind="internal"))
+            raise _Exit() from None
+        self._failed_steps = 0
         for o in outputs:
             if o.finished:
                 self.live.discard(o.request_id)

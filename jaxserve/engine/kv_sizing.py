@@ -4,21 +4,25 @@ CPU: ``--kv-cache-gib`` is the pool size.
 
 GPU: ``--gpu-memory-utilization F`` is, as in vLLM, the fraction of the device's *total* memory
 that the engine may use for weights, activations and KV pages together. JAX's BFC allocator caps
-its pool at ``XLA_PYTHON_CLIENT_MEM_FRACTION`` of the total (0.75 unless set, with or without
-preallocation), so the engine sets that variable to F + 0.04 (at most 0.98) before JAX
-initialises its GPU backend (``allocator_fraction_env``). The slack above F is for the
-allocator, not for us: on the H200, a Llama-3.1-8B pool planned to end 1 GiB short of an
-allocator limit of exactly F x total ran out of memory on the first step (BFC fragmentation of
-the many pool-sized blocks, and XLA's own scratch). The pool gets
+its pool at ``XLA_PYTHON_CLIENT_MEM_FRACTION`` of the total (0.75 unless set), so the engine sets
+that variable to F + 0.04 (at most 0.98) before JAX initialises its GPU backend, and keeps JAX's
+preallocation on (``configure_allocator``). The slack above F is for the allocator, not for us:
+on the H200, a Llama-3.1-8B pool planned to end 1 GiB short of an allocator limit of exactly
+F x total ran out of memory on the first step. Preallocation makes the allocator's memory one
+region: grown on demand instead, it is a series of regions, and a pool of one layer's K (or V)
+pages cannot span two of them, so up to one such array per region is stranded (the default
+model's 2.07 GiB layers on the H200: 120.2 of 124.4 GiB allocated under a 131.4 GiB limit,
+and the arrays that did not fit came back sharing another array's memory, with no error).
+The pool gets
 
     budget = min(F x total, allocator limit) - headroom
-    pool   = budget - bytes in use after loading the weights - bytes of the largest step
+    pool   = budget - bytes in use after loading the weights - peak bytes of the programs
 
-where the largest step's bytes come from XLA's memory analysis of the compiled largest token
-bucket (its temporaries plus outputs that do not alias the donated KV pool, plus its code), and
-the headroom (2% of the budget, at most 1 GiB) absorbs allocator fragmentation and whatever the
-analysis does not see. The CUDA context itself lives outside the BFC pool and is not counted
-(vLLM counts it; here it is a few hundred MiB on top of F).
+where a program's bytes come from XLA's memory analysis (``program_bytes``) and the peak is
+``peak_program_bytes`` over every program the engine runs, compiled against the pool it will
+run with; the headroom (2% of the budget, at most 1 GiB) absorbs allocator fragmentation and
+whatever the analysis does not see. The CUDA context itself lives outside the BFC pool and is
+not counted (vLLM counts it; here it is a few hundred MiB on top of F).
 """
 
 from dataclasses import dataclass
@@ -47,16 +51,29 @@ def cpu_num_pages(kv_cache_gib: float, bytes_per_page: int) -> int:
     return int(kv_cache_gib * GIB) // bytes_per_page
 
 
-def step_bytes_from_memory_analysis(temp: int, output: int, alias: int, code: int = 0) -> int:
-    """Device bytes one step needs beyond its (already resident) arguments: temporaries, outputs
-    that are not written in place into donated inputs, and the executable's code."""
-    return temp + max(0, output - alias) + code
+def program_bytes(temp: int, output: int, alias: int, code: int = 0) -> tuple[int, int]:
+    """(bytes a program needs while it runs beyond its resident arguments, bytes of its
+    outputs that stay allocated after it) from XLA's memory analysis: temporaries and code,
+    plus outputs that are not written in place into donated inputs (the KV pool is)."""
+    held = max(0, output - alias)
+    return temp + code + held, held
 
 
-def allocator_fraction_env(utilization: float, environ: dict) -> float:
+def peak_program_bytes(programs: list[tuple[int, int]]) -> int:
+    """Device bytes the engine needs beyond its resident arrays, for ``program_bytes`` pairs of
+    every program it runs: the largest program's, while the outputs of the step before it are
+    still held (async scheduling runs a step while the previous one's logits wait for the
+    sampler). 0 for no programs."""
+    if not programs:
+        return 0
+    return max(run for run, _ in programs) + max(held for _, held in programs)
+
+
+def configure_allocator(utilization: float, environ: dict) -> float:
     """Set XLA_PYTHON_CLIENT_MEM_FRACTION to the utilization plus ALLOCATOR_SLACK (at most
-    0.98) unless the user set it; returns the fraction in effect. Call before JAX initialises
-    its GPU backend."""
+    0.98) and XLA_PYTHON_CLIENT_PREALLOCATE to true, each unless the user set it; returns the
+    fraction in effect. Call before JAX initialises its GPU backend."""
+    environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "true")
     if "XLA_PYTHON_CLIENT_MEM_FRACTION" not in environ:
         fraction = min(utilization + ALLOCATOR_SLACK, MAX_ALLOCATOR_FRACTION)
         environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{fraction:.6f}"
@@ -69,19 +86,19 @@ class GpuKVBudget:
     budget_bytes: int  # min(utilization x total, allocator limit)
     headroom_bytes: int
     in_use_bytes: int  # weights and anything else resident before the pool
-    step_bytes: int  # the largest step's temporaries
+    peak_bytes: int  # the programs' peak (peak_program_bytes)
     pool_bytes: int  # what is left for KV pages (may be negative)
 
     def describe(self, utilization: float) -> str:
         g = lambda b: f"{b / GIB:.2f} GiB"
         return (f"GPU memory: {utilization:g} x {g(self.total_bytes)} total -> budget "
                 f"{g(self.budget_bytes)}; weights and resident arrays {g(self.in_use_bytes)}, "
-                f"largest step {g(self.step_bytes)}, headroom {g(self.headroom_bytes)}; "
+                f"programs' peak {g(self.peak_bytes)}, headroom {g(self.headroom_bytes)}; "
                 f"KV pool {g(max(self.pool_bytes, 0))}")
 
 
 def gpu_kv_budget(*, utilization: float, allocator_limit_bytes: int, allocator_fraction: float,
-                  in_use_bytes: int, step_bytes: int) -> GpuKVBudget:
+                  in_use_bytes: int, peak_bytes: int) -> GpuKVBudget:
     """Bytes left for the KV pool on a GPU.
 
     Args:
@@ -90,24 +107,40 @@ def gpu_kv_budget(*, utilization: float, allocator_limit_bytes: int, allocator_f
         (``device.memory_stats()["bytes_limit"]``) = allocator_fraction x total memory.
       allocator_fraction: XLA_PYTHON_CLIENT_MEM_FRACTION in effect when the backend started.
       in_use_bytes: device bytes in use after loading the weights, before the pool.
-      step_bytes: the largest step's extra bytes (``step_bytes_from_memory_analysis``).
+      peak_bytes: the programs' peak bytes (``peak_program_bytes``).
     """
     total = int(allocator_limit_bytes / allocator_fraction)
     budget = min(int(utilization * total), allocator_limit_bytes)
     headroom = min(int(HEADROOM_FRACTION * budget), HEADROOM_MAX_BYTES)
-    pool = budget - headroom - in_use_bytes - step_bytes
-    return GpuKVBudget(total, budget, headroom, in_use_bytes, step_bytes, pool)
+    pool = budget - headroom - in_use_bytes - peak_bytes
+    return GpuKVBudget(total, budget, headroom, in_use_bytes, peak_bytes, pool)
 
 
 def smallest_kv_budget(devices: list[tuple[int, int]], *, utilization: float,
-                       allocator_fraction: float, step_bytes: int) -> GpuKVBudget:
+                       allocator_fraction: float, peak_bytes: int) -> GpuKVBudget:
     """The budget of the device with the least room for the pool, of ``devices`` given as
     (allocator limit, bytes in use) pairs: with tensor parallelism --gpu-memory-utilization
     applies to each device, and the pool has the same pages on all of them."""
     budgets = [gpu_kv_budget(utilization=utilization, allocator_limit_bytes=limit,
                              allocator_fraction=allocator_fraction, in_use_bytes=in_use,
-                             step_bytes=step_bytes) for limit, in_use in devices]
+                             peak_bytes=peak_bytes) for limit, in_use in devices]
     return min(budgets, key=lambda b: b.pool_bytes)
+
+
+def pool_fit_problem(in_use_before: int, in_use: int, limit: int, pool_bytes: int,
+                     peak_bytes: int) -> str | None:
+    """What is wrong, if anything, once a pool of ``pool_bytes`` is allocated on a device whose
+    allocator held ``in_use_before`` bytes before and ``in_use`` after, under ``limit``: the
+    pool took less than its bytes (part of it is not its own), or the programs' peak no longer
+    fits under the limit. None when both hold."""
+    g = lambda b: f"{b / GIB:.2f} GiB"  # noqa: E731
+    if in_use - in_use_before < pool_bytes:
+        return (f"the KV pool of {g(pool_bytes)} took only {g(in_use - in_use_before)} of the "
+                "allocator's memory")
+    if in_use + peak_bytes > limit:
+        return (f"the KV pool leaves {g(limit - in_use)} under the allocator's limit, and the "
+                f"programs need {g(peak_bytes)} at their peak")
+    return None
 
 
 def num_pages_for_bytes(pool_bytes: int, bytes_per_page: int) -> int:

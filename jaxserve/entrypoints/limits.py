@@ -1,7 +1,8 @@
 """The API server's bounds (docs/reliability.md): how much one client may ask of it.
 
 ``ServerLimits`` holds them (the flags of ``python -m jaxserve.serve`` of the same names);
-``CappedSockSite`` is aiohttp's SockSite with a connection cap. What aiohttp bounds itself is set
+``CappedSockSite`` is aiohttp's SockSite with a connection cap, past which a connection's
+request is answered 503 with ``Retry-After`` (then the connection closes) instead of served. What aiohttp bounds itself is set
 from here too: the body size (``client_max_size``: 413 beyond it) and the time a connection may
 sit without sending a complete request (``keepalive_timeout``, which aiohttp arms when the
 connection opens and re-arms after each response, so it also ends connections that never finish
@@ -19,6 +20,10 @@ import socket
 from aiohttp import web
 
 logger = logging.getLogger("jaxserve.api")
+# Connections the kernel queues before they are accepted (aiohttp's default, 128, drops the
+# SYNs of a burst beyond it for the client to resend after a second or more; the kernel caps
+# it at net.core.somaxconn).
+LISTEN_BACKLOG = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,8 +31,10 @@ class ServerLimits:
     """Attributes:
       max_waiting_requests: generation requests that may be in flight beyond the engine's
         ``max_num_seqs``; past that a request gets 503 with ``Retry-After`` at once.
-      max_connections: open client connections; a connection beyond it is closed as soon as it
-        is accepted.
+      max_connections: open client connections served; a request on a connection beyond it
+        gets 503 with ``Retry-After``, and the connection closes after that answer. (Only
+        past the open-files limit is a connection closed unanswered: there is no descriptor
+        left to answer it with.)
       max_body_bytes: largest request body, bytes (413 beyond it). It also bounds the time one
         body holds the event loop: JSON parsing and pydantic validation keep the GIL, and an
         adversarial 2 MiB body (hundreds of thousands of tiny nested lists or unknown keys)
@@ -43,8 +50,10 @@ class ServerLimits:
         times longer).
     """
 
-    max_waiting_requests: int = 1024
-    max_connections: int = 2048
+    # A benchmark-style burst (10,000 requests at once) queues rather than being refused, as
+    # in vLLM, which bounds neither.
+    max_waiting_requests: int = 10_000
+    max_connections: int = 16_384
     max_body_bytes: int = 2 * 2**20
     body_timeout_s: float = 30.0
     keepalive_timeout_s: float = 30.0
@@ -54,25 +63,44 @@ class ServerLimits:
 
 
 class _Refused(asyncio.Protocol):
-    """Stands in for the HTTP protocol of a connection past the cap: closes it at once."""
+    """Stands in for the HTTP protocol of a connection past the open-files bound: closes it."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         transport.close()
 
 
+def _overloaded(retry_after_s: int):
+    async def answer(request: web.BaseRequest) -> web.Response:
+        from jaxserve.entrypoints.errors import error_response
+
+        return error_response(503, "the server has too many open connections; retry later",
+                              code="overloaded", headers={"Retry-After": str(retry_after_s)},
+                              close=True)
+
+    return answer
+
+
 class CappedSockSite(web.BaseSite):
-    """aiohttp's ``SockSite`` (serves on an already bound socket) that accepts at most
-    ``max_connections`` connections at a time; each one past that is closed when accepted, so a
-    flood of idle connections cannot exhaust file descriptors or memory.
+    """aiohttp's ``SockSite`` (serves on an already bound socket) that serves at most
+    ``max_connections`` connections at a time. A connection past that gets aiohttp's HTTP
+    protocol all the same, with a handler that answers its request 503 with ``Retry-After``
+    and closes it (so a client learns to come back, rather than seeing its connection reset),
+    up to ``max_open`` connections in all (the open-files limit less what the process keeps
+    for itself); one past that is closed when accepted.
 
     Attributes:
-      refused: connections closed because of the cap, since start.
+      answered_503: connections answered 503 because of the cap, since start.
+      refused: connections closed unanswered at ``max_open``, since start.
     """
 
-    def __init__(self, runner: web.BaseRunner, sock: socket.socket, max_connections: int):
-        super().__init__(runner)
+    def __init__(self, runner: web.BaseRunner, sock: socket.socket, max_connections: int,
+                 max_open: int, retry_after_s: int, **protocol_kwargs):
+        super().__init__(runner, backlog=LISTEN_BACKLOG)
         self._sock = sock
-        self.max_connections = max_connections
+        self.max_open = max_open
+        self.max_connections = min(max_connections, max_open)
+        self._overflow = web.Server(_overloaded(retry_after_s), **protocol_kwargs)
+        self.answered_503 = 0
         self.refused = 0
         host, port = sock.getsockname()[:2]
         self._name = f"http://{host}:{port}"
@@ -83,16 +111,38 @@ class CappedSockSite(web.BaseSite):
 
     async def start(self) -> None:
         await super().start()
-        server = self._runner.server
+        loop = asyncio.get_running_loop()
+        server, overflow = self._runner.server, self._overflow
+        # Protocols made in this batch of accepts: a connection joins ``connections`` only in
+        # connection_made, which runs after the whole batch (a burst is one batch).
+        batch = {"served": 0, "overflow": 0}
+
+        def new_batch():
+            batch.update(served=0, overflow=0)
 
         def protocol():
-            if len(server.connections) >= self.max_connections:
-                self.refused += 1
-                if self.refused == 1 or self.refused % 1000 == 0:
-                    logger.warning("connection limit (--max-connections %d) reached; closed %d "
-                                   "connections so far", self.max_connections, self.refused)
-                return _Refused()
-            return server()
+            if not any(batch.values()):
+                loop.call_soon(new_batch)
+            served = len(server.connections) + batch["served"]
+            if served < self.max_connections:
+                batch["served"] += 1
+                return server()
+            if served + len(overflow.connections) + batch["overflow"] < self.max_open:
+                batch["overflow"] += 1
+                self.answered_503 += 1
+                if self.answered_503 == 1 or self.answered_503 % 1000 == 0:
+                    logger.warning("connection limit (--max-connections %d) reached; answered "
+                                   "%d connections 503 so far", self.max_connections,
+                                   self.answered_503)
+                return overflow()
+            self.refused += 1
+            if self.refused == 1 or self.refused % 1000 == 0:
+                logger.warning("open-files limit reached (%d connections); closed %d "
+                               "connections unanswered so far", self.max_open, self.refused)
+            return _Refused()
 
-        self._server = await asyncio.get_running_loop().create_server(
-            protocol, sock=self._sock, backlog=self._backlog)
+        self._server = await loop.create_server(protocol, sock=self._sock, backlog=self._backlog)
+
+    async def stop(self) -> None:
+        await super().stop()
+        await self._overflow.shutdown(0)

@@ -33,6 +33,7 @@ from jax.sharding import Mesh
 from jaxserve.config import ModelConfig
 from jaxserve.core.scheduler_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from jaxserve.engine import LogprobsLists
+from jaxserve.engine.kv_sizing import peak_program_bytes, program_bytes
 from jaxserve.models import llama, sharding
 from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
 from jaxserve.structured_output.manager import bitmask_width
@@ -151,6 +152,16 @@ def _copy_pages(k_cache, v_cache, src, dst):
     """Copy KV pages ``src`` [N] to ``dst`` [N] in every layer (0 -> 0 pads: the null page)."""
     copy = lambda pool: jax.tree.map(lambda a: a.at[:, dst].set(a[:, src]), pool)  # noqa: E731
     return [copy(k) for k in k_cache], [copy(v) for v in v_cache]
+
+
+def _memory_of(compiled) -> tuple[int, int]:
+    """``kv_sizing.program_bytes`` of a compiled program; (0, 0) where the backend gives no
+    memory analysis."""
+    ma = compiled.memory_analysis()
+    if ma is None:
+        return 0, 0
+    return program_bytes(ma.temp_size_in_bytes, ma.output_size_in_bytes,
+                         ma.alias_size_in_bytes, getattr(ma, "generated_code_size_in_bytes", 0))
 
 
 def _trim(lp: dict, rows, ks) -> LogprobsLists:
@@ -297,6 +308,7 @@ class ModelRunner:
         self._compiled: dict[int, Callable] = {}
         self._filter_compiled: dict[int, Callable] = {}  # by S
         self._aux_compiled: dict[str, Callable] = {}
+        self.peak_program_bytes = 0  # compile_buckets
         self._step_count = 0
         # Penalty counts, logit biases, stop ids per slot, on the device (sampler.py); stop ids
         # hold the request's own and the model's EOS ids (config's and the tokenizer's).
@@ -314,35 +326,51 @@ class ModelRunner:
         shape = (self.layout.num_kv_heads, num_pages, self.page_size, c.head_dim)
         return shape, None if self.mesh is None else sharding.kv_sharding(self.mesh)
 
+    def pool_structs(self, num_pages: int) -> tuple[list, list]:
+        """(K pools, V pools) of num_pages pages as shapes only (``kv_quant.pool_struct``), to
+        compile against a pool that is not allocated."""
+        shape, where = self._kv_pool(num_pages)
+        kv = [kv_quant.pool_struct(shape, self.kv_dtype, where)] * self.config.num_layers
+        return kv, kv
+
     def allocate_kv_cache(self, num_pages: int) -> None:
         """Allocate the (zeroed) K and V pools of num_pages pages, page 0 included; on a mesh
         each device allocates only its KV heads. One program makes them all: one dispatch
         instead of one per pool (64 for the 8B model, each waiting for the GIL while the
-        tokenizer thread imports transformers)."""
+        tokenizer thread imports transformers).
+
+        Raises:
+          ValueError: the pools did not all get memory of their own. A GPU allocator that
+            cannot place an output has returned another output's memory for it without an
+            error (kv_sizing's docstring), which would let layers overwrite each other.
+        """
         shape, where = self._kv_pool(num_pages)
         make = jax.jit(partial(_zeroed_pools, shape, self.kv_dtype, self.config.num_layers),
                        out_shardings=where)
-        self.k_cache, self.v_cache = self.executables.compile(make)()
+        k_cache, v_cache = self.executables.compile(make)()
+        shards = [s.data for x in jax.tree.leaves((k_cache, v_cache)) for s in x.addressable_shards]
+        distinct, total = len({x.unsafe_buffer_pointer() for x in shards}), len(shards)
+        if distinct < total:
+            del k_cache, v_cache, shards
+            raise ValueError(
+                f"the KV pool ({num_pages} pages) did not fit in the device allocator: "
+                f"{distinct} of its arrays got memory of their own, out of {total}")
+        self.k_cache, self.v_cache = k_cache, v_cache
 
-    def profile_step_bytes(self, num_pages: int) -> int:
-        """Device bytes the largest token bucket's step needs beyond its arguments, from XLA's
-        memory analysis of that bucket compiled against a pool of num_pages pages (described
-        by shapes only: nothing is allocated). On a mesh, the bytes of one device (XLA analyses
-        the partitioned program). 0 if the backend gives no analysis."""
-        from jaxserve.engine.kv_sizing import step_bytes_from_memory_analysis
-
-        shape, where = self._kv_pool(num_pages)
-        kv = [kv_quant.pool_struct(shape, self.kv_dtype, where)] * self.config.num_layers
+    def profile_peak_bytes(self, num_pages: int) -> int:
+        """``kv_sizing.peak_program_bytes`` of the programs that can need the most (the largest
+        token bucket's step, the sampler of the most sequences, the page copy and the prompt
+        log-probabilities), each compiled against a pool of num_pages pages given by shapes
+        only (nothing is allocated). On a mesh, the bytes of one device (XLA analyses the
+        partitioned program). ``compile_buckets`` then measures every program at the real
+        pool size."""
+        k, v = self.pool_structs(num_pages)
         t = self.token_buckets[-1]
-        compiled = self.executables.compile(  # with the options the served step compiles with
-            self._step_jitted[t], self.step_args(t, kv, kv), self._compiler_options(t))
-        ma = compiled.memory_analysis()
-        if ma is None:
-            return 0
-        return step_bytes_from_memory_analysis(
-            ma.temp_size_in_bytes, ma.output_size_in_bytes, ma.alias_size_in_bytes,
-            getattr(ma, "generated_code_size_in_bytes", 0),
-        )
+        programs = [(self._step_jitted[t], self.step_args(t, k, v), self._compiler_options(t)),
+                    (self._filter_jitted, self._filter_args(self.num_seqs_for(t)), None),
+                    (self._aux_jitted["page copy"], self._aux_args("page copy", k, v), None),
+                    (self._aux_jitted["prompt logprobs"], self._aux_args("prompt logprobs"), None)]
+        return peak_program_bytes([_memory_of(self.executables.compile(*p)) for p in programs])
 
     def num_seqs_for(self, num_tokens_bucket: int) -> int:
         return min(num_tokens_bucket, self.max_num_seqs)
@@ -365,8 +393,21 @@ class ModelRunner:
                             structured=off)
         return sm, fm
 
-    def _aux_args(self, name: str):
-        """Placeholder arguments of the auxiliary programs, for their compilation."""
+    def _filter_args(self, s: int) -> tuple:
+        """Placeholder arguments of the sampler of s sequences (``_filter``)."""
+        logits = jax.ShapeDtypeStruct((s, self.config.vocab_size), jnp.float32,
+                                      sharding=self._replicated)
+        if s not in self._no_bitmask:
+            # jitted, as the sampling state: a device_put cannot place it over two hosts
+            self._no_bitmask[s] = jax.jit(
+                partial(jnp.full, (s, self.bitmask_width), -1, jnp.int32),
+                out_shardings=self._replicated)()
+        return (logits, self._prev_sampled, *self._dummy_sampling(s), self.sampling_state,
+                self._no_bitmask[s])
+
+    def _aux_args(self, name: str, k_cache=None, v_cache=None):
+        """Placeholder arguments of the auxiliary programs, for their compilation (the page
+        copy's with the given pool, ``pool_structs``)."""
         st = self.sampling_state
         if name == "state writer":
             return (st, np.int32(0), np.zeros(self.max_model_len, np.int32), np.int32(0),
@@ -374,7 +415,7 @@ class ModelRunner:
                     np.asarray(st.stop_ids[0]))
         if name == "page copy":
             pages = np.zeros(self.max_num_seqs, np.int32)
-            return self.k_cache, self.v_cache, pages, pages
+            return k_cache, v_cache, pages, pages
         if name == "block table write":
             entries = np.zeros(BLOCK_TABLE_WRITES, np.int32)
             return self.block_table, entries, entries, entries
@@ -393,31 +434,25 @@ class ModelRunner:
             return None
         return {"xla_gpu_enable_command_buffer": ""}
 
-    def compile_buckets(self, log: Callable[[str], None] = print) -> None:
+    def compile_buckets(self, num_pages: int, log: Callable[[str], None] = print) -> None:
         """Compile the step for every token bucket and the top-k/top-p sampler for every
-        sequence count, with a progress line each. A program in the executable cache is loaded
+        sequence count, against a pool of num_pages pages (``allocate_kv_cache`` may come
+        after), with a progress line each, and set ``peak_program_bytes`` over all of them
+        (``kv_sizing.peak_program_bytes``). A program in the executable cache is loaded
         from it on a pool of a thread per core; the others are traced and lowered one after
         another on this thread, and each lowered program is compiled (and saved to the cache)
         at once on that pool (XLA's compiler runs outside the GIL), so compiling overlaps the
         lowering of the next."""
         start = time.perf_counter()
+        k, v = self.pool_structs(num_pages)
         programs = {}  # (kind, tokens or seqs) -> (jitted, args, compiler options)
         for t in self.token_buckets:
-            programs["step", t] = (self._step_jitted[t],
-                                   self.step_args(t, self.k_cache, self.v_cache),
+            programs["step", t] = (self._step_jitted[t], self.step_args(t, k, v),
                                    self._compiler_options(t))
         for s in sorted({self.num_seqs_for(t) for t in self.token_buckets}):
-            logits = jax.ShapeDtypeStruct((s, self.config.vocab_size), jnp.float32,
-                                          sharding=self._replicated)
-            # jitted, as the sampling state: a device_put cannot place it over two hosts
-            self._no_bitmask[s] = jax.jit(
-                partial(jnp.full, (s, self.bitmask_width), -1, jnp.int32),
-                out_shardings=self._replicated)()
-            programs["filter", s] = (self._filter_jitted, (
-                logits, self._prev_sampled, *self._dummy_sampling(s), self.sampling_state,
-                self._no_bitmask[s]), None)
+            programs["filter", s] = (self._filter_jitted, self._filter_args(s), None)
         for name, fn in self._aux_jitted.items():
-            programs[name, None] = (fn, self._aux_args(name), None)
+            programs[name, None] = (fn, self._aux_args(name, k, v), None)
         total, hits = len(programs), self.executables.hits
         with ThreadPoolExecutor(min(total, os.cpu_count() or 1)) as pool:
             futures = {self.executables.submit(pool, *program): label
@@ -438,6 +473,9 @@ class ModelRunner:
                 log(f"compiling (or loading from a cache): {i}/{total} ({what}) "
                     f"{time.perf_counter() - start:.1f}s")
         log(f"{self.executables.hits - hits} of {total} programs came from the executable cache")
+        self.peak_program_bytes = peak_program_bytes(
+            [_memory_of(c) for c in [*self._compiled.values(), *self._filter_compiled.values(),
+                                     *self._aux_compiled.values()]])
 
     def _write_state_row(self, slot: int, r: NewRequestData) -> None:
         """Dispatch the sampler-state row of a request entering the batch (sampler.py)."""
@@ -608,6 +646,20 @@ class ModelRunner:
         handle.sampled = self._prev_sampled = sampled
         handle.logprobs = lp if want_logprobs else None
         handle.filter_inputs = None
+
+    def device_state_ok(self) -> bool:
+        """Whether the device arrays every step reads survived (the KV pool, the block table,
+        the sampler state, the last step's tokens): none deleted (donated to a program that
+        then failed) and none holding a failed program's error."""
+        arrays = jax.tree.leaves((self.k_cache, self.v_cache, self.block_table,
+                                  self._prev_sampled, self.sampling_state))
+        try:
+            if any(a.is_deleted() for a in arrays):
+                return False
+            jax.block_until_ready(arrays)
+        except Exception:  # noqa: BLE001 - whatever the failed program left, it cannot serve
+            return False
+        return True
 
     def _structured_rows(self, sched: SchedulerOutput, req_ids: list[str], s: int) -> np.ndarray:
         """[S] bool: the rows of the step's constrained sequences."""

@@ -4,7 +4,12 @@ Selected with ``JAXSERVE_ENGINE_CORE=stub_engine:StubEngineCore`` (core_proc's t
 It uses the default model's tokenizer and "generates" a fixed text; a few magic prompts make it
 misbehave:
   * prompts starting with ADD_CRASH_ID: add_request raises (not a ValueError);
-  * prompts starting with STEP_CRASH_ID: step() raises once that request has a token.
+  * prompts starting with STEP_CRASH_ID: step() raises once that request has a token, and
+    ``recover_from_failed_step`` ends that request alone;
+  * prompts starting with STEP_POISON_ID: the same, but the engine cannot go on after it
+    (as when a failed program took the KV pool down);
+  * prompts starting with STEP_REPEAT_ID: every step raises while that request is there, and
+    ``recover_from_failed_step`` does not find it (a failure no request explains).
 Environment: STUB_START_DELAY_S (sleep in __init__), STUB_START_ERROR (raise ValueError with it).
 """
 
@@ -15,6 +20,8 @@ from jaxserve.engine import EngineCoreOutput, SchedulerStats
 
 ADD_CRASH_ID = 4242
 STEP_CRASH_ID = 4343
+STEP_POISON_ID = 4444
+STEP_REPEAT_ID = 4545
 TEXT = " The quick brown fox jumps over the lazy dog. Café 😀 中文 naïve."
 
 
@@ -36,6 +43,7 @@ class StubEngineCore:
         self.generation_config = {}
         self.text_ids = self.tokenizer.encode(TEXT, add_special_tokens=False)
         self.reqs = {}
+        self.failed = []  # (request id, usable) of the step that raised
 
     def add_request(self, req):
         if not req.prompt_token_ids:
@@ -55,7 +63,10 @@ class StubEngineCore:
         time.sleep(0.02)
         outs = []
         for rid, (req, out) in list(self.reqs.items()):
-            if req.prompt_token_ids[0] == STEP_CRASH_ID and out:
+            if req.prompt_token_ids[0] == STEP_REPEAT_ID:
+                raise RuntimeError("stub step failure")
+            if req.prompt_token_ids[0] in (STEP_CRASH_ID, STEP_POISON_ID) and out:
+                self.failed = [(rid, req.prompt_token_ids[0] == STEP_CRASH_ID)]
                 raise RuntimeError("stub step failure")
             tok = self.text_ids[len(out) % len(self.text_ids)]
             out.append(tok)
@@ -66,6 +77,11 @@ class StubEngineCore:
             if done:
                 del self.reqs[rid]
         return outs
+
+    def recover_from_failed_step(self):
+        failed, self.failed = self.failed, []
+        self.abort_requests([rid for rid, _ in failed])
+        return [rid for rid, _ in failed], all(usable for _, usable in failed)
 
     def get_stats(self):
         return SchedulerStats(num_running_reqs=len(self.reqs),

@@ -246,22 +246,27 @@ def test_idle_and_slow_header_connections_are_closed(server):
 
 
 def test_connection_cap(server):
-    """Connections past --max-connections are closed when accepted; when they go, the server
-    serves again."""
+    """A request on a connection past --max-connections is answered 503 with Retry-After
+    (then that connection closes), none is reset or closed unanswered; once they go, the
+    server serves again."""
+    request = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               b"Authorization: Bearer " + API_KEY.encode() + b"\r\nContent-Length: 2\r\n\r\n{}")
     socks = [socket.create_connection(("127.0.0.1", server.port))
              for _ in range(MAX_CONNECTIONS + 8)]
     try:
         time.sleep(0.5)
-        closed = 0
+        answers = []
         for s in socks:
-            s.settimeout(0.2)
-            try:
-                closed += s.recv(10) == b""
-            except TimeoutError:
-                pass
-            except ConnectionResetError:
-                closed += 1
-        assert 8 <= closed < len(socks)
+            s.sendall(request)
+        for s in socks:
+            s.settimeout(5)
+            answers.append(s.recv(4096))  # a reset would raise ConnectionResetError here
+        overloaded = [a for a in answers if a.startswith(b"HTTP/1.1 503")]
+        assert len(overloaded) == 8, [a[:40] for a in answers]
+        assert all(b"Retry-After: 1" in a and b'"code":"overloaded"' in a.replace(b" ", b"")
+                   for a in overloaded)
+        # the served ones got the request's own answer (400: no prompt)
+        assert all(a.startswith(b"HTTP/1.1 400") for a in answers if a not in overloaded)
     finally:
         for s in socks:
             s.close()

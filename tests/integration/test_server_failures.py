@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from server_utils import REPO, Server, descendants, free_port, get, wait_gone
-from stub_engine import ADD_CRASH_ID, STEP_CRASH_ID
+from stub_engine import ADD_CRASH_ID, STEP_CRASH_ID, STEP_POISON_ID, STEP_REPEAT_ID
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 STUB_ENV = {"JAXSERVE_ENGINE_CORE": "stub_engine:StubEngineCore", "PYTHONPATH": HERE}
@@ -136,6 +136,56 @@ def test_request_that_crashes_step_gets_error_and_engine_lives(stub_server):
             pass
     assert c.completions.create(model="stub-model", prompt="hi", max_tokens=3).usage.completion_tokens == 3
     assert get(f"{stub_server.url}/health")[0] == 200
+
+
+def test_a_failed_step_fails_only_its_requests(stub_server):
+    """A stream running beside the request whose step fails goes on to its end."""
+    c = _client(stub_server)
+    result = {}
+
+    def stream():
+        chunks = list(c.completions.create(model="stub-model", prompt="hi", max_tokens=60,
+                                           stream=True))
+        result["finish"] = chunks[-1].choices[0].finish_reason
+
+    t = threading.Thread(target=stream)
+    t.start()
+    time.sleep(0.3)
+    with pytest.raises(openai.InternalServerError, match="engine step failed"):
+        c.completions.create(model="stub-model", prompt=[STEP_CRASH_ID, 5], max_tokens=5)
+    t.join(30)
+    assert result == {"finish": "length"}
+
+
+def _wait_health(srv, status: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if get(f"{srv.url}/health")[0] == status:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_step_that_takes_the_engine_down_restarts_it():
+    """A failed step after which the engine cannot go on (its KV pool went with the step), and
+    three failed steps in a row: each time the live requests fail, /health says 503 while a
+    new engine process starts (the stub takes a second to), and it then serves."""
+    srv = Server("--max-model-len", "512", env={**STUB_ENV, "STUB_START_DELAY_S": "1"},
+                 startup_timeout=120)
+    try:
+        c = _client(srv)
+        for first, why in ((STEP_POISON_ID, "did not survive"), (STEP_REPEAT_ID, "3 failed steps")):
+            (engine,) = _engine_pids(srv)
+            with pytest.raises(openai.InternalServerError, match=why):
+                c.completions.create(model="stub-model", prompt=[first, 5], max_tokens=5)
+            assert _wait_health(srv, 503, 10)
+            assert _wait_health(srv, 200, 60)
+            assert c.completions.create(model="stub-model", prompt="hi",
+                                        max_tokens=3).usage.completion_tokens == 3
+            assert _engine_pids(srv) != [engine]
+        assert "restarting the engine" in srv.output()
+    finally:
+        srv.stop()
 
 
 def _engine_pids(srv) -> list[int]:

@@ -26,8 +26,8 @@ def test_the_device_block_table_follows_the_host_one(monkeypatch):
     runner = ModelRunner(config, llama.random_params(config, np.float32), page_size=4,
                          max_num_seqs=4, max_num_batched_tokens=8, max_model_len=64,
                          kv_dtype=np.float32, attention_fn=attention_stub)
+    runner.compile_buckets(32, log=lambda _: None)
     runner.allocate_kv_cache(32)
-    runner.compile_buckets(log=lambda _: None)
     host = runner.input_batch.block_table
 
     # 8 pages in one step: two writes of 3 go first, the step writes the last 2

@@ -24,24 +24,45 @@ def test_cpu_pages_and_fit():
     assert K.check_pool_fits(33, 16, 512, "x") == 1
 
 
-def test_step_bytes_counts_only_unaliased_outputs():
-    # KV pool outputs alias the donated inputs: only the sampled tokens count.
-    assert K.step_bytes_from_memory_analysis(temp=500, output=10_000 + 64, alias=10_000, code=7) == 571
-    assert K.step_bytes_from_memory_analysis(temp=500, output=64, alias=0) == 564
+def test_program_bytes_counts_only_unaliased_outputs():
+    # KV pool outputs alias the donated inputs: only the sampled tokens count, and stay held.
+    assert K.program_bytes(temp=500, output=10_000 + 64, alias=10_000, code=7) == (571, 64)
+    assert K.program_bytes(temp=500, output=64, alias=0) == (564, 64)
+    assert K.program_bytes(temp=0, output=10, alias=20) == (0, 0)
 
 
-def test_allocator_fraction_env_respects_a_user_setting():
+def test_peak_is_the_largest_program_while_the_previous_step_outputs_are_held():
+    step, sampler, copy = (900, 300), (1_200, 10), (400, 0)
+    # The sampler runs while a step's 300 bytes of logits wait: 1,200 + 300, not 900 + 300.
+    assert K.peak_program_bytes([step, sampler, copy]) == 1_500
+    assert K.peak_program_bytes([step]) == 1_200
+    assert K.peak_program_bytes([]) == 0
+
+
+def test_configure_allocator_respects_a_user_setting():
     env = {}
-    assert K.allocator_fraction_env(0.9, env) == 0.94 and env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.940000"
-    assert K.allocator_fraction_env(0.97, {}) == 0.98
-    env = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"}
-    assert K.allocator_fraction_env(0.9, env) == 0.5
+    assert K.configure_allocator(0.9, env) == 0.94 and env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.940000"
+    assert env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "true"  # one allocator region (kv_sizing)
+    assert K.configure_allocator(0.97, {}) == 0.98
+    env = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    assert K.configure_allocator(0.9, env) == 0.5 and env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+
+
+def test_pool_fit_problem_names_what_went_wrong():
+    # The default model on the H200 with a grown allocator: 124.37 GiB asked, 120.23 taken.
+    problem = K.pool_fit_problem(int(0.33 * GIB), int(120.56 * GIB), int(131.41 * GIB),
+                                 int(124.37 * GIB), int(0.12 * GIB))
+    assert problem and "took only 120.23 GiB" in problem
+    # Taken whole, but a program's peak no longer fits under the limit.
+    problem = K.pool_fit_problem(GIB, 125 * GIB, 126 * GIB, 124 * GIB, 2 * GIB)
+    assert problem and "programs need 2.00 GiB" in problem
+    assert K.pool_fit_problem(GIB, 125 * GIB, 128 * GIB, 124 * GIB, 2 * GIB) is None
 
 
 def test_gpu_budget_h200_llama8b():
     total = 140 * GIB
     b = K.gpu_kv_budget(utilization=0.9, allocator_limit_bytes=int(0.9 * total), allocator_fraction=0.9,
-                        in_use_bytes=15 * GIB, step_bytes=3 * GIB)
+                        in_use_bytes=15 * GIB, peak_bytes=3 * GIB)
     assert abs(b.total_bytes - total) <= 2
     assert abs(b.budget_bytes - int(0.9 * total)) <= 2
     assert b.headroom_bytes == GIB  # 2% of 126 GiB is over the 1 GiB cap
@@ -57,24 +78,24 @@ def test_gpu_budget_capped_by_allocator_limit():
     # The backend started with JAX's default 0.75 cap before the engine could raise it.
     total = 80 * GIB
     b = K.gpu_kv_budget(utilization=0.9, allocator_limit_bytes=int(0.75 * total), allocator_fraction=0.75,
-                        in_use_bytes=GIB, step_bytes=GIB)
+                        in_use_bytes=GIB, peak_bytes=GIB)
     assert abs(b.total_bytes - total) <= 2 and b.budget_bytes == int(0.75 * total)
     assert b.headroom_bytes == K.HEADROOM_MAX_BYTES  # 2% of 60 GiB is over the cap
     # Lower utilization than the cap: utilization wins.
     b = K.gpu_kv_budget(utilization=0.5, allocator_limit_bytes=int(0.75 * total), allocator_fraction=0.75,
-                        in_use_bytes=GIB, step_bytes=GIB)
+                        in_use_bytes=GIB, peak_bytes=GIB)
     assert abs(b.budget_bytes - 40 * GIB) <= 2
 
 
 def test_gpu_small_device_headroom_is_two_percent():
     b = K.gpu_kv_budget(utilization=0.9, allocator_limit_bytes=int(0.9 * 16 * GIB), allocator_fraction=0.9,
-                        in_use_bytes=GIB, step_bytes=GIB)
+                        in_use_bytes=GIB, peak_bytes=GIB)
     assert b.headroom_bytes == int(0.02 * b.budget_bytes) < K.HEADROOM_MAX_BYTES
 
 
 def test_gpu_weights_too_big_leave_no_pages():
     b = K.gpu_kv_budget(utilization=0.3, allocator_limit_bytes=24 * GIB, allocator_fraction=0.3,
-                        in_use_bytes=20 * GIB, step_bytes=4 * GIB)
+                        in_use_bytes=20 * GIB, peak_bytes=4 * GIB)
     assert b.pool_bytes < 0 and K.num_pages_for_bytes(b.pool_bytes, 4096) == 0
     with pytest.raises(ValueError, match="--gpu-memory-utilization"):
         K.check_pool_fits(0, 16, 4096, "raise --gpu-memory-utilization or lower --max-model-len")
@@ -90,7 +111,7 @@ def test_tensor_parallel_pool_is_what_the_fullest_device_can_hold():
     # something else (2 GiB more in use). --gpu-memory-utilization applies to each device.
     limit = int(0.94 * 140 * GIB)
     b = K.smallest_kv_budget([(limit, 66 * GIB), (limit, 68 * GIB)], utilization=0.9,
-                             allocator_fraction=0.94, step_bytes=4 * GIB)
+                             allocator_fraction=0.94, peak_bytes=4 * GIB)
     assert b.in_use_bytes == 68 * GIB
     assert abs(b.pool_bytes - (int(0.9 * 140 * GIB) - GIB - 68 * GIB - 4 * GIB)) <= 2
     # Its pages, per device: Llama-3.1-70B's 8 KV heads split in two.

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from checkpoints_tools.fetch_default import cache_dir
-from jaxserve import distributed
+from jaxserve import distributed, host_memory
 from jaxserve.config import EngineConfig
 from jaxserve.sampling_params import describe_sampling_defaults
 from jaxserve.core.kv_cache_manager import KVCacheManager
@@ -215,6 +215,12 @@ class EngineCore:
         self.vocab_size = mc.vocab_size
         self.structured_output_manager, self.eos_token_ids, so_s = structured.result()
         log(f"structured outputs: llguidance tokenizer built in {so_s:.1f}s on that thread")
+        host_memory.release_freed()
+        on_host = lambda tree: 0 if on_gpu else sum(x.nbytes for x in jax.tree.leaves(tree))  # noqa: E731
+        line = host_memory.describe(on_host(self.runner.params),
+                                    on_host((self.runner.k_cache, self.runner.v_cache)))
+        if line:
+            log(line)
         self.scheduler = Scheduler(
             KVCacheManager(num_pages, config.page_size, config.enable_prefix_caching),
             max_num_seqs=config.max_num_seqs,

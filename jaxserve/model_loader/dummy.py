@@ -3,7 +3,10 @@
 ``--model PRESET`` (see :data:`PRESETS`, values copied from the models' published
 ``config.json``) or a path to a ``config.json``. The tokenizer is borrowed from the default model
 (SmolLM2-135M-Instruct, vocab 49152; docs/design.md section 4): ids beyond it are the model
-code's to handle. The borrowed tokenizer is cached as ``$JAXSERVE_CACHE/tokenizers/<name>/`` so that
+code's to handle. A model whose vocabulary is smaller than that (Mistral-7B's 32,768) gets its
+vocabulary grown to the tokenizer's, so that every text prompt is in range (the log says so;
+random weights of a slightly larger embedding and head, an added 0.3% of Mistral-7B's
+weights). The borrowed tokenizer is cached as ``$JAXSERVE_CACHE/tokenizers/<name>/`` so that
 machines without the GGUF (e.g. the GPU box) can carry just that folder.
 """
 
@@ -104,6 +107,7 @@ PRESETS: dict[str, dict] = {
 }
 
 DEFAULT_TOKENIZER_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_TOKENIZER_VOCAB = 49152  # its vocabulary, special tokens included
 
 
 def default_tokenizer():
@@ -141,5 +145,9 @@ def load_dummy(model: str, *, with_tokenizer: bool = True) -> Checkpoint:
         name = path.parent.name if path.name == "config.json" else path.stem
     log(f"dummy model {name}: {cfg.get('architectures', ['?'])[0]}, "
         f"{cfg.get('num_hidden_layers')} layers, hidden {cfg.get('hidden_size')}, no weights")
+    if cfg.get("vocab_size", 0) < DEFAULT_TOKENIZER_VOCAB:
+        log(f"dummy model {name}: vocabulary {cfg.get('vocab_size')} grown to the borrowed "
+            f"tokenizer's {DEFAULT_TOKENIZER_VOCAB}, so that every text prompt is in range")
+        cfg["vocab_size"] = DEFAULT_TOKENIZER_VOCAB
     return Checkpoint(name=name, hf_config=cfg, weights=None,
                       tokenizer=default_tokenizer() if with_tokenizer else None)

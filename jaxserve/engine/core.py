@@ -200,14 +200,13 @@ class EngineCore:
             self.runner.compile_buckets(num_pages, log)
         self.num_pages = num_pages
         t3 = time.perf_counter()
-        in_use = self._bytes_in_use() if on_gpu else None
         try:
             self.runner.allocate_kv_cache(num_pages)
         except ValueError as e:
             raise ValueError(f"{e}: lower --gpu-memory-utilization" if on_gpu else str(e)) from None
         log(f"allocated the KV pool in {time.perf_counter() - t3:.1f}s")
         if on_gpu:
-            self._check_pool_fits(in_use, num_pages * per_page, self.runner.peak_program_bytes)
+            self._check_peak_fits(self.runner.peak_program_bytes)
         self.tokenizer, tokenizer_s = tokenizer.result()
         log(f"tokenizer loaded in {tokenizer_s:.1f}s on a thread alongside; engine ready "
             f"{time.perf_counter() - start:.1f}s after it began")
@@ -278,10 +277,6 @@ class EngineCore:
         mesh = self.runner.mesh
         return [jax.local_devices()[0]] if mesh is None else list(mesh.local_devices)
 
-    def _bytes_in_use(self) -> list[int]:
-        """Allocator bytes in use on each of ``_devices``."""
-        return [int((d.memory_stats() or {}).get("bytes_in_use", 0)) for d in self._devices()]
-
     def _gpu_num_pages(self, per_page: int, peak: int, log: Callable[[str], None]) -> int:
         """Pages for the pool under --gpu-memory-utilization (see kv_sizing), which applies to
         each device: on every device of this process that holds the model, its budget minus
@@ -305,17 +300,17 @@ class EngineCore:
         log(b.describe(util) + ("" if len(memory) == 1 else f" (the smallest of {len(memory)} devices)"))
         return kv_sizing.num_pages_for_bytes(b.pool_bytes, per_page)
 
-    def _check_pool_fits(self, in_use_before: list[int], pool_bytes: int, peak: int) -> None:
-        """After the pool is allocated: on each device it took its bytes, and the programs'
-        peak still fits under the allocator's limit.
+    def _check_peak_fits(self, peak: int) -> None:
+        """After the pool is allocated: on each device the programs' peak still fits under the
+        allocator's limit.
 
         Raises:
-          ValueError: either does not hold (naming --gpu-memory-utilization).
+          ValueError: it does not (naming --gpu-memory-utilization).
         """
-        for d, before in zip(self._devices(), in_use_before):
+        for d in self._devices():
             stats = d.memory_stats() or {}
-            in_use, limit = int(stats.get("bytes_in_use", 0)), int(stats.get("bytes_limit", 0))
-            problem = kv_sizing.pool_fit_problem(before, in_use, limit, pool_bytes, peak)
+            problem = kv_sizing.peak_fit_problem(int(stats.get("bytes_in_use", 0)),
+                                                 int(stats.get("bytes_limit", 0)), peak)
             if problem:
                 raise ValueError(f"on {d}: {problem}: lower --gpu-memory-utilization")
 

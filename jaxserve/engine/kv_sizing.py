@@ -127,16 +127,10 @@ def smallest_kv_budget(devices: list[tuple[int, int]], *, utilization: float,
     return min(budgets, key=lambda b: b.pool_bytes)
 
 
-def pool_fit_problem(in_use_before: int, in_use: int, limit: int, pool_bytes: int,
-                     peak_bytes: int) -> str | None:
-    """What is wrong, if anything, once a pool of ``pool_bytes`` is allocated on a device whose
-    allocator held ``in_use_before`` bytes before and ``in_use`` after, under ``limit``: the
-    pool took less than its bytes (part of it is not its own), or the programs' peak no longer
-    fits under the limit. None when both hold."""
+def peak_fit_problem(in_use: int, limit: int, peak_bytes: int) -> str | None:
+    """What is wrong, if anything, once the pool is allocated on a device whose allocator holds
+    ``in_use`` bytes under ``limit``: the programs' peak no longer fits. None when it does."""
     g = lambda b: f"{b / GIB:.2f} GiB"  # noqa: E731
-    if in_use - in_use_before < pool_bytes:
-        return (f"the KV pool of {g(pool_bytes)} took only {g(in_use - in_use_before)} of the "
-                "allocator's memory")
     if in_use + peak_bytes > limit:
         return (f"the KV pool leaves {g(limit - in_use)} under the allocator's limit, and the "
                 f"programs need {g(peak_bytes)} at their peak")

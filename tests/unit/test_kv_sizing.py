@@ -48,15 +48,11 @@ def test_configure_allocator_respects_a_user_setting():
     assert K.configure_allocator(0.9, env) == 0.5 and env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
 
 
-def test_pool_fit_problem_names_what_went_wrong():
-    # The default model on the H200 with a grown allocator: 124.37 GiB asked, 120.23 taken.
-    problem = K.pool_fit_problem(int(0.33 * GIB), int(120.56 * GIB), int(131.41 * GIB),
-                                 int(124.37 * GIB), int(0.12 * GIB))
-    assert problem and "took only 120.23 GiB" in problem
-    # Taken whole, but a program's peak no longer fits under the limit.
-    problem = K.pool_fit_problem(GIB, 125 * GIB, 126 * GIB, 124 * GIB, 2 * GIB)
-    assert problem and "programs need 2.00 GiB" in problem
-    assert K.pool_fit_problem(GIB, 125 * GIB, 128 * GIB, 124 * GIB, 2 * GIB) is None
+def test_peak_fit_problem_names_what_went_wrong():
+    # The pool is in, but a program's peak no longer fits under the limit.
+    problem = K.peak_fit_problem(125 * GIB, 126 * GIB, 2 * GIB)
+    assert problem and "leaves 1.00 GiB" in problem and "programs need 2.00 GiB" in problem
+    assert K.peak_fit_problem(125 * GIB, 128 * GIB, 2 * GIB) is None
 
 
 def test_gpu_budget_h200_llama8b():

@@ -1,4 +1,4 @@
-"""Time to first token on a shared-prefix workload, prefix caching on vs off (issue 4).
+"""Time to first token on a shared-prefix workload, prefix caching on vs off.
 
 --num-requests requests (default 32) share one --prefix-len-token system prompt (default 1,000
 tokens of ShareGPT text, --dataset) followed by a distinct ShareGPT question each (--tail-len tokens); all

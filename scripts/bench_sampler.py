@@ -28,7 +28,7 @@ CASES = {
 
 
 def _reference_sample_rows(logits: jax.Array, sm: SamplingMetadata) -> jax.Array:
-    """The sampler before issue 10: a full-vocabulary sort whenever any row samples."""
+    """The earlier sampler: a full-vocabulary sort whenever any row samples."""
     vocab = logits.shape[-1]
     temp = jnp.where(sm.temperature > 0, sm.temperature, 1.0)
     scaled = logits / temp[:, None]

@@ -247,8 +247,9 @@ async def greedy_agreement(session, url, model_name, hf, tokenizer, n, max_token
             "return_token_ids": True})
         ours = out["choices"][0]["token_ids"]
         with torch.no_grad():
-            ref = hf.generate(torch.tensor([ids]), max_new_tokens=len(ours), do_sample=False,
-                              min_new_tokens=len(ours))[0, len(ids):].tolist()
+            # (no min_new_tokens: it would forbid the end-of-sequence token that ours may end on)
+            ref = hf.generate(torch.tensor([ids]), max_new_tokens=len(ours),
+                              do_sample=False)[0, len(ids):].tolist()
         ok, upto = compare_greedy(ours, ref, hf_greedy_margins(hf, ids, ref))
         same += ok
         compared += upto

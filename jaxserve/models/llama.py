@@ -14,6 +14,7 @@ functions build the params split in the Megatron layout and run the step as one 
 the KV write and attention per device (``jaxserve.models.sharding``, docs/parallelism.md).
 """
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -146,6 +147,16 @@ def _decoder_layer(hidden: jax.Array, p: dict, k_pages: jax.Array, v_pages: jax.
     return hidden + (jax.nn.silu(gate) * up) @ p["down_proj"], k_pages, v_pages
 
 
+def matmul_precision(dtype):
+    """The context a step of ``dtype`` weights is traced under: float32 weights multiply in
+    float32 (XLA's and Triton's GPU dots otherwise round float32 operands to TF32's 10-bit
+    mantissa, which moves logits by ~1e-3 and parts greedy outputs from HF's float32); 16-bit
+    weights keep the default. On the CPU float32 dots are float32 either way."""
+    if jnp.dtype(dtype) == jnp.float32:
+        return jax.default_matmul_precision("highest")
+    return contextlib.nullcontext()
+
+
 def forward(
     config: ModelConfig,
     params: dict,
@@ -185,7 +196,13 @@ def forward(
       (logits [S, V] float32 over the whole vocabulary, replicated on a mesh; k_cache, v_cache
       updated in place), plus the [R, E] hidden rows when hidden_indices is given.
     """
-    c = config
+    with matmul_precision(params["embed_tokens"].dtype):
+        return _forward(config, params, token_ids, md, k_cache, v_cache, logits_indices,
+                        attention_fn, mesh, hidden_indices)
+
+
+def _forward(c: ModelConfig, params, token_ids, md, k_cache, v_cache, logits_indices,
+             attention_fn, mesh, hidden_indices):
     inv_freq = jnp.asarray(rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling))
     angles = md.positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
     cos, sin = jnp.cos(angles), jnp.sin(angles)
@@ -210,7 +227,8 @@ def compute_logits(config: ModelConfig, params: dict, hidden: jax.Array,
     the whole vocabulary (gathered on a mesh)."""
     hidden = _rms_norm(hidden, params["norm"], config.rms_norm_eps)
     lm_head = params.get("lm_head", params["embed_tokens"])
-    logits = jnp.einsum("se,ve->sv", hidden, lm_head, preferred_element_type=jnp.float32)
+    with matmul_precision(lm_head.dtype):
+        logits = jnp.einsum("se,ve->sv", hidden, lm_head, preferred_element_type=jnp.float32)
     if mesh is not None:  # the sampler sees the whole vocabulary
         logits = sharding.gather_logits(logits, mesh)
     if lm_head.shape[0] != config.vocab_size:  # rows padded to a multiple of the mesh

@@ -14,6 +14,8 @@ no longer bounds the output's length (vLLM's ``disable_any_whitespace``, on by d
 from __future__ import annotations
 
 import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import llguidance
 
@@ -44,6 +46,88 @@ _STRING_CHAR = r'[^"\\\x00-\x1F\x7F]'
 SLICES = [r"[\x20\x0A\x0D\x09]+",
           *(f"{_STRING_CHAR}{{1,{n}}}" for n in (8, 10, 12, 15, 30)),
           f"{_STRING_CHAR}+"]
+
+
+# llguidance's compiler recurses in native code along the grammar's rule chains and a schema's
+# $ref chains: at MAX_STRUCTURED_OUTPUT_CHARS (100,000 characters) the deepest specs measured
+# (chains of rules `a: b`, of `{"items": {"$ref": ...}}` definitions) overflow 16 MiB of stack
+# and compile in 32 MiB, where a thread's default is 8 MiB (a segfault of the whole process).
+# Every compile runs on one thread of GRAMMAR_STACK_BYTES (address space: only the pages used
+# become memory), 8 x the deepest measured; schemas are also refused past MAX_SCHEMA_DEPTH.
+GRAMMAR_STACK_BYTES = 256 << 20
+# Nesting of a JSON schema counted through subschemas and local $refs (a recursive $ref counts
+# once): pydantic models and OpenAI's strict mode stay far below (OpenAI allows 10 levels).
+MAX_SCHEMA_DEPTH = 128
+
+_compiler: ThreadPoolExecutor | None = None
+_compiler_lock = threading.Lock()
+
+
+def _compiler_thread() -> ThreadPoolExecutor:
+    """The process's one grammar-compiling thread, with GRAMMAR_STACK_BYTES of stack."""
+    global _compiler
+    with _compiler_lock:
+        if _compiler is None:
+            previous = threading.stack_size(GRAMMAR_STACK_BYTES)
+            try:
+                pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jaxserve-grammar")
+                pool.submit(int).result()  # starts its thread now, with that stack size
+            finally:
+                threading.stack_size(previous)
+            _compiler = pool
+    return _compiler
+
+
+class _TooDeep(Exception):
+    pass
+
+
+def schema_depth(schema) -> int:
+    """Levels of nested JSON objects and arrays in ``schema``, a local ``$ref`` ("#/...")
+    counted as the depth of what it points at (each target measured once; a $ref met again
+    inside itself, recursion, adds nothing). Past MAX_SCHEMA_DEPTH it stops: MAX_SCHEMA_DEPTH
+    + 1 then. Linear in the schema's size; recurses at most MAX_SCHEMA_DEPTH + 1 frames."""
+    measured: dict[str, int] = {}
+    open_refs: set[str] = set()
+
+    def depth(node, level: int) -> int:
+        if level > MAX_SCHEMA_DEPTH:
+            raise _TooDeep
+        deepest = 1
+        for child in node.values() if isinstance(node, dict) else node:
+            if isinstance(child, (dict, list)):
+                deepest = max(deepest, 1 + depth(child, level + 1))
+        ref = node.get("$ref") if isinstance(node, dict) else None
+        if isinstance(ref, str) and ref.startswith("#") and ref not in open_refs:
+            if ref not in measured:
+                target = _resolve_pointer(schema, ref)
+                open_refs.add(ref)
+                measured[ref] = (depth(target, level + 1)
+                                 if isinstance(target, (dict, list)) else 0)
+                open_refs.discard(ref)
+            if level + measured[ref] > MAX_SCHEMA_DEPTH:
+                raise _TooDeep
+            deepest = max(deepest, 1 + measured[ref])
+        return deepest
+
+    try:
+        return depth(schema, 1)
+    except _TooDeep:
+        return MAX_SCHEMA_DEPTH + 1
+
+
+def _resolve_pointer(document, ref: str):
+    """The value a local JSON pointer ("#/a/b", RFC 6901) names in ``document``, or None."""
+    node = document
+    for part in ref[1:].split("/")[1:]:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict):
+            node = node.get(part)
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
 
 
 def limits() -> llguidance.LLParserLimits:
@@ -87,6 +171,9 @@ def grammar_text(params: StructuredOutputsParams) -> str:
                 schema = json.loads(schema)
             if not isinstance(schema, dict):
                 raise ValueError("a JSON schema is a JSON object")
+            if schema_depth(schema) > MAX_SCHEMA_DEPTH:
+                raise ValueError(f"the schema nests more than {MAX_SCHEMA_DEPTH} levels deep "
+                                 "(objects and arrays, through local $refs)")
             return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
         if kind == "json_object":
             return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"},
@@ -102,13 +189,19 @@ def grammar_text(params: StructuredOutputsParams) -> str:
 
 def compile_matcher(ll_tokenizer: llguidance.LLTokenizer,
                     params: StructuredOutputsParams) -> llguidance.LLMatcher:
-    """A fresh LLMatcher of the constraint, at its start state (drops the GIL while it
+    """A fresh LLMatcher of the constraint, at its start state, compiled on the grammar thread
+    (GRAMMAR_STACK_BYTES of stack; the caller waits; llguidance drops the GIL while it
     compiles: typically well under 10 ms; bounded by LIMITS).
 
     Raises:
       ValueError: "<kind>: <llguidance's error>" for a spec that does not compile (an invalid
-        schema, regex or grammar, or one past LIMITS).
+        schema, regex or grammar, one past LIMITS or nested past MAX_SCHEMA_DEPTH).
     """
+    return _compiler_thread().submit(_compile, ll_tokenizer, params).result()
+
+
+def _compile(ll_tokenizer: llguidance.LLTokenizer,
+             params: StructuredOutputsParams) -> llguidance.LLMatcher:
     text = grammar_text(params)
     matcher = llguidance.LLMatcher(ll_tokenizer, text, log_level=0, limits=limits())
     if matcher.is_error():

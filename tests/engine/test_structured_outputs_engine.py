@@ -119,3 +119,19 @@ def test_bad_constraint_fails_before_any_work(smollm_llm, so):
                                          SamplingParams(max_tokens=2, structured_outputs=so)],
                             use_tqdm=False)
     assert not smollm_llm.engine.scheduler.has_unfinished_requests()  # nothing was added
+
+
+def test_grammar_bombs_in_the_offline_engine(smollm_llm):
+    """A 1,500-deep $ref chain is a ValueError before any work; a 3,000-rule Lark chain (valid)
+    compiles and is met; the engine serves on."""
+    from tests.grammar_bombs import ref_chain, rule_chain
+
+    with pytest.raises(ValueError, match="levels deep"):
+        smollm_llm.generate(["hi"], SamplingParams(max_tokens=4, structured_outputs=
+                                                   StructuredOutputsParams(json=ref_chain(1500))),
+                            use_tqdm=False)
+    out = smollm_llm.generate(["hi"], SamplingParams(max_tokens=8, structured_outputs=
+                                                     StructuredOutputsParams(
+                                                         grammar=rule_chain(3000, ' "0"'))),
+                              use_tqdm=False)[0].outputs[0]
+    assert out.text.startswith("x") and set(out.text) <= {"x", "0"}, out.text

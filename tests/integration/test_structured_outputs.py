@@ -177,3 +177,29 @@ def test_unconstrained_outputs_unchanged_by_constrained_neighbours(client, hf_sm
     for text, reason in mixed[16:]:
         assert reason == "stop"
         jsonschema.validate(json.loads(text), schema["schema"])
+
+
+def test_grammar_bombs_get_a_400_or_an_answer_and_the_server_serves_on(small_server, client):
+    """The reported bodies (3,000 chained Lark rules, 1,500 chained $defs) and their variants
+    at the size limit: each a 400 naming the field or a 200 that meets the grammar, while a
+    stream runs beside them and another request is answered after them."""
+    from tests.grammar_bombs import lark_bombs, schema_bombs
+
+    bodies = ([{"structured_outputs": {"grammar": g}} for g in lark_bombs()]
+              + [{"response_format": {"type": "json_schema", "json_schema": {
+                  "name": "b", "schema": s}}} for s in schema_bombs()])
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Count to twenty."}], stream=True,
+        max_tokens=60, temperature=0)
+    for body in bodies:
+        r = httpx.post(f"{small_server.url}/v1/chat/completions", timeout=120, json={
+            "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
+            **body})
+        if "grammar" in json.dumps(body)[:40]:
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["message"]["content"], r.text
+        else:
+            assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
+            assert "levels deep" in r.json()["error"]["message"]
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert _chat(client, "Say hi.", max_tokens=4)[0]

@@ -203,3 +203,49 @@ def test_sampler_mask_only_allowed_tokens_and_masked_logprobs():
                                             jnp.asarray(bitmask))
             assert int(tokens[0]) == 35 and int(tokens[1]) in {1, 3, *range(64, 70)}
             assert abs(float(lp.token_logprobs[0])) < 1e-6  # the only allowed token
+
+
+def test_schema_depth_follows_refs_once():
+    from jaxserve.structured_output.grammar import MAX_SCHEMA_DEPTH, schema_depth
+    from tests.grammar_bombs import ref_chain
+
+    assert schema_depth(SCHEMA) == 3  # the schema, its properties, "a"
+    tree = {"$defs": {"n": {"type": "object", "properties": {"kids": {
+        "type": "array", "items": {"$ref": "#/$defs/n"}}}}}, "$ref": "#/$defs/n"}
+    assert schema_depth(tree) < 20  # recursion counts once
+    assert schema_depth(ref_chain(1500)) == MAX_SCHEMA_DEPTH + 1
+    # a chain of definitions that each name the next twice: 2^40 paths, measured once each
+    dag = ref_chain(40, lambda r: {"anyOf": [r, dict(r)]})
+    assert 3 * 40 < schema_depth(dag) <= 3 * 40 + 3
+
+
+def test_grammar_bombs_compile_or_fail_without_crashing_the_process():
+    """Each bomb in a child process (a native stack overflow kills the process, not a test):
+    the Lark chains compile and give masks on the calling thread, the $ref chains are
+    ValueErrors naming the depth limit."""
+    import subprocess
+    import sys
+
+    child = """
+import llguidance, llguidance.numpy as lln
+from jaxserve.model_loader.loader import load_tokenizer_of
+from jaxserve.sampling_params import StructuredOutputsParams as SO
+from jaxserve.structured_output.grammar import build_ll_tokenizer, compile_matcher
+from tests.grammar_bombs import lark_bombs, schema_bombs
+llt = build_ll_tokenizer(load_tokenizer_of(None), 49152, [2])
+mask = lln.allocate_token_bitmask(1, llt.vocab_size)
+for g in lark_bombs():
+    m = compile_matcher(llt, SO(grammar=g))
+    lln.fill_next_token_bitmask_par(llguidance.LLExecutor(), [(m, 0)], mask)
+    assert mask.any() and not m.is_error()
+for s in schema_bombs():
+    try:
+        compile_matcher(llt, SO(json=s))
+        raise AssertionError("a $ref chain compiled")
+    except ValueError as e:
+        assert "levels deep" in str(e), e
+print("survived")
+"""
+    r = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True,
+                       timeout=600, cwd=__import__("pathlib").Path(__file__).parents[2])
+    assert r.returncode == 0 and "survived" in r.stdout, (r.returncode, r.stderr[-2000:])

@@ -12,6 +12,11 @@ _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "inva
           503: "server_error", 504: "server_error"}
 
 
+# Seconds a 503 asks the client to wait (``Retry-After``, RFC 9110 section 10.2.3): every 503
+# carries it, overloaded or engine not ready.
+RETRY_AFTER_S = 1
+
+
 def error_body(message: str, type_: str, param: str | None = None,
                code: str | None = None) -> ErrorResponse:
     return ErrorResponse(error=ErrorInfo(message=message, type=type_, param=param, code=code))
@@ -21,10 +26,13 @@ def error_response(status: int, message: str, type_: str | None = None,
                    param: str | None = None, code: str | None = None,
                    headers: dict[str, str] | None = None, close: bool = False) -> web.Response:
     """A JSON error response with the OpenAI body; ``close`` ends the connection after it (the
-    rest of an unread body is not worth reading)."""
+    rest of an unread body is not worth reading). A 503 has ``Retry-After`` (RETRY_AFTER_S
+    unless ``headers`` give one)."""
     type_ = type_ or _TYPES.get(status, "invalid_request_error")
     resp = json_response(error_body(message, type_, param, code), status)
     resp.headers.update(headers or {})
+    if status == 503:
+        resp.headers.setdefault("Retry-After", str(RETRY_AFTER_S))
     if close:
         resp.force_close()
     return resp

@@ -19,6 +19,8 @@ import socket
 
 from aiohttp import web
 
+from jaxserve.entrypoints.errors import RETRY_AFTER_S, error_response
+
 logger = logging.getLogger("jaxserve.api")
 # Connections the kernel queues before they are accepted (aiohttp's default, 128, drops the
 # SYNs of a burst beyond it for the client to resend after a second or more; the kernel caps
@@ -58,7 +60,7 @@ class ServerLimits:
     body_timeout_s: float = 30.0
     keepalive_timeout_s: float = 30.0
     request_timeout_s: float | None = None
-    retry_after_s: int = 1
+    retry_after_s: int = RETRY_AFTER_S
     lingering_s: float = 2.0
 
 
@@ -71,8 +73,6 @@ class _Refused(asyncio.Protocol):
 
 def _overloaded(retry_after_s: int):
     async def answer(request: web.BaseRequest) -> web.Response:
-        from jaxserve.entrypoints.errors import error_response
-
         return error_response(503, "the server has too many open connections; retry later",
                               code="overloaded", headers={"Retry-After": str(retry_after_s)},
                               close=True)

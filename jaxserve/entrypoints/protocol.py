@@ -208,12 +208,12 @@ class _SamplingFields(_Base):
 
 
 def _token_id_key(key: str) -> int:
-    """A logit_bias key: a token id written as a JSON object key (a string of digits)."""
-    try:
+    """A logit_bias key: a token id written as a JSON object key (a string of ASCII digits,
+    as OpenAI takes them: no sign, spaces, underscores or other scripts' digits)."""
+    if key.isascii() and key.isdigit():
         return int(key)
-    except ValueError:
-        raise ValueError(f"logit_bias: {key[:40]!r} is not a token id (keys are token ids, "
-                         "as strings of digits)") from None
+    raise ValueError(f"logit_bias: {key[:40]!r} is not a token id (keys are token ids, "
+                     "as strings of ASCII digits)")
 
 
 class CompletionRequest(_SamplingFields):

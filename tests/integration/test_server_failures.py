@@ -8,6 +8,7 @@ Most use ``stub_engine.StubEngineCore`` (no JAX, starts in seconds) through core
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -15,6 +16,8 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 
 import openai
 import pytest
@@ -179,6 +182,14 @@ def test_a_step_that_takes_the_engine_down_restarts_it():
             with pytest.raises(openai.InternalServerError, match=why):
                 c.completions.create(model="stub-model", prompt=[first, 5], max_tokens=5)
             assert _wait_health(srv, 503, 10)
+            # meanwhile every 503 says when to come back
+            for url, body in ((f"{srv.url}/health", None), (f"{srv.url}/v1/completions", json.dumps(
+                    {"model": "stub-model", "prompt": "hi", "max_tokens": 3}).encode())):
+                req = urllib.request.Request(url, body, {"Content-Type": "application/json"})
+                try:
+                    urllib.request.urlopen(req, timeout=10)
+                except urllib.error.HTTPError as e:
+                    assert e.code != 503 or e.headers["Retry-After"] == "1", (url, e.code)
             assert _wait_health(srv, 200, 60)
             assert c.completions.create(model="stub-model", prompt="hi",
                                         max_tokens=3).usage.completion_tokens == 3

@@ -159,7 +159,9 @@ def test_request_fields_to_sampling_params():
     with pytest.raises(pydantic.ValidationError, match="top_logprobs"):
         ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}],
                                               "logprobs": True, "top_logprobs": 21})
-    for body, field in [({"top_logprobs": 2}, "top_logprobs"), ({"logit_bias": {"a": 1}}, "logit_bias"),
+    bad_keys = [({"logit_bias": {k: 1}}, "logit_bias") for k in ("a", "+1", " 1", "1_0", "-1",
+                                                                    "\u0663", "\uff11")]
+    for body, field in [({"top_logprobs": 2}, "top_logprobs"), *bad_keys,
                         ({"min_p": 1.5}, "min_p"), ({"n": 0}, "n"),
                         ({"presence_penalty": 3}, "presence_penalty")]:
         chat = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}],

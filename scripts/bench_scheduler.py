@@ -1,4 +1,4 @@
-"""Scheduler CPU time per step with the model step replaced by a stub (issue 4, goal <= 1 ms at
+"""Scheduler CPU time per step with the model step replaced by a stub (goal <= 1 ms at
 256 running requests).
 
 Fills the engine with --num-requests requests (prompt --prompt-len tokens, ignore_eos, enough

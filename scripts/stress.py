@@ -1,6 +1,6 @@
 """Stress a running jaxserve over loopback (docs/reliability.md): many concurrent streams, random
 disconnects, slow readers, then a check that nothing was lost and that the server is back to
-idle; and the hostile scenarios of issue 11's acceptance (``--scenario``).
+idle; and hostile scenarios (``--scenario``): poison requests, a big prompt, overload, engine kills.
 
 ``--scenario streams`` (the default): one round sends ``--num-streams`` streaming
 ``/v1/completions`` requests at once (ShareGPT prompts, ``ignore_eos``, 1..``--max-tokens``

@@ -12,8 +12,12 @@ import numpy as np
 from jaxserve.sampling_params import MAX_STRUCTURED_OUTPUT_CHARS
 
 
+def _key(i: int) -> str:
+    return np.base_repr(i, 36).lower()
+
+
 def _name(i: int) -> str:
-    return "a" + np.base_repr(i, 36).lower()
+    return "a" + _key(i)  # a Lark rule name starts with a letter
 
 
 def rule_chain(n: int, terminal: str = "") -> str:
@@ -24,8 +28,8 @@ def rule_chain(n: int, terminal: str = "") -> str:
 
 def ref_chain(n: int, wrap=lambda ref: {"items": ref}) -> dict:
     """A schema whose $defs chain n definitions deep, each ``wrap``ping a $ref to the next."""
-    defs = {_name(i)[1:]: wrap({"$ref": f"#/$defs/{_name(i + 1)[1:]}"}) for i in range(n)}
-    defs[_name(n)[1:]] = {"type": "integer"}
+    defs = {_key(i): wrap({"$ref": f"#/$defs/{_key(i + 1)}"}) for i in range(n)}
+    defs[_key(n)] = {"type": "integer"}
     return {"$ref": "#/$defs/0", "$defs": defs}
 
 

@@ -71,7 +71,7 @@ def test_seeded_sampling_is_reproducible(smollm_llm):
 
 
 def test_async_scheduling_equals_the_synchronous_loop(smollm_llm, hf_smollm):
-    """Issue 10: with async scheduling (the default: step N+1 is dispatched before step N's
+    """With async scheduling (the default: step N+1 is dispatched before step N's
     tokens reach the host, which feeds them to N+1 from the device) greedy outputs equal the
     synchronous loop's, on real chat prompts of different lengths finishing at different steps."""
     import dataclasses

@@ -1,4 +1,4 @@
-"""Issue 9's acceptance: loading a real checkpoint (the default model converted to an HF
+"""Loading a real checkpoint (the default model converted to an HF
 safetensors folder) the way EngineCore does keeps live JAX arrays below 1.2x the weights' bytes:
 parameters are built once, per layer, in their target dtype."""
 

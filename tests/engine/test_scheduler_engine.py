@@ -1,4 +1,4 @@
-"""Issue 4 acceptance 2-4 on the real SmolLM2 engine: chunked prefill, automatic prefix caching
+"""On the real SmolLM2 engine, chunked prefill, automatic prefix caching
 and preemption give the same greedy outputs (docs/design.md section 7, margins from HF
 transformers' own model over the same tokens), and the scheduler does what it claims along the way.
 

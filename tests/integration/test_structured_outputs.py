@@ -1,5 +1,5 @@
-"""Structured outputs over the real server (default model) and the official ``openai`` client
-(issue 14, acceptance 1, 2, 4 and the errors): JSON schemas, regex and choice constraints
+"""Structured outputs over the real server (default model) and the official ``openai`` client:
+JSON schemas, regex and choice constraints
 always met, streamed and not; unconstrained requests unaffected by constrained neighbours;
 ``chat.completions.parse`` with a pydantic model; 400s naming the field.
 

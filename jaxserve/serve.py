@@ -72,8 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     d = ServerLimits()
     g = p.add_argument_group("limits", "bounds on what clients may ask (docs/reliability.md)")
     g.add_argument("--max-waiting-requests", type=_count, default=d.max_waiting_requests, help=(
-        "generation requests in flight beyond the engine's --max-num-seqs; past it a request "
-        "gets 503 with Retry-After"))
+        "sequences (prompts x n of each generation request) in flight beyond the engine's "
+        "--max-num-seqs; past it a request gets 503 with Retry-After"))
     g.add_argument("--max-connections", type=_positive_int, default=d.max_connections,
                    help=("open client connections served at once; a request on one past it "
                          "gets 503 with Retry-After"))

@@ -31,8 +31,9 @@ LISTEN_BACKLOG = 4096
 @dataclasses.dataclass(frozen=True)
 class ServerLimits:
     """Attributes:
-      max_waiting_requests: generation requests that may be in flight beyond the engine's
-        ``max_num_seqs``; past that a request gets 503 with ``Retry-After`` at once.
+      max_waiting_requests: sequences (prompts x ``n`` of each generation request) that may
+        be in flight beyond the engine's ``max_num_seqs``; past that a request gets 503 with
+        ``Retry-After`` at once.
       max_connections: open client connections served; a request on a connection beyond it
         gets 503 with ``Retry-After``, and the connection closes after that answer. (Only
         past the open-files limit is a connection closed unanswered: there is no descriptor

@@ -1,19 +1,20 @@
 """Handlers of POST /v1/completions, POST /v1/chat/completions (OpenAI format, SSE streaming),
 GET /v1/models, GET /v1/models/{model}, and vLLM's POST /tokenize and POST /detokenize.
 
-Both generation endpoints admit the request (503 with ``Retry-After`` past
-``--max-waiting-requests``), read the body within ``--body-timeout`` (408) and the size limit
+Both generation endpoints read the body within ``--body-timeout`` (408) and the size limit
 (413), parse and validate it (JSON, pydantic, then SamplingParams, the model's generation
-config filling in the sampling fields it leaves out), tokenize (chat template for chat) off the
-event loop, check the length against max_model_len, submit the request to the engine (before
-the response is set up: the engine starts on the prompt meanwhile), then either collect the
+config filling in the sampling fields it leaves out), admit its sequences (prompts x ``n``, each
+an engine request; 503 with ``Retry-After`` past ``--max-num-seqs`` +
+``--max-waiting-requests`` in flight), tokenize (chat template for chat) off the event loop,
+check the length against max_model_len, submit the request to the engine (before the response
+is set up: the engine starts on the prompt meanwhile), then either collect the
 whole output or stream Server-Sent Events: one ``data: {chunk}`` per choice update (text, or
 with logprobs or ``return_token_ids`` any new token), an optional usage chunk, then ``data:
 [DONE]``. Once a stream's headers are sent, any error (the engine's, a ``--request-timeout``, a
 bug) becomes one SSE error event followed by ``[DONE]``, never a second HTTP response. A client
 that goes away mid-request (handler cancelled, or a failed write) has its request aborted in
 the engine. A completions request with several prompts runs one engine request per prompt, all
-at once. Every body is one of protocol.py's response models, built by the endpoint's ``Bodies``
+at once, at most ``--max-num-seqs`` sequences in all. Every body is one of protocol.py's response models, built by the endpoint's ``Bodies``
 (bodies.py). A chat request with tools has its choices' text read by the
 ``--tool-call-parser``'s ToolParser, and runs under the grammar of tool_grammar.py when its
 ``tool_choice`` is enforced (docs/tool_calling.md).
@@ -83,24 +84,27 @@ def _limits(request: web.Request) -> ServerLimits:
 
 
 @contextlib.contextmanager
-def _admitted(request: web.Request):
-    """Counts a generation request in flight for as long as the block runs.
+def _admitted(request: web.Request, sequences: int):
+    """Counts a generation request's ``sequences`` (engine requests: prompts x ``n``) in
+    flight for as long as the block runs. Entered once the body is read and validated, so a
+    body still arriving takes no place.
 
     Raises:
-      APIError: 503 with Retry-After when ``max_num_seqs + max_waiting_requests`` are in flight.
+      APIError: 503 with Retry-After when admitting them would put more than ``max_num_seqs
+        + max_waiting_requests`` sequences in flight.
     """
     state, llm, limits = request.app[STATE_KEY], _llm(request), _limits(request)
     cap = (llm.engine_config.get("max_num_seqs") or 0) + limits.max_waiting_requests
-    if state["in_flight"] >= cap:
+    if state["in_flight"] + sequences > cap:
         llm.metrics.record_rejected("overloaded")
-        raise APIError(503, f"the server is overloaded ({state['in_flight']} requests in "
+        raise APIError(503, f"the server is overloaded ({state['in_flight']} sequences in "
                        "flight); retry later", code="overloaded",
                        headers={"Retry-After": str(limits.retry_after_s)})
-    state["in_flight"] += 1
+    state["in_flight"] += sequences
     try:
         yield
     finally:
-        state["in_flight"] -= 1
+        state["in_flight"] -= sequences
 
 
 async def _read_body(request: web.Request) -> bytes:
@@ -233,11 +237,18 @@ async def _sampling_params(llm: AsyncLLM, req, max_tokens: int | None,
         field = msg.split(" ", 1)[0].rstrip(":")
         field = renames.get(field, field) if field in _REQUEST_FIELDS else None
         raise APIError(400, msg, param=field) from None
-    limit = min(MAX_N, llm.engine_config.get("max_num_seqs") or MAX_N)
+    limit = min(MAX_N, _max_sequences(llm))
     if sp.n > limit:
         raise APIError(400, f"n: at most {limit} choices per request on this server (the "
                        "engine runs at most --max-num-seqs sequences at once)", param="n")
     return sp
+
+
+def _max_sequences(llm: AsyncLLM) -> int:
+    """The most sequences (prompts x ``n``) one request may ask for: what the engine runs at
+    once (``max_num_seqs``). More would only queue behind the request's own, and it bounds what
+    one HTTP request adds to the queue."""
+    return llm.engine_config.get("max_num_seqs") or MAX_N
 
 
 def _check_request(llm: AsyncLLM, ids: list[int], sp: SamplingParams, prompt_field: str,
@@ -468,14 +479,19 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     llm = _llm(request)
     _require_ready(llm)
     deadline = _deadline(request)
-    with _admitted(request):
-        req: CompletionRequest = await _parse(request, CompletionRequest)
-        model = _check_model(request, req.model)
-        sp = await _sampling_params(llm, req, req.max_tokens, {})
-        try:
-            prompts = req.prompts()
-        except ValueError as e:
-            raise APIError(400, str(e), param="prompt") from None
+    req: CompletionRequest = await _parse(request, CompletionRequest)
+    model = _check_model(request, req.model)
+    sp = await _sampling_params(llm, req, req.max_tokens, {})
+    try:
+        prompts = req.prompts()
+    except ValueError as e:
+        raise APIError(400, str(e), param="prompt") from None
+    limit = _max_sequences(llm)
+    if len(prompts) * sp.n > limit:
+        raise APIError(400, f"prompt: {len(prompts)} prompts x n={sp.n} asks for "
+                       f"{len(prompts) * sp.n} sequences; at most {limit} per request on this "
+                       "server (--max-num-seqs)", param="prompt")
+    with _admitted(request, len(prompts) * sp.n):
         ids_list = []
         for prompt in prompts:
             ids = (await _encode(llm.encode_prompt(prompt), "prompt")
@@ -499,20 +515,19 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     llm = _llm(request)
     _require_ready(llm)
     deadline = _deadline(request)
-    with _admitted(request):
-        req: ChatCompletionRequest = await _parse(request, ChatCompletionRequest)
-        model = _check_model(request, req.model)
-        try:
-            tool_choice = req.effective_tool_choice()
-        except ValueError as e:
-            raise APIError(400, str(e), param="tool_choice") from None
-        tool_parser = None if tool_choice is None else request.app[STATE_KEY]["tool_parser"]
-        grammar = None if tool_parser is None else _tool_grammar(llm, tool_parser, req,
-                                                                 tool_choice)
-        max_tokens = req.requested_max_tokens()
-        field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        sp = await _sampling_params(llm, req, max_tokens, {"logprobs": "top_logprobs",
-                                                           "max_tokens": field}, grammar)
+    req: ChatCompletionRequest = await _parse(request, ChatCompletionRequest)
+    model = _check_model(request, req.model)
+    try:
+        tool_choice = req.effective_tool_choice()
+    except ValueError as e:
+        raise APIError(400, str(e), param="tool_choice") from None
+    tool_parser = None if tool_choice is None else request.app[STATE_KEY]["tool_parser"]
+    grammar = None if tool_parser is None else _tool_grammar(llm, tool_parser, req, tool_choice)
+    max_tokens = req.requested_max_tokens()
+    field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    sp = await _sampling_params(llm, req, max_tokens, {"logprobs": "top_logprobs",
+                                                       "max_tokens": field}, grammar)
+    with _admitted(request, sp.n):
         messages = _template_messages(req)
         ids = await _encode(llm.encode_chat(messages, tools=req.template_tools()), "messages")
         _check_request(llm, ids, sp, "messages", field)

@@ -211,6 +211,76 @@ def test_overload_503_with_retry_after_then_recovers(server):
     assert _rejected(server, "overloaded") >= len(busy)
 
 
+def test_admission_counts_each_prompt_and_choice(server):
+    """A request takes prompts x n places of the in-flight cap (MAX_WAITING here): with 4
+    sequences held, 3 more prompts (or 1 prompt with n=3) are a 503; 2 more prompts fit."""
+
+    async def post(s, body):
+        async with s.post(server.url + "/v1/completions", headers=AUTH, json=body,
+                          timeout=aiohttp.ClientTimeout(total=20)) as r:
+            return r.status, await r.text()
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            held = asyncio.create_task(post(s, {"prompt": ["a", "b", "c", "d"], "max_tokens": 60}))
+            await asyncio.sleep(0.5)
+            over = await post(s, {"prompt": ["a", "b", "c"], "max_tokens": 2})
+            over_n = await post(s, {"prompt": "a", "n": 3, "max_tokens": 2})
+            fits = await post(s, {"prompt": ["a", "b"], "max_tokens": 2})
+            return await held, over, over_n, fits
+
+    held, over, over_n, fits = asyncio.run(go())
+    assert held[0] == 200 and len(json.loads(held[1])["choices"]) == 4, held
+    for status, text in (over, over_n):
+        assert status == 503 and json.loads(text)["error"]["code"] == "overloaded", text
+    assert fits[0] == 200, fits
+
+
+def test_prompt_list_is_bounded_and_others_keep_their_latency(server):
+    """20,000 prompts in one request are a 400 on prompt (one request asks for at most
+    max_num_seqs sequences; the stub reports none, so MAX_N), and a short request sent with it
+    is answered as fast as alone."""
+
+    async def post(s, body):
+        t0 = time.monotonic()
+        async with s.post(server.url + "/v1/completions", headers=AUTH, json=body) as r:
+            return r.status, await r.text(), time.monotonic() - t0
+
+    async def go(with_flood):
+        async with aiohttp.ClientSession() as s:
+            short = post(s, {"prompt": "hi", "max_tokens": 8})
+            if not with_flood:
+                return None, await short
+            flood = post(s, {"prompt": [[1, 2]] * 20_000, "max_tokens": 4})
+            return await asyncio.gather(flood, short)
+
+    _, alone = asyncio.run(go(False))
+    flood, short = asyncio.run(go(True))
+    _assert_400(flood[0], flood[1], "prompt")
+    assert "20000 prompts" in flood[1]
+    assert short[0] == 200 and short[2] < 2 * alone[2] + 0.5, (short, alone)
+    _assert_400(*_post(server, {"prompt": ["a"] * 65, "n": 2, "max_tokens": 2})[::2], "prompt")
+
+
+def test_half_sent_bodies_take_no_place_in_the_queue(server):
+    """Connections that send half their body hold no admission place (there are more of them
+    than the in-flight cap): a well-formed request meanwhile is served."""
+    socks = []
+    try:
+        for _ in range(MAX_CONNECTIONS - 4):
+            s = socket.create_connection(("127.0.0.1", server.port))
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                      + API_KEY.encode() + b"\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 40\r\n\r\n{\"prompt\": \"hi\",")
+            socks.append(s)
+        time.sleep(0.3)
+        status, _, text = _post(server, {"prompt": "hi", "max_tokens": 2})
+        assert status == 200, text
+    finally:
+        for s in socks:
+            s.close()
+
+
 def test_body_too_large_is_413(server):
     status, _, text = _post(server, b'{"prompt": "' + b"a" * (2 * 2**20) + b'"}')
     assert status == 413 and json.loads(text)["error"]["type"] == "invalid_request_error"

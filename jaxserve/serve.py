@@ -179,10 +179,11 @@ async def serve(args, sock: socket.socket) -> int:
     llm = AsyncLLM(from_cli_args(args), max_engine_restarts=args.max_engine_restarts)
     app = build_app(llm, served_model_name=args.served_model_name, api_key=args.api_key,
                     limits=limits, tool_call_parser=args.tool_call_parser)
-    runner = web.AppRunner(app, handle_signals=False, access_log=None, handler_cancellation=True,
-                           shutdown_timeout=args.shutdown_timeout,
-                           keepalive_timeout=limits.keepalive_timeout_s,
+    # What each connection's protocol (limits.CappedSockSite makes them) is built with.
+    protocol_kwargs = dict(access_log=None, keepalive_timeout=limits.keepalive_timeout_s,
                            lingering_time=limits.lingering_s)
+    runner = web.AppRunner(app, handle_signals=False, handler_cancellation=True,
+                           shutdown_timeout=args.shutdown_timeout, **protocol_kwargs)
     stop = asyncio.Event()
 
     def on_signal():
@@ -195,8 +196,7 @@ async def serve(args, sock: socket.socket) -> int:
 
     await runner.setup()
     site = CappedSockSite(runner, sock, limits.max_connections, max_open, limits.retry_after_s,
-                          keepalive_timeout=limits.keepalive_timeout_s,
-                          lingering_time=limits.lingering_s)
+                          **protocol_kwargs)
     await site.start()
     host, port = sock.getsockname()[:2]
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"

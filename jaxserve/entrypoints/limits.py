@@ -20,6 +20,7 @@ import socket
 from aiohttp import web
 
 from jaxserve.entrypoints.errors import RETRY_AFTER_S, error_response
+from jaxserve.entrypoints.http_errors import HTTPHandler
 
 logger = logging.getLogger("jaxserve.api")
 # Connections the kernel queues before they are accepted (aiohttp's default, 128, drops the
@@ -87,7 +88,9 @@ class CappedSockSite(web.BaseSite):
     protocol all the same, with a handler that answers its request 503 with ``Retry-After``
     and closes it (so a client learns to come back, rather than seeing its connection reset),
     up to ``max_open`` connections in all (the open-files limit less what the process keeps
-    for itself); one past that is closed when accepted.
+    for itself); one past that is closed when accepted. Each connection's protocol is an
+    ``http_errors.HTTPHandler`` built with ``protocol_kwargs`` (aiohttp's RequestHandler
+    arguments).
 
     Attributes:
       answered_503: connections answered 503 because of the cap, since start.
@@ -100,6 +103,7 @@ class CappedSockSite(web.BaseSite):
         self._sock = sock
         self.max_open = max_open
         self.max_connections = min(max_connections, max_open)
+        self._protocol_kwargs = protocol_kwargs
         self._overflow = web.Server(_overloaded(retry_after_s), **protocol_kwargs)
         self.answered_503 = 0
         self.refused = 0
@@ -127,7 +131,7 @@ class CappedSockSite(web.BaseSite):
             served = len(server.connections) + batch["served"]
             if served < self.max_connections:
                 batch["served"] += 1
-                return server()
+                return HTTPHandler(server, loop=loop, **self._protocol_kwargs)
             if served + len(overflow.connections) + batch["overflow"] < self.max_open:
                 batch["overflow"] += 1
                 self.answered_503 += 1
@@ -135,7 +139,7 @@ class CappedSockSite(web.BaseSite):
                     logger.warning("connection limit (--max-connections %d) reached; answered "
                                    "%d connections 503 so far", self.max_connections,
                                    self.answered_503)
-                return overflow()
+                return HTTPHandler(overflow, loop=loop, **self._protocol_kwargs)
             self.refused += 1
             if self.refused == 1 or self.refused % 1000 == 0:
                 logger.warning("open-files limit reached (%d connections); closed %d "

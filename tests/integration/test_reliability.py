@@ -281,6 +281,46 @@ def test_half_sent_bodies_take_no_place_in_the_queue(server):
             s.close()
 
 
+SECRET = b"s3cr3t-KEY"
+MALFORMED = [  # each quotes SECRET where aiohttp's own answer and log line would
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer\r\n " + SECRET
+    + b"\r\nContent-Length: 2\r\n\r\n{}",  # a folded header (obs-fold)
+    b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX Bad: " + SECRET + b"\r\n\r\n",
+    b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Long: " + SECRET * 1000 + b"\r\n\r\n",
+    b"GET /\x01" + SECRET + b" HTTP/1.1\r\nHost: x\r\n\r\n",
+    SECRET + b" / HTTP/1.1\r\n\r\n",
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+    + SECRET + b"\r\n",
+    b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + SECRET,
+]
+
+
+def test_malformed_http_is_an_openai_400_and_no_header_value_is_logged(server):
+    """A request aiohttp cannot parse gets a 400 with the OpenAI error body (aiohttp's own is
+    text/plain quoting the bytes), the log never holds the bytes, and a burst from one address
+    writes at most one line."""
+    before = len(server.output())
+    for raw in MALFORMED * 3:
+        with socket.create_connection(("127.0.0.1", server.port)) as s:
+            s.settimeout(5)
+            s.sendall(raw)
+            data = b""
+            while chunk := s.recv(4096):
+                data += chunk
+        head, _, body = data.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.0 400") or head.startswith(b"HTTP/1.1 400"), data
+        assert b"application/json" in head and SECRET not in data, data
+        err = json.loads(body)["error"]
+        assert err["code"] == "bad_http_request" and err["type"] == "invalid_request_error", err
+        assert err["message"].startswith("the request is not valid HTTP/1.1: "), err
+    time.sleep(0.3)
+    log = server.output()[before:]
+    assert "s3cr3t" not in log and "Traceback" not in log, log
+    assert log.count("malformed HTTP request from 127.0.0.1") <= 1, log
+    assert "malformed HTTP request from 127.0.0.1" in server.output()
+    assert _post(server, {"prompt": "hi", "max_tokens": 2})[0] == 200
+
+
 def test_body_too_large_is_413(server):
     status, _, text = _post(server, b'{"prompt": "' + b"a" * (2 * 2**20) + b'"}')
     assert status == 413 and json.loads(text)["error"]["type"] == "invalid_request_error"

@@ -12,13 +12,17 @@ take minutes on 2 CPU cores.
 Every response is checked: no 5xx, an answer within ``--timeout`` s, a 4xx has exactly the
 OpenAI error body ``{"error": {"message", "type", "param", "code"}}``, a 200 is a whole JSON body
 or a well-formed SSE stream that ends with ``data: [DONE]`` (no second HTTP response inside).
-Before and after, one greedy request must give the same text. Exit code 1 on any failure.
+Before and after, one greedy request must give the same text. With ``--canary``, a greedy
+streamed request (``CANARY_BODY``) runs ``--canary`` times alone first, then back to back for as
+long as the fuzz runs: the fuzz must not slow it past ``--canary-max-ratio`` (its p99 latency
+during the fuzz against its median alone). Exit code 1 on any failure.
 
-    python scripts/fuzz_api.py --url http://127.0.0.1:8000 --num-bodies 2000 --seed 0
+    python scripts/fuzz_api.py --url http://127.0.0.1:8000 --num-bodies 2000 --seed 0 --canary 10
 
 Prints one JSON summary line: ``bodies``, ``by_status``, ``failures`` (the first 20, each with
 the case and what was wrong), ``max_latency_s`` and the ``slowest`` case, ``duration_s``,
-``greedy_same``.
+``greedy_same``; with ``--canary``, ``canary`` (``alone_p50_s``, ``during_p50_s``,
+``during_p99_s``, ``ratio``, ``count``).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import multiprocessing
 import random
 import sys
 import time
@@ -39,6 +44,8 @@ from hypothesis_jsonschema import from_schema
 ENDPOINTS = {"/v1/completions": "CompletionRequest",
              "/v1/chat/completions": "ChatCompletionRequest"}
 GREEDY_BODY = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
+CANARY_BODY = {"messages": [{"role": "user", "content": "Name three colours."}],
+               "max_tokens": 16, "temperature": 0, "stream": True}
 ERROR_KEYS = {"message", "type", "param", "code"}
 
 
@@ -234,12 +241,55 @@ async def greedy_text(session, url: str, api_key: str | None) -> str:
         return (await r.json())["choices"][0]["text"]
 
 
+async def canary_latency(session, url: str, api_key: str | None) -> float:
+    """Seconds for one streamed CANARY_BODY, from sending to ``data: [DONE]``."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    t0 = time.monotonic()
+    async with session.post(url + "/v1/chat/completions", json=CANARY_BODY,
+                            headers=headers) as r:
+        assert r.status == 200, await r.text()
+        async for line in r.content:
+            if line.strip() == b"data: [DONE]":
+                return time.monotonic() - t0
+    raise AssertionError("the canary's stream ended without [DONE]")
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _canary_process(url: str, api_key: str | None, alone: int, stop, out) -> None:
+    """The canary, in a process of its own (the fuzz's own work on this side would otherwise
+    delay it): puts its ``alone`` latencies on ``out``, then those of the runs until ``stop``
+    is set."""
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            out.put([await canary_latency(s, url, api_key) for _ in range(alone)])
+            during = []
+            while not stop.is_set():
+                during.append(await canary_latency(s, url, api_key))
+            out.put(during)
+
+    asyncio.run(go())
+
+
+def _canary_stats(alone: list[float], during: list[float]) -> dict:
+    base, p99 = _quantile(alone, 0.5), _quantile(during, 0.99)
+    return {"alone_p50_s": round(base, 3), "during_p50_s": round(_quantile(during, 0.5), 3),
+            "during_p99_s": round(p99, 3), "ratio": round(p99 / base, 2), "count": len(during)}
+
+
 async def run_cases(url: str, cases: list[Case], *, concurrency: int = 8,
-                    api_key: str | None = None, timeout: float = 30.0) -> tuple[Report, bool]:
-    """Sends every case (``concurrency`` at a time); returns the report and whether the greedy
-    request gave the same text before and after."""
+                    api_key: str | None = None, timeout: float = 30.0,
+                    canary: int = 0) -> tuple[Report, bool, dict | None]:
+    """Sends every case (``concurrency`` at a time); returns the report, whether the greedy
+    request gave the same text before and after, and the canary's latencies (``canary``
+    runs alone, then back to back during the fuzz, from a process of its own), or None."""
     report = Report()
     sem = asyncio.Semaphore(concurrency)
+    loop = asyncio.get_running_loop()
 
     async def one(case):
         async with sem:
@@ -248,9 +298,20 @@ async def run_cases(url: str, cases: list[Case], *, concurrency: int = 8,
     conn = aiohttp.TCPConnector(limit=concurrency, force_close=True)
     async with aiohttp.ClientSession(connector=conn) as session:
         before = await greedy_text(session, url, api_key)
+        if canary:
+            ctx = multiprocessing.get_context("spawn")
+            stop, out = ctx.Event(), ctx.Queue()
+            proc = ctx.Process(target=_canary_process, args=(url, api_key, canary, stop, out))
+            proc.start()
+            alone = await loop.run_in_executor(None, out.get)
         await asyncio.gather(*(one(c) for c in cases))
+        stats = None
+        if canary:
+            stop.set()
+            stats = _canary_stats(alone, await loop.run_in_executor(None, out.get))
+            proc.join()
         after = await greedy_text(session, url, api_key)
-    return report, before == after
+    return report, before == after, stats
 
 
 def main(argv=None) -> int:
@@ -262,18 +323,24 @@ def main(argv=None) -> int:
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--timeout", type=float, default=30.0, help="seconds before a case is a hang")
     p.add_argument("--api-key", default=None)
+    p.add_argument("--canary", type=int, default=0, metavar="N",
+                   help="time a greedy streamed request N times alone, then during the fuzz")
+    p.add_argument("--canary-max-ratio", type=float, default=3.0,
+                   help="largest allowed canary p99 during the fuzz / its median alone")
     args = p.parse_args(argv)
     t0 = time.monotonic()
     cases = generate_cases(args.num_bodies, args.seed, args.max_tokens)
     t_gen = time.monotonic() - t0
-    report, same = asyncio.run(run_cases(args.url, cases, concurrency=args.concurrency,
-                                         api_key=args.api_key, timeout=args.timeout))
+    report, same, canary = asyncio.run(run_cases(
+        args.url, cases, concurrency=args.concurrency, api_key=args.api_key,
+        timeout=args.timeout, canary=args.canary))
     summary = {**dataclasses.asdict(report), "failures": report.failures[:20],
                "num_failures": len(report.failures), "greedy_same": same,
                "generate_s": round(t_gen, 1), "duration_s": round(time.monotonic() - t0, 1),
-               "max_latency_s": round(report.max_latency_s, 2)}
+               "max_latency_s": round(report.max_latency_s, 2), "canary": canary}
     print(json.dumps(summary))
-    return 0 if same and not report.failures else 1
+    slowed = canary is not None and canary["ratio"] > args.canary_max_ratio
+    return 0 if same and not report.failures and not slowed else 1
 
 
 if __name__ == "__main__":

@@ -61,14 +61,14 @@ def test_text_past_the_size_bound_is_refused_before_tokenizing(server):
     """A prompt of more bytes than max_model_len tokens could hold: 400 naming the prompt,
     before the tokenizer sees it."""
     case = fuzz_api.Case("POST", "/v1/completions", {"prompt": "word " * 100_000})
-    report, _ = asyncio.run(fuzz_api.run_cases(server.url, [case]))
+    report, _, _ = asyncio.run(fuzz_api.run_cases(server.url, [case]))
     assert report.by_status == {"400": 1} and not report.failures
 
 
 def test_fuzz_short(server):
     """Acceptance 1, bounded: 150 generated bodies (the full run has 2,000)."""
     cases = fuzz_api.generate_cases(150, seed_value=11)
-    report, same = asyncio.run(fuzz_api.run_cases(server.url, cases))
+    report, same, _ = asyncio.run(fuzz_api.run_cases(server.url, cases))
     assert report.bodies == 150 and not report.failures, report.failures[:5]
     assert same, "the greedy answer changed after the fuzz run"
 

@@ -1,5 +1,5 @@
-"""scripts/bench_serving.py against the real server (default model) over loopback, issue 10's
-acceptance: one small run per dataset, each checked against the server's own /metrics.
+"""scripts/bench_serving.py against the real server (default model) over loopback:
+one small run per dataset, each checked against the server's own /metrics.
 
 One server for the module, with the small engine limits of tests/conftest.py's SMALL_ENGINE.
 """

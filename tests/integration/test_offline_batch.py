@@ -1,4 +1,4 @@
-"""scripts/offline_batch.py end to end (issue 2, acceptance item 5): 50 real ShareGPT prompts plus
+"""scripts/offline_batch.py end to end: 50 real ShareGPT prompts plus
 one malformed line, run as a subprocess on the real default model with small engine flags."""
 
 import json

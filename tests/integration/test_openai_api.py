@@ -1,9 +1,9 @@
-"""Issue 13's acceptance over the real server (default model) and the official ``openai`` client:
+"""The API surface over the real server (default model) and the official ``openai`` client:
 the sampling set, ``n``, log-probabilities, generation defaults, /tokenize, /detokenize,
 models.retrieve, content parts, prompt lists, 400s naming the field, and every body on the wire
 valid against OpenAI's OpenAPI schema.
 
-One server for the module, with prefix caching off (acceptance 3 counts the prompt tokens an
+One server for the module, with prefix caching off (the n tests count the prompt tokens an
 ``n=8`` request computes). The client's HTTP transport (conftest.py's ``transport``) records
 every response body as it arrives (whole JSON bodies and each SSE chunk); the last test
 validates all of them against the schema objects in tests/data/openai_openapi_subset.yaml. The
@@ -48,7 +48,7 @@ def _post(server, path, body):
     return r.status_code, r.json()
 
 
-# -- acceptance 6: generation defaults ---------------------------------------------------------
+# -- generation defaults ------------ ---------------------------------------------------------
 
 
 def test_defaults_sample_and_answer_paris(server, client):
@@ -64,7 +64,7 @@ def test_defaults_sample_and_answer_paris(server, client):
     assert sum("Paris" in a for a in answers) >= 9, answers
 
 
-# -- acceptance 2: log-probabilities ------------------------------------------------------------
+# -- log-probabilities ------------ ------------------------------------------------------------
 
 
 def _hf_log_softmax(hf, ids):
@@ -137,7 +137,7 @@ def test_completion_logprobs_and_echo_equal_hf(client, hf_smollm):
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == c.text
 
 
-# -- acceptance 3: n ----------------------------------------------------------------------------
+# -- n -----------------------------------------------------------------------------------------
 
 
 def test_n_choices_follow_the_distribution_and_share_the_prompt(server, client, hf_smollm):
@@ -195,7 +195,7 @@ def test_n_streamed_with_indices(client):
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
 
 
-# -- acceptance 4: penalties, logit bias, min_tokens --------------------------------------------
+# -- penalties, logit bias, min_tokens ------------- --------------------------------------------
 
 
 def _repeats(ids):
@@ -237,7 +237,7 @@ def test_logit_bias_forces_a_token_and_min_tokens_holds_eos_back(server, client)
     assert held.choices[0].message.content.startswith(short.choices[0].message.content)
 
 
-# -- acceptance 1: every field, and 400s naming it -----------------------------------------------
+# -- every field, and 400s naming it ------------- -----------------------------------------------
 
 
 def test_sampling_fields_through_the_client(client):
@@ -361,7 +361,7 @@ def test_content_parts_and_prompt_lists(client):
     assert {c.choices[0].index for c in streamed if c.choices} == {0, 1}
 
 
-# -- acceptance 5: every body on the wire (last) -------------------------------------------------
+# -- every body on the wire (last) ------------- -------------------------------------------------
 
 
 def test_every_body_validates_against_the_openapi_schema(transport):

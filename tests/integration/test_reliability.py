@@ -1,4 +1,4 @@
-"""Issue 11's reproducers and limits against the real server with the stub engine (no JAX, starts
+"""Reproducers and limits against the real server with the stub engine (no JAX, starts
 in seconds): bad values at the edge, streams that end cleanly, log lines a client cannot forge,
 admission control, body / header / request timeouts, the connection cap. The reproducers that
 need the real model (a bad top_k with streams in flight, a 50 MB prompt) and the short fuzz and
@@ -69,7 +69,7 @@ def _assert_400(status, text, param):
     assert err["type"] == "invalid_request_error" and err["param"] == param, err
 
 
-# Found 2, 3, 5 and 10 of the issue: each was a 500 (or accepted); now a 400 naming the field.
+# Values past an engine array's range: a 400 naming the field, never a 500 or an accepted value.
 @pytest.mark.parametrize("body,param", [
     (b'{"prompt": "hi", "top_k": 2147483648}', "top_k"),
     (b'{"prompt": "hi", "top_k": 18446744073709551616}', "top_k"),
@@ -142,7 +142,7 @@ def _sse_events(text: str) -> list[str]:
 
 
 def test_stream_error_after_headers_is_one_event_then_done(server):
-    """Found 4: an error after the headers is an SSE error event and [DONE], in one clean
+    """An error after the headers is an SSE error event and [DONE], in one clean
     chunked body (aiohttp would raise on a broken one), never a second HTTP response."""
     status, headers, text = _post(server, {"prompt": [STEP_CRASH_ID, 5], "max_tokens": 5,
                                            "stream": True})
@@ -175,7 +175,7 @@ def test_request_timeout(server):
 
 
 def test_log_lines_cannot_be_forged_or_flooded(server):
-    """Found 8: an unknown field's name is quoted escaped and cut in the log."""
+    """An unknown field's name is quoted escaped and cut in the log."""
     before = len(server.output())
     forged = "x\n[jaxserve] ERROR jaxserve.api: FORGED LINE"
     huge = "y" * 900_000  # under the 1 MiB body limit
@@ -327,7 +327,8 @@ def test_body_too_large_is_413(server):
 
 
 def test_stalled_body_is_408_and_connection_closed(server):
-    """Found 7: Content-Length 1000 with 10 bytes sent held the connection >= 40 s."""
+    """Content-Length 1000 with 10 bytes sent: a 408 within the body timeout, then the
+    connection closes."""
     with socket.create_connection(("127.0.0.1", server.port)) as s:
         s.settimeout(10)
         t0 = time.monotonic()
@@ -385,7 +386,7 @@ def test_connection_cap(server):
 
 
 def test_chat_without_max_tokens_means_up_to_the_context(server):
-    """OpenAI's and vLLM's meaning is kept (issue 11 asks to keep it): the stub runs out the
+    """OpenAI's and vLLM's meaning is kept : the stub runs out the
     context (512 tokens, ~10 s at its pace), so the request timeout (4 s) ends it."""
     status, _, text = _post(server, {"messages": [{"role": "user", "content": "hi"}]},
                             "/v1/chat/completions")

@@ -136,15 +136,8 @@ def run_decode(bench: Bench, name, batch, ctx, cfg, tunings=None):
             q[:, None], k, v, implementation="cudnn")[:, 0])
         row["cudnn_s"] = bench.safe("cudnn", fn, q, kd, vd)
         del kd, vd
-    for t in tunings or ():
-        fn = jax.jit(lambda *x, t=t: paged_attention(*x, tuning=t, interpret=interp))
-        s = bench.safe(str(t), fn, q, kp, vp, bt, sl)
-        row.setdefault("sweep", []).append((str(t), s))
-        if s is not None:
-            print(f"  sweep {t}: {s * 1e3:.4f} ms {nbytes / s / 1e12:.2f} TB/s", flush=True)
-    report(row, "TB/s", nbytes / 1e12)
-    bench.results.append(row)
-    return row
+    return finish(bench, row, "TB/s", nbytes / 1e12, tunings, (q, kp, vp, bt, sl),
+                  lambda t: jax.jit(lambda *x: paged_attention(*x, tuning=t, interpret=interp)))
 
 
 def run_decode_fp8(bench: Bench, name, batch, ctx, cfg):
@@ -216,15 +209,8 @@ def run_prefill(bench: Bench, name, batch, seq, cfg, tunings=None):
         row["bundled_s"] = bench.safe("bundled mha", fn, qd, kr, vr)
         del kr, vr
     del kd, vd
-    for t in tunings or ():
-        fn = jax.jit(lambda *x, t=t: attention(*x, prefill_tuning=t, interpret=interp))
-        s = bench.safe(str(t), fn, q, kp, vp, qsl, sl, bt)
-        row.setdefault("sweep", []).append((str(t), s))
-        if s is not None:
-            print(f"  sweep {t}: {s * 1e3:.4f} ms {flops / s / 1e12:.1f} TFLOP/s", flush=True)
-    report(row, "TFLOP/s", flops / 1e12)
-    bench.results.append(row)
-    return row
+    return finish(bench, row, "TFLOP/s", flops / 1e12, tunings, (q, kp, vp, qsl, sl, bt),
+                  lambda t: jax.jit(lambda *x: attention(*x, prefill_tuning=t, interpret=interp)))
 
 
 def run_mixed(bench: Bench, name, num_decodes, ctx, chunk, cfg):
@@ -355,6 +341,21 @@ def run_model_step(bench: Bench, num_layers=4, batch=64, ctx=2048):
           f"{times['pallas'] * 1e3:.3f} ms, reference {times['reference'] * 1e3:.3f} ms, "
           f"reference/pallas = {times['reference'] / times['pallas']:.2f}x", flush=True)
     bench.results.append(row)
+
+
+def finish(bench: Bench, row, unit, amount, tunings, args, jitted_with):
+    """Times jitted_with(t)(*args) for each tuning t into row["sweep"], prints the row, records it.
+
+    amount / seconds is the rate printed in unit (TB/s for decode bytes, TFLOP/s for prefill flops).
+    """
+    for t in tunings or ():
+        s = bench.safe(str(t), jitted_with(t), *args)
+        row.setdefault("sweep", []).append((str(t), s))
+        if s is not None:
+            print(f"  sweep {t}: {s * 1e3:.4f} ms {amount / s:.2f} {unit}", flush=True)
+    report(row, unit, amount)
+    bench.results.append(row)
+    return row
 
 
 def report(row, unit, amount):

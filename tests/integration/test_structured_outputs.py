@@ -149,7 +149,7 @@ def test_invalid_constraints_are_400s_naming_the_field(small_server, path, body,
 
 def test_unconstrained_outputs_unchanged_by_constrained_neighbours(client, hf_smollm):
     """Acceptance 2: 16 greedy unconstrained chats give the same tokens alone and sharing the
-    batch with 16 constrained ones (up to near-ties, docs/design.md section 7)."""
+    batch with 16 constrained ones (up to near-ties, docs/architecture.md, "Testing numerics")."""
     prompts = sharegpt_prompts(16, max_chars=300, skip=500, min_chars=40)
     schema = SCHEMAS[0]
 

@@ -18,8 +18,8 @@ Also: a tile sweep (--sweep), the KV write (XLA scatter into the donated pool) a
 Timing: each measurement runs ``--iters`` calls dispatched back to back (asynchronous) and
 blocks once; the median over ``--reps`` such runs, divided by iters, is reported. A call whose
 device time is under the host's dispatch time per call (~50-70 us measured here for decode-b1)
-measures dispatch, not the kernel. (Chaining calls inside one executable was tried and dropped:
-XLA merged the repeated baseline calls, even across optimization barriers.)
+measures dispatch, not the kernel. (Calls are not chained inside one
+executable: XLA merges the repeated baseline calls, even across optimization barriers.)
 
 Usage: python scripts/bench_kernels.py [--sweep] [--model-step] [--json PATH]
        python scripts/bench_kernels.py --smoke   # tiny shapes, interpret mode, on CPU

@@ -1,4 +1,4 @@
-"""The real server (``python -m jaxserve.serve``, default model) over loopback, issue 3's acceptance.
+"""The real server (``python -m jaxserve.serve``, default model) over loopback.
 
 One server per module (started once, ~30 s with a warm executable cache, a few minutes cold),
 with ``--api-key`` so the 401 path is covered too. The tests run in file order; the last one

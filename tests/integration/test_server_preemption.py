@@ -1,4 +1,4 @@
-"""Issue 4, acceptance 4, through the real server: a KV pool too small for 16 concurrent
+"""Preemption through the real server: a KV pool too small for 16 concurrent
 requests preempts (``jaxserve:num_preemptions_total`` rises), every request still finishes,
 greedy outputs equal running each request alone, and the pool is empty afterwards."""
 

@@ -1,4 +1,4 @@
-"""Tensor parallelism on fake CPU devices (issue 15, docs/parallelism.md): greedy outputs at
+"""Tensor parallelism on fake CPU devices (docs/parallelism.md): greedy outputs at
 TP = 2, 3, 4 equal TP = 1's (docs/architecture.md, "Testing numerics"), offline here and through
 the server in test_tensor_parallel_tiny_server.py (tiny models) and test_multihost.py (the default
 model at

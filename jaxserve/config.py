@@ -116,7 +116,8 @@ class EngineConfig:
     max_num_batched_tokens: int | None = field(default=None, metadata={"help": (
         "token budget of one step, at least --max-num-seqs (chunked prefill splits longer "
         "prompts); None: 512 on CPU, 8192 on GPU"), "valid": _POSITIVE})
-    # The Pallas kernels tile KV pages in power-of-two blocks (docs/design.md section 3).
+    # The Pallas kernels tile KV pages in power-of-two blocks (docs/architecture.md,
+    # "KV page pool").
     page_size: int = field(default=16, metadata={
         "help": "tokens per KV page (block)",
         "valid": Valid(lambda v: v > 0 and v & (v - 1) == 0, "a power of two")})

@@ -1,4 +1,4 @@
-"""Prometheus metrics for ``GET /metrics`` (docs/design.md section 3, "Engine stats").
+"""Prometheus metrics for ``GET /metrics`` (docs/architecture.md, "Engine stats").
 
 Engine gauges come from the latest SchedulerStats the engine sent over the pipe (it sends them
 with every step and whenever they change while idle); request counters and histograms are

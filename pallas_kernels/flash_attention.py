@@ -1,7 +1,7 @@
 """Ragged prefill attention over the paged KV pool in Pallas (Triton backend), and ``attention``.
 
 ``attention(...)`` is the one entry point the model calls for any mixed batch
-(docs/design.md section 3). It dispatches the two parts of the batch to two kernels:
+(docs/architecture.md, "Attention ops"). It dispatches the two parts of the batch to two kernels:
 
 * sequences with exactly one query token (decodes) go to the flash-decoding kernel of
     ``paged_attention.py`` (KV split across programs, GQA group packed into one tile);

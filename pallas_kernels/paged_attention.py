@@ -1,7 +1,8 @@
 """Decode paged attention in Pallas (Triton backend), with flash-decoding KV splits.
 
 One query token per sequence attends over that sequence's pages of the KV page pool
-(docs/design.md section 3). One Pallas program handles one (sequence, KV head, KV split): it
+(docs/architecture.md, "Attention ops"). One Pallas program handles one (sequence, KV head,
+KV split): it
 loads the query rows of all query heads that share the KV head (the GQA group, padded to 16 rows for
 the tensor cores), then streams the split's pages ``block_k`` tokens at a time, keeping an
 online softmax in float32. Splits of one sequence are combined exactly afterwards from their
@@ -281,7 +282,9 @@ def group_queries(q: jax.Array, num_kv_heads: int) -> tuple[jax.Array, int]:
 
 
 def check_shapes(q, k_pages, v_pages, block_tables, seq_lens):
-    """Validates the arrays both kernels take (docs/design.md section 3); raises ValueError."""
+    """Validates the arrays both kernels take (docs/architecture.md, "Attention ops").
+
+    Raises ValueError."""
     if k_pages.shape != v_pages.shape:
         raise ValueError(f"k_pages {k_pages.shape} and v_pages {v_pages.shape} differ")
     if len(k_pages.shape) != 4 or q.ndim != 3:

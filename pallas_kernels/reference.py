@@ -1,4 +1,4 @@
-"""Pure-JAX oracles for the attention kernels (docs/design.md section 3).
+"""Pure-JAX oracles for the attention kernels (docs/architecture.md, "Attention ops").
 
 The model's CPU path runs these, and kernel tests compare the Pallas kernels against them.
 All attention is causal with grouped-query heads: query head ``h`` reads KV head

@@ -18,7 +18,7 @@ POISON = 30.0
 
 @dataclasses.dataclass
 class Batch:
-    """One flattened ragged batch (docs/design.md section 3) with its page pool."""
+    """One flattened ragged batch (docs/architecture.md, "Attention ops") with its page pool."""
 
     q: jax.Array  # [T, H, D]
     k_pages: jax.Array | QuantizedPages  # [KV, num_pages, page_size, D]

@@ -1,6 +1,7 @@
 """Benchmark the Pallas attention kernels against JAX's bundled kernel, XLA and cuDNN.
 
-Workloads (docs/design.md section 6), Llama-3-8B heads (32 q / 8 kv, d=128), page 16, bfloat16:
+Workloads (docs/architecture.md, "Measuring"), Llama-3-8B heads (32 q / 8 kv, d=128), page 16,
+bfloat16:
   decode-b{1,64,256}-c2k, decode-b64-c{512,8192}: paged decode attention; effective bandwidth
     counts the K and V bytes of the context once (2 * KV * B * ctx * D * 2 B).
   prefill-b8-s2k: causal attention over paged KV, FLOPs = 2 * B * H * S^2 * D.
@@ -17,8 +18,8 @@ Also: a tile sweep (--sweep), the KV write (XLA scatter into the donated pool) a
 Timing: each measurement runs ``--iters`` calls dispatched back to back (asynchronous) and
 blocks once; the median over ``--reps`` such runs, divided by iters, is reported. A call whose
 device time is under the host's dispatch time per call (~50-70 us measured here for decode-b1)
-measures dispatch, not the kernel. (Chaining calls inside one executable was tried and dropped:
-XLA merged the repeated baseline calls, even across optimization barriers.)
+measures dispatch, not the kernel. (Calls are not chained inside one
+executable: XLA merges the repeated baseline calls, even across optimization barriers.)
 
 Usage: python scripts/bench_kernels.py [--sweep] [--model-step] [--json PATH]
        python scripts/bench_kernels.py --smoke   # tiny shapes, interpret mode, on CPU
@@ -43,7 +44,8 @@ from pallas_kernels.flash_attention import PrefillTuning, attention
 from pallas_kernels.paged_attention import DecodeTuning, paged_attention, resolve_decode_tuning
 from pallas_kernels.testing import rel_err
 
-COPY_PEAK_TBS = 4.23  # device-to-device copy measured on the H200 (docs/design.md section 6)
+# Device-to-device copy measured on the H200 (docs/architecture.md, "Measuring").
+COPY_PEAK_TBS = 4.23
 
 
 def timeit(fn, *args, iters=20, reps=5):

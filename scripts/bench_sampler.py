@@ -1,4 +1,4 @@
-"""Time ``sampler.sample`` against the full-sort sampler it replaced, in the same run.
+"""Time ``sampler.sample`` against a full-sort sampler, in the same run.
 
 For each batch size and case, both samplers are jitted, warmed up, then timed call by call
 (``block_until_ready``); the table gives medians in milliseconds and reference / new. Logits are

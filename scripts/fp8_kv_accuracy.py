@@ -7,9 +7,9 @@ For each of ``--num-prompts`` real prompts (the first human turns of the reposit
 sample, ``--dataset`` for another file, each cut to ``--max-prompt-tokens``):
   1. greedy-decodes ``--max-tokens`` tokens twice at the model level (``llama.forward``, the
      engine's attention ops), once with the pool in the model's dtype and once in
-     ``--kv-cache-dtype`` (FP8: ``pallas_kernels.kv_quant``; bfloat16 for scale), and compares the two token lists with docs/design.md's
-     near-tie rule (equal up to the unquantized run's first near-tie: its two best logits within
-     1e-3);
+     ``--kv-cache-dtype`` (FP8: ``pallas_kernels.kv_quant``; bfloat16 for scale), and compares
+     the two token lists with docs/architecture.md's "Testing numerics" near-tie rule (equal up
+     to the unquantized run's first near-tie: its two best logits within 1e-3);
   2. feeds the prompt plus the unquantized run's tokens once through each pool and compares the
      logits at those positions: max and mean absolute difference.
 Prints one line per prompt and a summary; ``--json`` writes them.

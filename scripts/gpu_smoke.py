@@ -19,8 +19,8 @@ With `--hf-reference` (a real `--model` whose HF transformers counterpart is bui
 `checkpoints_tools.convert`), a second server of that model with `--dtype float32` then
 greedy-decodes `--greedy-prompts` ShareGPT prompts (`--greedy-tokens` each, the chat template
 applied), compared with transformers in float32 up to the reference's first near-tie
-(docs/design.md section 7's rule, tests/greedy.py, is for float32 on both sides: bfloat16
-logits move by more than its 1e-3).
+(docs/architecture.md's "Testing numerics" rule, tests/greedy.py, is for float32 on both sides:
+bfloat16 logits move by more than its 1e-3).
 
 Prints one table row per model and writes `--result-dir/gpu_smoke.json`; the exit code is 1 when
 any request failed.
@@ -232,7 +232,7 @@ def hf_reference(gguf: str, work: pathlib.Path):
 
 async def greedy_agreement(session, url, model_name, hf, tokenizer, n, max_tokens) -> dict:
     """Greedy decoding through the server against HF transformers (float32) on n ShareGPT
-    prompts; docs/design.md section 7's rule."""
+    prompts; docs/architecture.md's "Testing numerics" rule."""
     import torch
 
     from tests.greedy import compare_greedy, hf_greedy_margins

@@ -26,7 +26,7 @@ Prints one JSON line: ``rounds``, ``streams``, ``completed``, ``disconnected``, 
 ``duration_s``. Exit code 1 when an answer was lost or the server did not settle.
 
 The other scenarios print one JSON line with their measurements and ``ok``:
-- ``poison``: the body that used to abort every request in flight (``top_k`` 2**31) is sent
+- ``poison``: a body that would overflow int32 in the engine step (``top_k`` 2**31) is sent
   while 8 streams run: it must get a 400 and all 8 streams must complete.
 - ``big-prompt``: a ``--big-prompt-mb`` MB prompt: rejected within 1 s, ``/health`` (probed every
   10 ms from another thread) answering within 100 ms meanwhile, the server's RSS growing by less

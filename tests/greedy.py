@@ -1,5 +1,5 @@
-"""docs/design.md section 7's "identical greedy outputs": equal token ids up to the first
-near-tie of the reference (its two best logits within 1e-3), where float rounding may pick
+"""docs/architecture.md's "Testing numerics" "identical greedy outputs": equal token ids up to the
+first near-tie of the reference (its two best logits within 1e-3), where float rounding may pick
 either."""
 
 import numpy as np

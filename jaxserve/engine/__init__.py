@@ -85,7 +85,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
 
 
 class SchedulerStats(msgspec.Struct):
-    """Engine counters for /metrics (docs/design.md section 3, "Engine stats")."""
+    """Engine counters for /metrics (docs/architecture.md, "Engine stats")."""
 
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0

@@ -1,4 +1,4 @@
-"""The engine process: EngineCore behind the pipe (docs/design.md section 1).
+"""The engine process: EngineCore behind the pipe (docs/architecture.md, "Processes").
 
 ``run_engine_core(config, conn)`` is the target of the ``spawn``-context process that
 ``EngineCoreClient`` starts. It builds the EngineCore (the only place JAX is imported), sends

@@ -16,7 +16,7 @@ Tokenization follows vLLM:
 Text is measured before it is tokenized (``check_text_size``): no token stands for more than
 ``max_token_bytes`` bytes of text, so a text of more than ``max_model_len * max_token_bytes``
 UTF-8 bytes has more tokens than fit, and is refused in microseconds instead of being tokenized
-(a 50 MB prompt took 43 s to tokenize and blocked the API's event loop meanwhile).
+(a 50 MB prompt takes 43 s to tokenize and blocks the API's event loop meanwhile).
 """
 
 from __future__ import annotations

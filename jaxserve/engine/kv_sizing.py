@@ -1,4 +1,5 @@
-"""KV pool sizing arithmetic (docs/design.md section 3), kept free of JAX so it can be unit tested.
+"""KV pool sizing arithmetic (docs/architecture.md, "Pool sizing"), kept free of JAX so it can be
+unit tested.
 
 CPU: ``--kv-cache-gib`` is the pool size.
 

@@ -1,5 +1,5 @@
-"""The API process <-> engine process pipe: one msgpack frame per message (docs/design.md
-section 1), sent with ``Connection.send_bytes``. Token ids cross the pipe, text never does.
+"""The API process <-> engine process pipe: one msgpack frame per message (docs/architecture.md,
+"Processes"), sent with ``Connection.send_bytes``. Token ids cross the pipe, text never does.
 
 Each message is a msgspec Struct tagged with its ``type``; msgspec encodes and decodes the typed
 objects directly (no per-field conversion), as vLLM V1 does.

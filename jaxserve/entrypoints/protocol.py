@@ -51,7 +51,7 @@ TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]  # the vocabulary check come
 
 def Items(item: Any) -> Any:
     """``list[item]`` that stops at its first bad item: by default pydantic reports every one,
-    and a body of a million bad token ids took a minute to validate and report, on the event
+    and a body of a million bad token ids takes a minute to validate and report, on the event
     loop."""
     return Annotated[list[item], Field(fail_fast=True)]
 

@@ -2,10 +2,10 @@
 
 ``--model PRESET`` (see :data:`PRESETS`, values copied from the models' published
 ``config.json``) or a path to a ``config.json``. The tokenizer is borrowed from the default model
-(SmolLM2-135M-Instruct, vocab 49152; docs/design.md section 4): ids beyond it are the model
-code's to handle. A model whose vocabulary is smaller than that (Mistral-7B's 32,768) gets its
-vocabulary grown to the tokenizer's, so that every text prompt is in range (the log says so;
-random weights of a slightly larger embedding and head, an added 0.3% of Mistral-7B's
+(SmolLM2-135M-Instruct, vocab 49152; docs/architecture.md, "Models and checkpoints"): ids beyond it
+are the model code's to handle. A model whose vocabulary is smaller than that (Mistral-7B's 32,768)
+gets its vocabulary grown to the tokenizer's, so that every text prompt is in range (the log says
+so; random weights of a slightly larger embedding and head, an added 0.3% of Mistral-7B's
 weights). The borrowed tokenizer is cached as ``$JAXSERVE_CACHE/tokenizers/<name>/`` so that
 machines without the GGUF (e.g. the GPU box) can carry just that folder.
 """

@@ -32,7 +32,8 @@ from pallas_kernels import kv_quant
 
 @dataclass(frozen=True)
 class AttentionMetadata:
-    """One flattened ragged batch, padded to buckets (docs/design.md section 3).
+    """One flattened ragged batch, padded to buckets (docs/architecture.md, "Scheduler output ->
+    model runner input").
 
     Attributes:
       positions: [T] int32 position of each token in its sequence.
@@ -115,7 +116,8 @@ def _decoder_layer(hidden: jax.Array, p: dict, k_pages: jax.Array, v_pages: jax.
 
     A jitted function of its own so that the step traces and lowers one layer, not L: every
     layer has the same shapes, so JAX reuses the layer's trace and its lowered function, and
-    XLA inlines the calls (same program, far less start-up time; docs/design.md section 3).
+    XLA inlines the calls (same program, far less start-up time; docs/architecture.md, "The layer
+    loop").
     With a mesh, the fused projections hold their columns shard by shard (``sharding``), and
     the KV write and attention run per shard.
     """
@@ -173,8 +175,8 @@ def forward(
     """One model step over a flattened ragged batch.
 
     The layers run as a Python loop over per-layer weights and per-layer KV arrays
-    (docs/design.md section 3): on the H200, stacked weights streamed through a rolled
-    ``lax.scan`` at 1.2 TB/s against 3.0 TB/s unrolled; on CPU, slicing one layer out of a
+    (docs/architecture.md, "The layer loop"): on the H200, stacked weights streamed through a
+    rolled ``lax.scan`` at 1.2 TB/s against 3.0 TB/s unrolled; on CPU, slicing one layer out of a
     stacked pool inside a scan made XLA copy that layer's whole pool every step (268 ms vs 26 ms
     per decode step at 2 GiB).
 

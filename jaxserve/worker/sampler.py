@@ -34,7 +34,7 @@ ask, so the counts are never rebuilt per step.
 
 Two functions split the work so that the model step holds no control flow on the GPU: there an
 XLA conditional copies its predicate to the host and blocks the dispatching thread until the
-device reaches it, which stalled async scheduling (docs/performance.md). ``sample_unfiltered``
+device reaches it, which would stall async scheduling (docs/performance.md). ``sample_unfiltered``
 (greedy and plain; branch-free on the GPU, while on the CPU, where a conditional is cheap, it
 skips the noise when every row is greedy) runs inside every step; ``sample_filtered`` (every
 row that needs more: processors, min-p, candidates and sort, each costly path under a

@@ -1,5 +1,6 @@
 """Continuous batching: prompts generated together match each prompt alone, and serving after
-warmup never compiles (docs/design.md sections 3 and 7)."""
+warmup never compiles (docs/architecture.md, "Buckets and the executable cache" and "Testing
+numerics")."""
 
 import jax.monitoring
 

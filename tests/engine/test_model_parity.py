@@ -1,5 +1,5 @@
-"""Parity with HF transformers (torch, CPU, float32), docs/design.md section 7: prompt logits
-within 1e-4 relative per row, and identical 32-token greedy continuations."""
+"""Parity with HF transformers (torch, CPU, float32), docs/architecture.md, "Testing numerics":
+prompt logits within 1e-4 relative per row, and identical 32-token greedy continuations."""
 
 import json
 

@@ -1,6 +1,7 @@
 """On the real SmolLM2 engine, chunked prefill, automatic prefix caching
-and preemption give the same greedy outputs (docs/design.md section 7, margins from HF
-transformers' own model over the same tokens), and the scheduler does what it claims along the way.
+and preemption give the same greedy outputs (docs/architecture.md, "Testing numerics", margins from
+HF transformers' own model over the same tokens), and the scheduler does what it claims along the
+way.
 
 One engine serves all three (start-up loads and compiles for tens of seconds): its pool is
 232 usable pages of 16 tokens, more than one 1,800-token prompt needs. The scheduler's token

@@ -1,7 +1,7 @@
 """Two hosts, one model (docs/parallelism.md): two processes on 127.0.0.1, each with its
 own fake CPU devices (host 0 two, host 1 one), joined by jax.distributed into one TP=3 mesh,
-serve the default model; its greedy outputs equal TP=1's (docs/design.md section 7), and host 1
-ends when host 0 does."""
+serve the default model; its greedy outputs equal TP=1's (docs/architecture.md, "Testing
+numerics"), and host 1 ends when host 0 does."""
 
 import subprocess
 import sys

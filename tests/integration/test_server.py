@@ -1,4 +1,4 @@
-"""The real server (``python -m jaxserve.serve``, default model) over loopback, issue 3's acceptance.
+"""The real server (``python -m jaxserve.serve``, default model) over loopback.
 
 One server per module (started once, ~30 s with a warm executable cache, a few minutes cold),
 with ``--api-key`` so the 401 path is covered too. The tests run in file order; the last one
@@ -168,8 +168,8 @@ def test_seeded_sampling_is_reproducible(client):
 
 
 def _near_tie_check(request, prompt_ids, alone, together):
-    """docs/design.md section 7 for the mismatching pairs: compare token ids up to the first
-    position where the reference (alone) has its two best logits within 1e-3 (from HF
+    """docs/architecture.md, "Testing numerics" for the mismatching pairs: compare token ids up to
+    the first position where the reference (alone) has its two best logits within 1e-3 (from HF
     transformers, float32, same weights). Returns [(index, identical, positions compared)]."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -193,7 +193,8 @@ def _near_tie_check(request, prompt_ids, alone, together):
 
 def test_32_concurrent_streams_match_one_by_one(request, server, client, aclient_factory):
     """32 greedy streams at once give the same token ids as each request alone
-    (docs/design.md section 7), and the engine batched them (num_requests_running > 1 observed)."""
+    (docs/architecture.md, "Testing numerics"), and the engine batched them (num_requests_running >
+    1 observed)."""
     prompts = sharegpt_prompts(32, max_chars=400, min_chars=81)
     msgs = [[{"role": "user", "content": p}] for p in prompts]
     alone, alone_text, prompt_ids = [], [], []

@@ -1,4 +1,4 @@
-"""Issue 4, acceptance 4, through the real server: a KV pool too small for 16 concurrent
+"""Preemption through the real server: a KV pool too small for 16 concurrent
 requests preempts (``jaxserve:num_preemptions_total`` rises), every request still finishes,
 greedy outputs equal running each request alone, and the pool is empty afterwards."""
 
@@ -52,7 +52,7 @@ def test_small_pool_preempts_and_every_request_finishes(server, hf_smollm):
     assert metrics["jaxserve:num_requests_running"] == 0
     assert metrics["jaxserve:kv_cache_usage_perc"] == 0
     # Preempted requests were recomputed, not corrupted: each equals its run alone
-    # (docs/design.md section 7, near-ties judged by HF transformers' logits).
+    # (docs/architecture.md, "Testing numerics", near-ties judged by HF transformers' logits).
     for a, b in zip(alone, together[:4]):
         ref = a.model_extra["token_ids"]
         margins = hf_greedy_margins(hf_smollm, a.model_extra["prompt_token_ids"], ref)

@@ -54,7 +54,7 @@ def _chat(client, content, stream=False, **kw):
 
 
 def test_json_schemas_always_validate(client):
-    """Acceptance 1: 10 bounded schemas x 5 requests (seeds, the model's sampling defaults),
+    """10 bounded schemas x 5 requests (seeds, the model's sampling defaults),
     alternately streamed: each ends with "stop", parses, and validates against its schema."""
     jobs = [(s, seed, seed % 2 == 1) for s in SCHEMAS for seed in range(5)]
 
@@ -115,7 +115,7 @@ class City(pydantic.BaseModel):
 
 
 def test_parse_with_a_pydantic_model(client):
-    """Acceptance 4: the client's ``chat.completions.parse`` returns a parsed object."""
+    """The client's ``chat.completions.parse`` returns a parsed object."""
     r = client.chat.completions.parse(
         model=MODEL, messages=[{"role": "user", "content": "Describe Paris as JSON."}],
         response_format=City, max_tokens=MAX_TOKENS)
@@ -148,8 +148,8 @@ def test_invalid_constraints_are_400s_naming_the_field(small_server, path, body,
 
 
 def test_unconstrained_outputs_unchanged_by_constrained_neighbours(client, hf_smollm):
-    """Acceptance 2: 16 greedy unconstrained chats give the same tokens alone and sharing the
-    batch with 16 constrained ones (up to near-ties, docs/design.md section 7)."""
+    """16 greedy unconstrained chats give the same tokens alone and sharing the
+    batch with 16 constrained ones (up to near-ties, docs/architecture.md, "Testing numerics")."""
     prompts = sharegpt_prompts(16, max_chars=300, skip=500, min_chars=40)
     schema = SCHEMAS[0]
 

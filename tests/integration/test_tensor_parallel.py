@@ -1,6 +1,7 @@
-"""Tensor parallelism on fake CPU devices (issue 15, docs/parallelism.md): greedy outputs at
-TP = 2, 3, 4 equal TP = 1's (docs/design.md section 7), offline here and through the server in
-test_tensor_parallel_tiny_server.py (tiny models) and test_multihost.py (the default model at
+"""Tensor parallelism on fake CPU devices (docs/parallelism.md): greedy outputs at
+TP = 2, 3, 4 equal TP = 1's (docs/architecture.md, "Testing numerics"), offline here and through
+the server in test_tensor_parallel_tiny_server.py (tiny models) and test_multihost.py (the default
+model at
 TP = 3, its mesh over two processes: the one-host server path plus the step stream); the
 step's collectives are the Megatron layout's; sizes the model or the machine cannot take are
 refused with an error naming the flag.

@@ -1,6 +1,6 @@
 """Tiny random Llama (TP=4: KV heads replicated, vocabulary padded) and Qwen3 (TP=2: q/k norm,
-tied embeddings) served on fake CPU devices give TP=1's greedy outputs (docs/design.md section 7;
-the offline runs of every size are in test_tensor_parallel.py)."""
+tied embeddings) served on fake CPU devices give TP=1's greedy outputs (docs/architecture.md,
+"Testing numerics"; the offline runs of every size are in test_tensor_parallel.py)."""
 
 import pytest
 from server_utils import Server

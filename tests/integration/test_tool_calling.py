@@ -1,4 +1,4 @@
-"""Issue 14's tool calling over the real server (default model, ``--tool-call-parser hermes``,
+"""Tool calling (docs/tool_calling.md) over the real server (default model, ``--tool-call-parser hermes``,
 the default) and the official ``openai`` client: ``auto`` answers are well formed whether or
 not the model calls (parser-level behaviour is tests/unit/test_tool_parsers.py's), ``required``
 and a named function always give calls whose arguments validate against the function's
@@ -141,7 +141,7 @@ def _check_calls(calls, names):
     ({"type": "function", "function": {"name": "get_time"}}, {"get_time"}),
 ])
 def test_enforced_choices_always_give_valid_calls(client, choice, names):
-    """Acceptance 3: ``required`` and a named function, 10 seeds sampled freely (temperature 1,
+    """``required`` and a named function, 10 seeds sampled freely (temperature 1,
     top_p 1), each non-streamed and streamed: every answer is calls only (one for a named
     function) whose arguments validate, finish_reason is "tool_calls", and the stream joins to
     the same."""

@@ -1,5 +1,5 @@
 """Shared by the tensor-parallel tests: engine flags, tiny models, fake-device subprocesses and
-the greedy comparison against TP=1 (docs/design.md section 7)."""
+the greedy comparison against TP=1 (docs/architecture.md, "Testing numerics")."""
 
 from __future__ import annotations
 

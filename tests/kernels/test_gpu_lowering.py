@@ -1,4 +1,4 @@
-"""Lower the Pallas kernels for the cuda platform on CPU (docs/design.md section 5).
+"""Lower the Pallas kernels for the cuda platform on CPU (docs/architecture.md, "CPU and GPU").
 
 This catches Pallas-to-Triton errors (block shapes, power-of-two sizes, unsupported ops) in CI;
 Triton-to-PTX errors (shared memory, registers) show only on a GPU (test_attention_gpu.py).

@@ -1,4 +1,4 @@
-"""Issue 11's bounds, unit by unit: SamplingParams ranges, the text-size bound checked before
+"""The server's bounds (docs/reliability.md), unit by unit: SamplingParams ranges, the text-size bound checked before
 tokenizing, log lines a client cannot forge, engine-side request checks, metrics after engine
 death, and one bad output failing its own request only."""
 

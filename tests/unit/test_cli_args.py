@@ -1,6 +1,6 @@
 """EngineConfig's generated CLI flags (jaxserve/engine/arg_utils.py) in the server and the offline
-batch script (issue 9): every field is a flag of both, --help shows every default, the flag names
-from before the generator still parse to the same values, and a bad value is a one-line usage
+batch script: every field is a flag of both, --help shows every default, the hand-written flag
+spellings still parse to the same values, and a bad value is a one-line usage
 error naming the flag, exit code 2."""
 
 import dataclasses

@@ -1,4 +1,4 @@
-"""The tensor-parallel layout as arithmetic (jaxserve/models/sharding.py, issue 15): which sizes a
+"""The tensor-parallel layout as arithmetic (jaxserve/models/sharding.py): which sizes a
 model takes (vLLM's rule), how KV heads are replicated and the vocabulary padded, how the fused
 projections' columns are laid out shard by shard, and the KV bytes each device holds. The runs on
 fake devices are in tests/integration/test_tensor_parallel.py."""

@@ -35,7 +35,7 @@ class LLM:
             log = lambda msg: print(f"[jaxserve] {msg}", file=sys.stderr, flush=True)  # noqa: E731
         self.engine = EngineCore(EngineConfig(model=model, **kwargs), log=log)
         self.tokenizer = self.engine.tokenizer
-        self.input_processor = InputProcessor(self.tokenizer, self.engine.max_model_len,
+        self.input_processor = InputProcessor(self.tokenizer, self.engine.config.max_model_len,
                                               self.engine.vocab_size)
         self.output_processor = OutputProcessor(self.tokenizer, self.engine.eos_token_ids)
         self._next_id = 0

@@ -215,7 +215,7 @@ async def serve(args, sock: socket.socket) -> int:
             gc.collect()
             gc.freeze()
             name = args.served_model_name or llm.model_name
-            _say(f"ready: serving {name!r} (max_model_len {llm.max_model_len}, allocator "
+            _say(f"ready: serving {name!r} (max_model_len {llm.config.max_model_len}, allocator "
                  f"fraction {llm.allocator_fraction:g} of device memory) at {url}/v1")
             _say("sampling defaults for requests that leave them out: "
                  f"{describe_sampling_defaults(llm.generation_config)}")

@@ -27,6 +27,7 @@ import pathlib
 import statistics
 import time
 
+import msgspec
 import numpy as np
 
 from jaxserve.sampling_params import StructuredOutputsParams
@@ -108,7 +109,7 @@ def bench_mixed(max_tokens: int, repeats: int) -> None:
     timed(mixed)  # warm-up: compiles nothing new, fills llguidance's and XLA's caches
     base, base_tokens = timed([plain] * 32)
     both, both_tokens = timed(mixed)
-    llm.engine.config.async_scheduling = False
+    llm.engine.config = msgspec.structs.replace(llm.engine.config, async_scheduling=False)
     sync, _ = timed([plain] * 32)
     both_sync, _ = timed(mixed)
     print(f"32 unconstrained (async):  {base:.2f} s, {base_tokens} tokens")

@@ -27,7 +27,8 @@ import numpy as np
 
 from jaxserve.model_loader import load_checkpoint
 from jaxserve.models import llama
-from jaxserve.models.registry import build_params, resolve_dtype, resolve_kv_cache_dtype
+from jaxserve.models.registry import build_params, resolve_kv_cache_dtype
+from jaxserve.platforms import current_platform
 from pallas_kernels import get_attention_fn, kv_quant
 from sharegpt import SAMPLE, first_turns
 
@@ -95,11 +96,12 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     ckpt = load_checkpoint(args.model, args.load_format)
-    dtype = resolve_dtype(args.dtype)
-    kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype)
+    platform = current_platform()
+    dtype = jnp.dtype(platform.dtype if args.dtype == "auto" else args.dtype)
+    kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype)
     config, params = build_params(ckpt.hf_config, ckpt.weights, dtype)
     tok = ckpt.tokenizer
-    attention_fn = get_attention_fn("auto")
+    attention_fn = get_attention_fn(platform.attention_backend, platform.interpret_pallas)
     step = jax.jit(lambda p, t, md, k, v, li: llama.forward(
         config, p, t, md, k, v, li, attention_fn=attention_fn), donate_argnums=(3, 4))
     prompts = [p for p in first_turns(args.dataset) if p.strip()][: args.num_prompts]

@@ -35,7 +35,7 @@ import shutil
 import time
 from collections.abc import AsyncIterator
 
-from jaxserve.config import EngineConfig
+from jaxserve.config import EngineConfig, ResolvedConfig
 from jaxserve.engine import EngineCoreRequest, child_request_id
 from jaxserve.engine import messages as M
 from jaxserve.engine.core_client import EngineCoreClient, EngineDeadError, EngineStartError
@@ -58,7 +58,8 @@ class AsyncLLM:
     Attributes (valid after ``start()``):
       tokenizer: transformers fast tokenizer with the model's chat template.
       model_name: the model's own name.
-      max_model_len: longest sequence, prompt + output, tokens.
+      config: the configuration the engine runs with (``config.max_model_len``: the longest
+        sequence, prompt + output, tokens).
       metrics: the Metrics behind ``GET /metrics``.
       allocator_fraction: XLA_PYTHON_CLIENT_MEM_FRACTION the engine process runs with.
       ready: True once the engine is serving; False before, while it restarts, and after it
@@ -71,7 +72,6 @@ class AsyncLLM:
     """
 
     def __init__(self, config: EngineConfig, max_engine_restarts: int = 0):
-        self.config = config
         self.max_engine_restarts = max_engine_restarts
         self.engine_restarts = 0
         self.failed = asyncio.Event()
@@ -81,9 +81,8 @@ class AsyncLLM:
         self.engine_core = EngineCoreClient(config, self._on_message, self._on_engine_dead)
         self.tokenizer = None
         self.model_name: str | None = None
-        self.max_model_len: int = 0
+        self.config: ResolvedConfig | None = None
         self.vocab_size: int = 0
-        self.engine_config: dict = {}
         self.generation_config: dict = {}
         self.allocator_fraction: float = 0.0
         self.metrics: Metrics | None = None
@@ -109,7 +108,7 @@ class AsyncLLM:
             await imported
             self.tokenizer = await loop.run_in_executor(None, load_tokenizer, ready.tokenizer_dir)
             self.input_processor = await loop.run_in_executor(
-                None, InputProcessor, self.tokenizer, ready.max_model_len, ready.vocab_size)
+                None, InputProcessor, self.tokenizer, ready.config.max_model_len, ready.vocab_size)
             self.grammar_validator = await loop.run_in_executor(
                 None, GrammarValidator, self.tokenizer, ready.vocab_size, ready.eos_token_ids)
         except Exception as e:  # noqa: BLE001
@@ -117,9 +116,8 @@ class AsyncLLM:
         finally:
             shutil.rmtree(ready.tokenizer_dir, ignore_errors=True)
         self.model_name = ready.model_name
-        self.max_model_len = ready.max_model_len
+        self.config = ready.config
         self.vocab_size = ready.vocab_size
-        self.engine_config = ready.config
         self.generation_config = ready.generation_config
         self.allocator_fraction = ready.allocator_fraction
         self.metrics = Metrics(ready.model_name)
@@ -338,7 +336,7 @@ class AsyncLLM:
         and metrics are kept (same model)."""
         old = self.engine_core
         await asyncio.get_running_loop().run_in_executor(None, old.kill)  # reap it
-        self.engine_core = EngineCoreClient(self.config, self._on_message, self._on_engine_dead)
+        self.engine_core = EngineCoreClient(old.config, self._on_message, self._on_engine_dead)
         try:
             ready = await self.engine_core.start()
         except EngineStartError as e:

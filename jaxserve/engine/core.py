@@ -5,7 +5,6 @@ Token ids in, token ids out: no text here.
 """
 
 import atexit
-import dataclasses
 import os
 import random
 import time
@@ -13,11 +12,12 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from checkpoints_tools.fetch_default import cache_dir
 from jaxserve import distributed, host_memory
-from jaxserve.config import EngineConfig
+from jaxserve.config import EngineConfig, ModelConfig, resolve_config
 from jaxserve.sampling_params import describe_sampling_defaults
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.request import Request
@@ -36,20 +36,12 @@ from jaxserve.model_loader import (
     resolve_model,
 )
 from jaxserve.models import sharding
-from jaxserve.models.registry import build_params, resolve_dtype, resolve_kv_cache_dtype
+from jaxserve.models.registry import build_params, resolve_kv_cache_dtype
+from jaxserve.platforms import current_platform
 from jaxserve.structured_output.manager import StructuredOutputManager
 from jaxserve.worker.executable_cache import ExecutableCache
 from jaxserve.worker.model_runner import ModelRunner
 from pallas_kernels import get_attention_fn, kv_quant
-
-CPU_MAX_MODEL_LEN = 4096
-# Scheduler limits where the flags are left unset. GPU: measured on the H200 with the 8B shape
-# (docs/performance.md): 256 sequences kept decode near its best without preempting at
-# e2e-1k1k scale (512 was no faster and preempted), and a larger token budget shortens the
-# prefill phase.
-CPU_SCHEDULER_DEFAULTS = {"max_num_seqs": 32, "max_num_batched_tokens": 512}
-GPU_SCHEDULER_DEFAULTS = {"max_num_seqs": 256, "max_num_batched_tokens": 8192}
-
 
 def enable_compilation_cache() -> None:
     """Keep XLA's compiles of the start-up's other programs (parameter set-up, ...) in JAX's
@@ -58,21 +50,6 @@ def enable_compilation_cache() -> None:
     jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "jax-compiles"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
-
-
-def resolve_scheduler_limits(config: EngineConfig, on_gpu: bool, max_model_len: int) -> EngineConfig:
-    """The configuration with ``max_model_len`` and the device's defaults for the scheduler
-    limits left unset.
-
-    Raises:
-      ValueError: ``max_num_batched_tokens`` below ``max_num_seqs``.
-    """
-    defaults = GPU_SCHEDULER_DEFAULTS if on_gpu else CPU_SCHEDULER_DEFAULTS
-    config = dataclasses.replace(config, max_model_len=max_model_len,
-                                 **{k: getattr(config, k) or v for k, v in defaults.items()})
-    if config.max_num_batched_tokens < config.max_num_seqs:
-        raise ValueError("--max-num-batched-tokens must be at least --max-num-seqs")
-    return config
 
 
 def kv_bytes_per_page(model_config, layout: sharding.Layout, page_size: int, kv_dtype) -> int:
@@ -107,7 +84,7 @@ class EngineCore:
     """Loads the model, sizes and allocates the KV pool, compiles every bucket, then serves steps.
 
     Args:
-      config: engine settings.
+      config: engine settings; ``self.config`` is the ResolvedConfig the engine runs with.
       log: receives one line per start-up phase.
 
     Raises:
@@ -118,7 +95,6 @@ class EngineCore:
     def __init__(self, config: EngineConfig, log: Callable[[str], None] = print):
         enable_compilation_cache()
         distributed.initialize(config)  # before the first use of a JAX backend
-        self.config = config
         start = time.perf_counter()
         source, fmt = resolve_model(config.model, config.load_format)
         self.generation_config = load_generation_config(source, fmt, config.generation_config)
@@ -137,18 +113,21 @@ class EngineCore:
         # pool sizing then errs small, see kv_sizing.)
         self.allocator_fraction = kv_sizing.configure_allocator(
             config.gpu_memory_utilization, os.environ)
-        on_gpu = jax.default_backend() == "gpu"
+        self.platform = platform = current_platform()
         mesh = sharding.make_mesh(config.tensor_parallel_size)
         if config.num_hosts > 1:
             distributed.check_mesh_spans_hosts(mesh, config.num_hosts)
         log(f"allocator fraction {self.allocator_fraction:g} of device memory "
             f"(XLA_PYTHON_CLIENT_MEM_FRACTION: --gpu-memory-utilization "
             f"{config.gpu_memory_utilization:g} plus the allocator's slack; "
-            f"{jax.default_backend()} backend{'' if on_gpu else ', where it has no effect'})")
+            f"{platform.name} backend"
+            f"{'' if platform.device_memory else ', where it has no effect'})")
         t0 = time.perf_counter()
         ckpt = load_checkpoint(source, fmt, with_tokenizer=False, mesh=mesh)
         self.model_name = ckpt.name
-        dtype = resolve_dtype(config.dtype)
+        max_position_embeddings = ModelConfig.from_hf_config(ckpt.hf_config).max_position_embeddings
+        config = self.config = resolve_config(config, platform, max_position_embeddings)
+        dtype = jnp.dtype(config.dtype)
         t1 = time.perf_counter()
         self.model_config, params = build_params(ckpt.hf_config, ckpt.weights, dtype, config.seed,
                                                  mesh)
@@ -158,41 +137,32 @@ class EngineCore:
         log(f"loaded {self.model_name} ({mc.architecture}, {np.dtype(dtype).name}) in "
             f"{t2 - t0:.1f}s (checkpoint {t1 - t0:.1f}s, parameters on the device {t2 - t1:.1f}s)"
             + ("" if mesh is None else f"; split over {mesh.size} devices (tensor parallel)"))
-
-        limit = mc.max_position_embeddings if on_gpu else min(mc.max_position_embeddings, CPU_MAX_MODEL_LEN)
-        self.max_model_len = config.max_model_len or limit
-        if self.max_model_len > mc.max_position_embeddings:
-            raise ValueError(
-                f"--max-model-len {self.max_model_len} exceeds the model's "
-                f"max_position_embeddings {mc.max_position_embeddings}"
-            )
-        config = self.config = resolve_scheduler_limits(config, on_gpu, self.max_model_len)
         log(f"scheduler: max_num_seqs {config.max_num_seqs}, max_num_batched_tokens "
-            f"{config.max_num_batched_tokens}, max_model_len {self.max_model_len}")
+            f"{config.max_num_batched_tokens}, max_model_len {config.max_model_len}")
         structured = pool.submit(_structured_output_manager, tokenizer, mc, config.max_num_seqs)
         pool.shutdown(wait=False)
-        kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
-        backend = config.attention_backend
+        kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype)
         self.runner = ModelRunner(
             mc, params, page_size=config.page_size,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=self.max_model_len, kv_dtype=kv_dtype,
-            attention_fn=get_attention_fn(backend), mesh=mesh,
+            max_model_len=config.max_model_len, kv_dtype=kv_dtype,
+            attention_fn=get_attention_fn(config.attention_backend, platform.interpret_pallas),
+            mesh=mesh,
             executable_cache=ExecutableCache(cache_dir() / "executables", log),
         )
         del params
         per_page = kv_bytes_per_page(mc, self.runner.layout, config.page_size, kv_dtype)
         peak = 0
-        if on_gpu:
-            probe = kv_sizing.pages_per_seq(self.max_model_len, config.page_size) + 1
+        if platform.device_memory:
+            probe = kv_sizing.pages_per_seq(config.max_model_len, config.page_size) + 1
             t0 = time.perf_counter()
             peak = self.runner.profile_peak_bytes(probe)
             log(f"profiled the largest programs against a {probe}-page pool: peak "
                 f"{peak / 2**30:.2f} GiB in {time.perf_counter() - t0:.1f}s")
         num_pages = self._plan_pages(per_page, peak, log)
         self.runner.compile_buckets(num_pages, log)
-        if on_gpu and self.runner.peak_program_bytes > peak:
+        if platform.device_memory and self.runner.peak_program_bytes > peak:
             # A program the profile did not cover needs more: a smaller pool, compiled again.
             peak = self.runner.peak_program_bytes
             log(f"at the pool's size the programs' peak is {peak / 2**30:.2f} GiB; sizing again")
@@ -203,9 +173,10 @@ class EngineCore:
         try:
             self.runner.allocate_kv_cache(num_pages)
         except ValueError as e:
-            raise ValueError(f"{e}: lower --gpu-memory-utilization" if on_gpu else str(e)) from None
+            raise ValueError(f"{e}: lower --gpu-memory-utilization" if platform.device_memory
+                             else str(e)) from None
         log(f"allocated the KV pool in {time.perf_counter() - t3:.1f}s")
-        if on_gpu:
+        if platform.device_memory:
             self._check_peak_fits(self.runner.peak_program_bytes)
         self.tokenizer, tokenizer_s = tokenizer.result()
         log(f"tokenizer loaded in {tokenizer_s:.1f}s on a thread alongside; engine ready "
@@ -215,7 +186,8 @@ class EngineCore:
         self.structured_output_manager, self.eos_token_ids, so_s = structured.result()
         log(f"structured outputs: llguidance tokenizer built in {so_s:.1f}s on that thread")
         host_memory.release_freed()
-        on_host = lambda tree: 0 if on_gpu else sum(x.nbytes for x in jax.tree.leaves(tree))  # noqa: E731
+        on_host = lambda tree: (0 if platform.device_memory  # noqa: E731
+                                else sum(x.nbytes for x in jax.tree.leaves(tree)))
         line = host_memory.describe(on_host(self.runner.params),
                                     on_host((self.runner.k_cache, self.runner.v_cache)))
         if line:
@@ -224,7 +196,7 @@ class EngineCore:
             KVCacheManager(num_pages, config.page_size, config.enable_prefix_caching),
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=self.max_model_len,
+            max_model_len=config.max_model_len,
             eos_token_ids=self.eos_token_ids,
             max_prompt_logprob_rows=self.runner.prompt_logprob_rows,
             structured_output_manager=self.structured_output_manager,
@@ -251,24 +223,25 @@ class EngineCore:
           ValueError: not one max_model_len sequence fits (naming the flags).
         """
         config = self.config
-        if self.runner.on_cpu:
-            num_pages = kv_sizing.cpu_num_pages(config.kv_cache_gib, per_page)
-            hint = "raise --kv-cache-gib or lower --max-model-len"
-        else:
+        if self.platform.device_memory:
             num_pages = self._gpu_num_pages(per_page, peak, log)
             hint = "raise --gpu-memory-utilization or lower --max-model-len"
+        else:
+            num_pages = kv_sizing.cpu_num_pages(config.kv_cache_gib, per_page)
+            hint = "raise --kv-cache-gib or lower --max-model-len"
         if config.num_hosts > 1:  # one pool over all hosts: the size every host can hold
             num_pages = distributed.min_over_hosts(num_pages, self.runner.mesh)
-        num_seqs = kv_sizing.check_pool_fits(num_pages, config.page_size, self.max_model_len, hint)
+        num_seqs = kv_sizing.check_pool_fits(num_pages, config.page_size, config.max_model_len,
+                                             hint)
         mesh = self.runner.mesh
         log(f"KV cache: {num_pages - 1} pages of {config.page_size} tokens "
             f"({(num_pages - 1) * config.page_size} tokens, {(num_pages - 1) * per_page / 2**30:.2f} GiB "
             f"in {np.dtype(self.runner.kv_dtype).name}{'' if mesh is None else ' per device'}; "
-            f"{num_seqs} sequences of {self.max_model_len} tokens fit); prefix caching "
+            f"{num_seqs} sequences of {config.max_model_len} tokens fit); prefix caching "
             f"{'on' if config.enable_prefix_caching else 'off'}")
         if num_seqs < config.max_num_seqs:
             log(f"note: fewer than --max-num-seqs {config.max_num_seqs} sequences of "
-                f"--max-model-len {self.max_model_len} tokens fit in the KV cache; the scheduler "
+                f"--max-model-len {config.max_model_len} tokens fit in the KV cache; the scheduler "
                 "admits by the pages requests really use, and preempts when they run out")
         return num_pages
 

@@ -21,7 +21,6 @@ the API process, which gets the same Ctrl-C, coordinates the shutdown.
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import importlib
 import os
@@ -132,7 +131,7 @@ class EngineCoreProc:
                                   kind="invalid_request"))
                 return
             try:
-                check_engine_request(req, self.core.vocab_size, self.core.max_model_len)
+                check_engine_request(req, self.core.vocab_size, self.core.config.max_model_len)
                 self.core.add_request(req)
             except ValueError as e:
                 self.send(M.Error([req.request_id], _describe(e), kind="invalid_request"))
@@ -255,9 +254,9 @@ def run_engine_core(config: EngineConfig, conn: Connection, parent_pid: int | No
         gc.collect()
         gc.freeze()
         conn.send_bytes(M.encode(M.Ready(
-            model_name=str(core.model_name), max_model_len=core.max_model_len,
+            model_name=str(core.model_name), config=core.config,
             tokenizer_dir=tokenizer_dir, eos_token_ids=list(core.eos_token_ids),
-            vocab_size=core.vocab_size, config=dataclasses.asdict(core.config),
+            vocab_size=core.vocab_size,
             allocator_fraction=core.allocator_fraction,
             generation_config=dict(core.generation_config),
         )))

@@ -10,7 +10,7 @@ API -> engine:
   ``shutdown``  {}
 
 Engine -> API:
-  ``ready``     {model_name, max_model_len, tokenizer_dir, eos_token_ids, vocab_size, config,
+  ``ready``     {model_name, config, tokenizer_dir, eos_token_ids, vocab_size,
                  allocator_fraction, generation_config}
   ``outputs``   {outputs: [EngineCoreOutput], stats: SchedulerStats | None}
   ``error``     {request_ids, message, kind, fatal}; ``kind`` is "invalid_request" (the request
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import msgspec
 
+from jaxserve.config import ResolvedConfig
 from jaxserve.engine import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 
 
@@ -45,12 +46,12 @@ class Ready(msgspec.Struct, tag="ready"):
 
     Attributes:
       model_name: the model's own name (served name default).
-      max_model_len: longest sequence, prompt + output, tokens.
+      config: the configuration the engine runs with (``max_model_len``: the longest
+        sequence, prompt + output, tokens; ``max_num_seqs``: the most sequences in one step).
       tokenizer_dir: a folder with the tokenizer saved by ``save_pretrained`` (the API process
         loads it with ``AutoTokenizer.from_pretrained`` and may delete it afterwards).
       eos_token_ids: ids that end generation by default.
       vocab_size: the model's vocabulary size (ids at or above it are invalid).
-      config: the effective engine configuration (EngineConfig fields, for /v1/models, logs).
       allocator_fraction: XLA_PYTHON_CLIENT_MEM_FRACTION the engine's JAX backend runs with (the
         share of device memory its allocator may take; computed and reported on CPU too).
       generation_config: sampling defaults for requests that leave them out (SamplingParams
@@ -59,11 +60,10 @@ class Ready(msgspec.Struct, tag="ready"):
     """
 
     model_name: str
-    max_model_len: int
+    config: ResolvedConfig
     tokenizer_dir: str
     eos_token_ids: list[int] = msgspec.field(default_factory=list)
     vocab_size: int = 0
-    config: dict = msgspec.field(default_factory=dict)
     allocator_fraction: float = 0.0
     generation_config: dict = msgspec.field(default_factory=dict)
 

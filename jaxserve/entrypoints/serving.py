@@ -94,7 +94,7 @@ def _admitted(request: web.Request, sequences: int):
         + max_waiting_requests`` sequences in flight.
     """
     state, llm, limits = request.app[STATE_KEY], _llm(request), _limits(request)
-    cap = (llm.engine_config.get("max_num_seqs") or 0) + limits.max_waiting_requests
+    cap = llm.config.max_num_seqs + limits.max_waiting_requests
     if state["in_flight"] + sequences > cap:
         llm.metrics.record_rejected("overloaded")
         raise APIError(503, f"the server is overloaded ({state['in_flight']} sequences in "
@@ -248,7 +248,7 @@ def _max_sequences(llm: AsyncLLM) -> int:
     """The most sequences (prompts x ``n``) one request may ask for: what the engine runs at
     once (``max_num_seqs``). More would only queue behind the request's own, and it bounds what
     one HTTP request adds to the queue."""
-    return llm.engine_config.get("max_num_seqs") or MAX_N
+    return llm.config.max_num_seqs
 
 
 def _check_request(llm: AsyncLLM, ids: list[int], sp: SamplingParams, prompt_field: str,
@@ -532,7 +532,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
         ids = await _encode(llm.encode_chat(messages, tools=req.template_tools()), "messages")
         _check_request(llm, ids, sp, "messages", field)
         if sp.max_tokens is None:  # OpenAI's and vLLM's meaning: up to the context
-            sp.max_tokens = llm.max_model_len - len(ids)
+            sp.max_tokens = llm.config.max_model_len - len(ids)
         if tool_parser is not None:
             tool_parser.adjust_sampling_params(sp)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -572,7 +572,7 @@ def _template_messages(req) -> list[dict]:
 def _model_card(request: web.Request) -> ModelCard:
     llm = _llm(request)
     return ModelCard(id=_served_name(request), created=request.app[STATE_KEY]["created"],
-                     root=llm.model_name, max_model_len=llm.max_model_len)
+                     root=llm.model_name, max_model_len=llm.config.max_model_len)
 
 
 async def show_available_models(request: web.Request) -> web.Response:
@@ -605,7 +605,7 @@ async def tokenize(request: web.Request) -> web.Response:
                                             bool(req.add_special_tokens), req.template_tools()),
                             "messages")
     strs = llm.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
-    return json_response(TokenizeResponse(count=len(ids), max_model_len=llm.max_model_len,
+    return json_response(TokenizeResponse(count=len(ids), max_model_len=llm.config.max_model_len,
                                           tokens=ids, token_strs=strs))
 
 

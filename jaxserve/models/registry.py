@@ -30,30 +30,15 @@ def build_params(hf_config: dict, weights: dict | None, dtype, seed: int = 0,
     return config, jax.block_until_ready(params)
 
 
-def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype):
-    """--kv-cache-dtype -> the pool's dtype: "auto" is the model's; "fp8" is float8_e4m3fn
+def resolve_kv_cache_dtype(kv_cache_dtype: str):
+    """A resolved --kv-cache-dtype -> the pool's dtype: "fp8" is float8_e4m3fn
     (``pallas_kernels.kv_quant``).
 
     Raises:
-      ValueError: for a name other than auto, bfloat16, float32, fp8.
+      ValueError: for a name other than bfloat16, float32, fp8.
     """
-    if kv_cache_dtype == "auto":
-        return jnp.dtype(model_dtype)
     if kv_cache_dtype == "fp8":
         return jnp.dtype(kv_quant.FP8_DTYPE)
     if kv_cache_dtype in ("bfloat16", "float32"):
         return jnp.dtype(kv_cache_dtype)
-    raise ValueError(f"unsupported --kv-cache-dtype {kv_cache_dtype!r} (auto, bfloat16, float32, fp8)")
-
-
-def resolve_dtype(dtype: str):
-    """"auto" is bfloat16 on GPU and float32 on CPU.
-
-    Raises:
-      ValueError: for a name other than auto, bfloat16, float32.
-    """
-    if dtype == "auto":
-        return jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
-    if dtype in ("bfloat16", "float32"):
-        return jnp.dtype(dtype)
-    raise ValueError(f"unsupported dtype {dtype!r} (auto, bfloat16, float32)")
+    raise ValueError(f"unsupported --kv-cache-dtype {kv_cache_dtype!r} (bfloat16, float32, fp8)")

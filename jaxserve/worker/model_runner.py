@@ -9,7 +9,7 @@ per sequence count S) draws those rows. ``execute`` only dispatches;
 ``get_output`` waits for the sampled tokens. Between the two the host is free (async scheduling schedules and dispatches the next
 step there): a token the host does not know yet is read by the next step straight from the
 previous step's sampled array on the device. Token counts T come from a fixed list of buckets (powers of two
-up to max_num_batched_tokens, from 16 on a GPU); the sequence count is S = min(T, max_num_seqs), and the block
+up to max_num_batched_tokens, from Platform.min_token_bucket); the sequence count is S = min(T, max_num_seqs), and the block
 table always has the width P of a max_model_len sequence. Attention reads pages only as far as
 each sequence's length reaches, so its cost follows the real contexts, not P; that keeps the
 number of compiled shapes to the token buckets alone (docs/design.md section 3; P buckets were
@@ -35,6 +35,7 @@ from jaxserve.core.scheduler_output import ModelRunnerOutput, NewRequestData, Sc
 from jaxserve.engine import LogprobsLists
 from jaxserve.engine.kv_sizing import peak_program_bytes, program_bytes
 from jaxserve.models import llama, sharding
+from jaxserve.platforms import current_platform
 from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
 from jaxserve.structured_output.manager import bitmask_width
 from jaxserve.worker.executable_cache import ExecutableCache
@@ -69,17 +70,11 @@ def powers_of_two_up_to(limit: int, start: int = 1) -> list[int]:
     return out + [limit]
 
 
-# Smallest token bucket off the CPU. On a GPU a step of 1-8 tokens costs what a step of 16
-# does (matmul and attention tiles have at least 16 rows; a step reads the weights once either
-# way), so smaller buckets would only add programs to compile at start-up (docs/performance.md).
-MIN_GPU_TOKEN_BUCKET = 16
 # Block table entries a step writes to the device copy before it runs (_block_table_writes):
 # a decode or chunked-prefill step's new pages (at most its tokens / page size + one per
 # sequence) fit; a new request's prefix-cache hits, or the stale row of a reused slot, can
 # take more, and those go first by the "block table write" program, as many at a time.
 BLOCK_TABLE_WRITES = 1024
-# Token buckets from this size compile without XLA command buffers on a GPU (_compiler_options).
-OP_BY_OP_MIN_TOKENS = 512
 
 
 def _bucket(buckets: list[int], n: int) -> int:
@@ -221,8 +216,9 @@ class ModelRunner:
       max_num_seqs, max_num_batched_tokens, max_model_len: scheduler limits (tokens/sequences).
       kv_dtype: dtype of the KV pool (float8_e4m3fn: ``pallas_kernels.kv_quant``'s FP8 pool).
       attention_fn: pallas_kernels attention entry point.
-      branch_free: compile the step without control flow; default: on any backend but the CPU
-        (a GPU conditional blocks the dispatching thread; the module docstring says more).
+      branch_free: compile the step without control flow; default: the platform's
+        ``branch_free_step`` (a GPU conditional blocks the dispatching thread; the module
+        docstring says more).
       mesh: the tensor-parallel mesh (``jaxserve.models.sharding``) that params are split over;
         the KV pool is split by KV head over it, the step's other inputs and outputs are
         replicated. None: one device, the default.
@@ -252,9 +248,8 @@ class ModelRunner:
         self.params = params
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
-        self.on_cpu = on_cpu = jax.default_backend() == "cpu"
-        self.token_buckets = powers_of_two_up_to(
-            max_num_batched_tokens, 1 if on_cpu else MIN_GPU_TOKEN_BUCKET)
+        self.platform = platform = current_platform()
+        self.token_buckets = powers_of_two_up_to(max_num_batched_tokens, platform.min_token_bucket)
         self.max_pages_per_seq = -(-max_model_len // page_size)
         self.kv_dtype = kv_dtype
         self.k_cache = self.v_cache = None  # allocate_kv_cache, once the pool is sized
@@ -262,7 +257,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.prompt_logprob_rows = min(PROMPT_LOGPROB_ROWS, max_num_batched_tokens)
         if branch_free is None:
-            branch_free = not on_cpu
+            branch_free = platform.branch_free_step
         # Everything but the params and the pool is replicated over the mesh (None: one device).
         self._replicated = None if mesh is None else sharding.replicated(mesh)
         self.step_layouts = {
@@ -430,7 +425,8 @@ class ModelRunner:
         busy but paid in full by a prompt that arrives at an idle engine (its TTFT). Steps of
         prefill size run long enough that launching their kernels one by one costs nothing, so
         they go without; decode-size steps keep the graphs (docs/performance.md)."""
-        if self.on_cpu or tokens < OP_BY_OP_MIN_TOKENS:
+        min_tokens = self.platform.op_by_op_min_tokens
+        if min_tokens is None or tokens < min_tokens:
             return None
         return {"xla_gpu_enable_command_buffer": ""}
 

@@ -75,7 +75,7 @@ def test_async_scheduling_equals_the_synchronous_loop(smollm_llm, hf_smollm):
     """With async scheduling (the default: step N+1 is dispatched before step N's
     tokens reach the host, which feeds them to N+1 from the device) greedy outputs equal the
     synchronous loop's, on real chat prompts of different lengths finishing at different steps."""
-    import dataclasses
+    import msgspec
 
     tok = smollm_llm.tokenizer
     prompts = [
@@ -87,11 +87,11 @@ def test_async_scheduling_equals_the_synchronous_loop(smollm_llm, hf_smollm):
     engine = smollm_llm.engine
     assert engine.config.async_scheduling
     asynchronous = smollm_llm.generate(prompts, params, use_tqdm=False)
-    engine.config = dataclasses.replace(engine.config, async_scheduling=False)
+    engine.config = msgspec.structs.replace(engine.config, async_scheduling=False)
     try:
         synchronous = smollm_llm.generate(prompts, params, use_tqdm=False)
     finally:
-        engine.config = dataclasses.replace(engine.config, async_scheduling=True)
+        engine.config = msgspec.structs.replace(engine.config, async_scheduling=True)
     full = 0
     for ids, a, s in zip(prompts, asynchronous, synchronous):
         ref = s.outputs[0].token_ids

@@ -7,6 +7,7 @@ before any work."""
 import json
 
 import jsonschema
+import msgspec
 import pytest
 
 from jaxserve import SamplingParams, StructuredOutputsParams
@@ -80,7 +81,7 @@ def test_n_choices_each_constrained_under_async_scheduling(smollm_llm):
 def test_synchronous_steps_give_valid_outputs(smollm_llm):
     """The same constraint with async scheduling off (the bitmask filled before dispatch)."""
     engine = smollm_llm.engine
-    engine.config.async_scheduling = False
+    engine.config = msgspec.structs.replace(engine.config, async_scheduling=False)
     try:
         outs = smollm_llm.chat([[{"role": "user", "content": "A blog post as JSON."}]] * 3,
                                [SamplingParams(max_tokens=120, temperature=1.0, seed=i,
@@ -88,7 +89,7 @@ def test_synchronous_steps_give_valid_outputs(smollm_llm):
                                                    json=SCHEMA)) for i in range(3)],
                                use_tqdm=False)
     finally:
-        engine.config.async_scheduling = True
+        engine.config = msgspec.structs.replace(engine.config, async_scheduling=True)
     for o in outs:
         assert o.outputs[0].finish_reason == "stop" and _valid(o.outputs[0].text), o.outputs[0]
 

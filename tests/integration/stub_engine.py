@@ -16,7 +16,9 @@ Environment: STUB_START_DELAY_S (sleep in __init__), STUB_START_ERROR (raise Val
 import os
 import time
 
+from jaxserve.config import resolve_config
 from jaxserve.engine import EngineCoreOutput, SchedulerStats
+from jaxserve.platforms import CPU
 
 ADD_CRASH_ID = 4242
 STEP_CRASH_ID = 4343
@@ -33,10 +35,10 @@ class StubEngineCore:
         time.sleep(float(os.environ.get("STUB_START_DELAY_S", "0")))
         if os.environ.get("STUB_START_ERROR"):
             raise ValueError(os.environ["STUB_START_ERROR"])
-        self.config = config
+        # Resolved as on the CPU, for a model as long as --max-model-len (1024 unset).
+        self.config = resolve_config(config, CPU, config.max_model_len or 1024)
         self.tokenizer = default_tokenizer()
         self.model_name = "stub-model"
-        self.max_model_len = config.max_model_len or 1024
         self.eos_token_ids = (self.tokenizer.eos_token_id,)
         self.vocab_size = len(self.tokenizer)
         self.allocator_fraction = 0.0  # the stub starts no JAX backend

@@ -27,9 +27,11 @@ from stub_engine import STEP_CRASH_ID
 HERE = os.path.dirname(os.path.abspath(__file__))
 STUB_ENV = {"JAXSERVE_ENGINE_CORE": "stub_engine:StubEngineCore", "PYTHONPATH": HERE}
 API_KEY = "k-11"
-MAX_WAITING = 6  # the stub reports no max_num_seqs, so this is the whole in-flight cap
+MAX_NUM_SEQS, MAX_WAITING = 4, 2
+MAX_IN_FLIGHT = MAX_NUM_SEQS + MAX_WAITING  # sequences admitted at once
 MAX_CONNECTIONS = 24
-FLAGS = ("--max-model-len", "512", "--api-key", API_KEY, "--max-waiting-requests", str(MAX_WAITING),
+FLAGS = ("--max-model-len", "512", "--api-key", API_KEY, "--max-num-seqs", str(MAX_NUM_SEQS),
+         "--max-waiting-requests", str(MAX_WAITING),
          "--max-connections", str(MAX_CONNECTIONS), "--max-request-body-mib", "1",
          "--body-timeout", "1", "--keepalive-timeout", "2", "--request-timeout", "4")
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -200,19 +202,19 @@ def test_overload_503_with_retry_after_then_recovers(server):
 
     async def burst():
         async with aiohttp.ClientSession() as s:
-            return await asyncio.gather(*(one(s) for _ in range(3 * MAX_WAITING)))
+            return await asyncio.gather(*(one(s) for _ in range(3 * MAX_IN_FLIGHT)))
 
     results = asyncio.run(burst())
     ok = [r for r in results if r[0] == 200]
     busy = [r for r in results if r[0] == 503]
-    assert len(ok) == MAX_WAITING and len(ok) + len(busy) == len(results), results
+    assert len(ok) == MAX_IN_FLIGHT and len(ok) + len(busy) == len(results), results
     assert all(r[1] == "1" and json.loads(r[2])["error"]["code"] == "overloaded" for r in busy)
     assert _post(server, {"prompt": "hi", "max_tokens": 2})[0] == 200
     assert _rejected(server, "overloaded") >= len(busy)
 
 
 def test_admission_counts_each_prompt_and_choice(server):
-    """A request takes prompts x n places of the in-flight cap (MAX_WAITING here): with 4
+    """A request takes prompts x n places of the in-flight cap (MAX_IN_FLIGHT): with 4
     sequences held, 3 more prompts (or 1 prompt with n=3) are a 503; 2 more prompts fit."""
 
     async def post(s, body):
@@ -238,8 +240,7 @@ def test_admission_counts_each_prompt_and_choice(server):
 
 def test_prompt_list_is_bounded_and_others_keep_their_latency(server):
     """20,000 prompts in one request are a 400 on prompt (one request asks for at most
-    max_num_seqs sequences; the stub reports none, so MAX_N), and a short request sent with it
-    is answered as fast as alone."""
+    max_num_seqs sequences), and a short request sent with it is answered as fast as alone."""
 
     async def post(s, body):
         t0 = time.monotonic()
@@ -259,7 +260,7 @@ def test_prompt_list_is_bounded_and_others_keep_their_latency(server):
     _assert_400(flood[0], flood[1], "prompt")
     assert "20000 prompts" in flood[1]
     assert short[0] == 200 and short[2] < 2 * alone[2] + 0.5, (short, alone)
-    _assert_400(*_post(server, {"prompt": ["a"] * 65, "n": 2, "max_tokens": 2})[::2], "prompt")
+    _assert_400(*_post(server, {"prompt": ["a"] * 3, "n": 2, "max_tokens": 2})[::2], "prompt")
 
 
 def test_half_sent_bodies_take_no_place_in_the_queue(server):

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxserve.platforms import GPU, current_platform
 from pallas_kernels import get_attention_fn, reference
 from pallas_kernels.flash_attention import attention
 from pallas_kernels.paged_attention import DecodeTuning, paged_attention
@@ -73,4 +74,6 @@ def test_attention_gpu(group, kv, head_dim, page_size, dtype, split_decode):
 
 
 def test_get_attention_fn_gpu():
-    assert get_attention_fn("auto") is attention
+    platform = current_platform()
+    assert platform is GPU
+    assert get_attention_fn(platform.attention_backend, platform.interpret_pallas) is attention

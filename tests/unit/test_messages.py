@@ -3,8 +3,10 @@
 import msgspec
 import pytest
 
+from jaxserve.config import EngineConfig, resolve_config
 from jaxserve.engine import EngineCoreOutput, EngineCoreRequest, LogprobsLists, SchedulerStats
 from jaxserve.engine import messages as M
+from jaxserve.platforms import CPU, GPU
 from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 MESSAGES = [
@@ -16,9 +18,9 @@ MESSAGES = [
     M.AbortRequests(["a", "b"]),
     M.AbortRequests([]),
     M.Shutdown(),
-    M.Ready(model_name="SmolLM2-135M-Instruct", max_model_len=4096, tokenizer_dir="/tmp/x",
-            eos_token_ids=[2], vocab_size=49152, config={"max_num_seqs": 32, "model": None},
-            allocator_fraction=0.94),
+    M.Ready(model_name="SmolLM2-135M-Instruct", tokenizer_dir="/tmp/x",
+            config=resolve_config(EngineConfig(), CPU, max_position_embeddings=8192),
+            eos_token_ids=[2], vocab_size=49152, allocator_fraction=0.94),
     M.Outputs([EngineCoreOutput("a", [17]),
                EngineCoreOutput("b", [2], finish_reason="stop", stop_reason=2,
                                 num_prompt_tokens=30, num_cached_tokens=16)],
@@ -37,7 +39,9 @@ MESSAGES = [
           {"json": {"type": "object", "properties": {"a": {"type": "integer", "maximum": 3}}}},
           {"json": '{"type": "string"}'}, {"regex": r"\d{3}"}, {"choice": ["yes", "no"]},
           {"grammar": 'start: "a" %json {"type": "integer"}'}, {"json_object": True}])],
-    M.Ready(model_name="m", max_model_len=8, tokenizer_dir="/t",
+    M.Ready(model_name="m", tokenizer_dir="/t",
+            config=resolve_config(EngineConfig(model="m", max_model_len=8, kv_cache_dtype="fp8"),
+                                  GPU, max_position_embeddings=8),
             generation_config={"temperature": 0.3, "top_p": 0.4}),
     M.Error(["a"], "prompt is too long", kind="invalid_request"),
     M.Error([], "cannot load model", fatal=True),

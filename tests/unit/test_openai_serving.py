@@ -7,10 +7,12 @@ import json
 
 from aiohttp.test_utils import TestClient, TestServer
 
+from jaxserve.config import EngineConfig, resolve_config
 from jaxserve.engine.async_llm import EngineDeadError
 from jaxserve.entrypoints.api_server import build_app
 from jaxserve.metrics import Metrics
 from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.platforms import CPU
 
 PROMPT_IDS = [5, 6, 7]
 # (text, token ids) of each output; the last adds only the EOS id, no text.
@@ -24,8 +26,8 @@ class FakeLLM:
     first."""
 
     ready, errored, shutting_down, restarting = True, False, False, False
-    model_name, max_model_len = "fake-model", 64
-    engine_config = {"max_num_seqs": 2}
+    model_name = "fake-model"
+    config = resolve_config(EngineConfig(max_model_len=64, max_num_seqs=2), CPU, 64)
     generation_config = {}
 
     def __init__(self, fail: Exception | None = None):
@@ -173,7 +175,7 @@ def test_chat_without_max_tokens_runs_to_the_context():
     """OpenAI's and vLLM's meaning, kept: up to max_model_len minus the prompt."""
     llm = FakeLLM()
     _call("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, llm)
-    assert llm.last_sampling_params.max_tokens == llm.max_model_len - len(PROMPT_IDS)
+    assert llm.last_sampling_params.max_tokens == llm.config.max_model_len - len(PROMPT_IDS)
 
 
 def test_models():

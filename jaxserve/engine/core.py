@@ -179,7 +179,7 @@ class EngineCore:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len, kv_dtype=kv_dtype,
             attention_fn=get_attention_fn(backend), mesh=mesh,
-            executable_cache=ExecutableCache(cache_dir() / "executables", log),
+            executable_cache=ExecutableCache(cache_dir() / "executables"),
         )
         del params
         per_page = kv_bytes_per_page(mc, self.runner.layout, config.page_size, kv_dtype)

@@ -161,9 +161,9 @@ def _describe(value) -> str:
     return repr(value)
 
 
-def _aval(leaf) -> str:
-    """'float32[2,3]' for an argument or a ShapedArray; '~' marks a weak type."""
-    a = leaf if hasattr(leaf, "weak_type") else jax.typeof(leaf)  # arrays, avals, structs
+def _aval(a) -> str:
+    """'float32[2, 3]' for an abstract value (``jax.typeof`` of an argument, whose dtype is
+    canonical: int64 is int32 without x64); '~' marks a weak type."""
     return f"{'~' if a.weak_type else ''}{a.dtype}{list(a.shape)}"
 
 
@@ -219,9 +219,9 @@ def program_key(program: KeyedJit, args: tuple, options: dict | None) -> str | N
     if jax.process_count() > 1:
         return None  # several processes (hosts): each compiles its own part, never cached
     leaves, tree = jax.tree.flatten(args)
+    avals = [(_aval(jax.typeof(x)), _describe(getattr(x, "sharding", None))) for x in leaves]
     text = repr((environment_key(), _describe(program.fun), _describe(program.settings),
-                 str(tree), [(_aval(x), _describe(getattr(x, "sharding", None))) for x in leaves],
-                 sorted((options or {}).items())))
+                 str(tree), avals, sorted((options or {}).items())))
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -244,7 +244,7 @@ class Header:
     def expected(cls, key: str, program: KeyedJit, args: tuple) -> dict:
         """The fields an entry for these arguments must have, known before tracing."""
         return dict(format=FORMAT, key=key, jax=jax.__version__, jaxlib=jaxlib.__version__,
-                    in_avals=[_aval(x) for x in jax.tree.leaves(args)],
+                    in_avals=[_aval(jax.typeof(x)) for x in jax.tree.leaves(args)],
                     donated=program.donated(args))
 
 

@@ -191,6 +191,21 @@ def test_a_loaded_program_equals_a_fresh_compile(tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_numpy_and_struct_arguments_of_64_bit_types_load(tmp_path):
+    # without x64 JAX takes them as 32-bit: the entry's abstract values are the canonical ones
+    args = (jnp.zeros((2, 3)), np.arange(3), jax.ShapeDtypeStruct((), np.float64))
+    program = KeyedJit(partial(_add_scaled, 2.0), donate_argnums=(0,))
+    _compile(ExecutableCache(tmp_path), program, args)
+    later = ExecutableCache(tmp_path)
+    compiled = _compile(later, program, args)
+    assert later.hits == 1
+    assert float(compiled(jnp.zeros((2, 3)), np.arange(3), np.float64(1.0))[1]) == 9.0
+
+
+def _add_scaled(factor, pages, x, y):
+    return pages.at[0].set(x * factor + y), (x * factor + y).sum()
+
+
 def test_the_off_switch_keeps_nothing(tmp_path, monkeypatch):
     monkeypatch.setenv("JAXSERVE_DISABLE_EXECUTABLE_CACHE", "1")
     cache = ExecutableCache(tmp_path)

@@ -196,9 +196,6 @@ class KeyedJit:
     def lower(self, *args) -> jax.stages.Lowered:
         return self.jitted.lower(*args)
 
-    def __call__(self, *args):
-        return self.jitted(*args)
-
     def donated(self, args: tuple) -> list[bool]:
         """Whether each leaf of args is donated (``donate_argnums``), in jax.tree order."""
         donate = self.settings.get("donate_argnums", ())

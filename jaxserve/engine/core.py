@@ -149,7 +149,7 @@ class EngineCore:
             max_model_len=config.max_model_len, kv_dtype=kv_dtype,
             attention_fn=get_attention_fn(config.attention_backend, platform.interpret_pallas),
             mesh=mesh,
-            executable_cache=ExecutableCache(cache_dir() / "executables", log),
+            executable_cache=ExecutableCache(cache_dir() / "executables"),
         )
         del params
         per_page = kv_bytes_per_page(mc, self.runner.layout, config.page_size, kv_dtype)

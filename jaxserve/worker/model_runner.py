@@ -38,7 +38,7 @@ from jaxserve.models import llama, sharding
 from jaxserve.platforms import current_platform
 from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
 from jaxserve.structured_output.manager import bitmask_width
-from jaxserve.worker.executable_cache import ExecutableCache
+from jaxserve.worker.executable_cache import ExecutableCache, KeyedJit
 from jaxserve.worker.input_batch import InputBatch
 from jaxserve.worker.step_inputs import StepLayout
 from jaxserve.worker.sampler import (
@@ -266,26 +266,26 @@ class ModelRunner:
         # The step of each token bucket (its layout is static); the pool and the block table
         # are donated.
         if mesh is None:
-            jit_step = partial(jax.jit, donate_argnums=(3, 4, 5))
-            self._filter_jitted = jax.jit(_filter, donate_argnums=(4,))
+            jit_step = partial(KeyedJit, donate_argnums=(3, 4, 5))
+            self._filter_jitted = KeyedJit(_filter, donate_argnums=(4,))
         else:
             # Params as split by the Megatron layout, the pool by KV head.
             rep, kv = self._replicated, sharding.kv_sharding(mesh)
             jit_step = partial(
-                jax.jit, donate_argnums=(3, 4, 5),
+                KeyedJit, donate_argnums=(3, 4, 5),
                 in_shardings=(sharding.param_shardings(params, mesh), rep, rep, kv, kv, rep),
                 out_shardings=(rep, rep, rep, kv, kv, rep))
-            self._filter_jitted = jax.jit(_filter, donate_argnums=(4,), in_shardings=rep,
-                                          out_shardings=rep)
+            self._filter_jitted = KeyedJit(_filter, donate_argnums=(4,), in_shardings=rep,
+                                           out_shardings=rep)
         self._step_jitted = {
             t: jit_step(partial(_step, config, attention_fn, mesh, max_num_seqs, branch_free,
                                 layout)) for t, layout in self.step_layouts.items()}
         # The other programs a step may dispatch, each compiled once at start-up.
         self._aux_jitted = {
-            "state writer": jax.jit(write_state_row, donate_argnums=(0,)),
-            "page copy": jax.jit(_copy_pages, donate_argnums=(0, 1)),
-            "block table write": jax.jit(_write_block_table, donate_argnums=(0,)),
-            "prompt logprobs": jax.jit(partial(_prompt_logprobs, config, mesh)),
+            "state writer": KeyedJit(write_state_row, donate_argnums=(0,)),
+            "page copy": KeyedJit(_copy_pages, donate_argnums=(0, 1)),
+            "block table write": KeyedJit(_write_block_table, donate_argnums=(0,)),
+            "prompt logprobs": KeyedJit(partial(_prompt_logprobs, config, mesh)),
         }
         self._prev_sampled = jnp.zeros(max_num_seqs, jnp.int32, device=self._replicated)
         # The InputBatch's block table, kept on the device: a step sends only the entries that
@@ -340,8 +340,8 @@ class ModelRunner:
             error (kv_sizing's docstring), which would let layers overwrite each other.
         """
         shape, where = self._kv_pool(num_pages)
-        make = jax.jit(partial(_zeroed_pools, shape, self.kv_dtype, self.config.num_layers),
-                       out_shardings=where)
+        make = KeyedJit(partial(_zeroed_pools, shape, self.kv_dtype, self.config.num_layers),
+                        out_shardings=where)
         k_cache, v_cache = self.executables.compile(make)()
         shards = [s.data for x in jax.tree.leaves((k_cache, v_cache)) for s in x.addressable_shards]
         distinct, total = len({x.unsafe_buffer_pointer() for x in shards}), len(shards)

@@ -1,7 +1,12 @@
 """ExecutableCache: a program compiled once is loaded whole by a later cache (another start),
-with its donation; the key follows shapes, static arguments and compiler options; a bad entry
-is compiled again."""
+with its donation, and equals a fresh compile; the key follows shapes, static arguments, jit
+settings and compiler options; an entry that is corrupt, of other versions, of another program
+or not this user's is dropped and compiled again; the off switch keeps nothing."""
 
+import json
+import logging
+import os
+import stat
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
@@ -12,7 +17,8 @@ import numpy as np
 import pytest
 from jax.experimental.compilation_cache import compilation_cache
 
-from jaxserve.worker.executable_cache import ExecutableCache, program_key
+from jaxserve.worker import executable_cache
+from jaxserve.worker.executable_cache import ExecutableCache, KeyedJit, program_key
 
 
 @pytest.fixture(autouse=True)
@@ -33,7 +39,7 @@ def _scale(factor, pages, x):
 
 
 def _jitted(factor):
-    return jax.jit(partial(_scale, factor), donate_argnums=(0,))
+    return KeyedJit(partial(_scale, factor), donate_argnums=(0,))
 
 
 def _compile(cache, jitted, args, options=None):
@@ -71,19 +77,142 @@ def test_the_key_follows_shapes_static_arguments_and_options():
     assert key == program_key(_jitted(2.0), (args[0], struct), None)
 
 
-def test_a_bad_entry_is_compiled_again_and_rewritten(tmp_path):
-    args = (jnp.zeros((2, 3)), jnp.arange(3.0))
-    _compile(ExecutableCache(tmp_path), _jitted(2.0), args)
+def _entry(tmp_path):
     (entry,) = tmp_path.glob("*/*.jex")
-    entry.write_bytes(b"not a pickle")
-    logged = []
-    cache = ExecutableCache(tmp_path, log=logged.append)
-    compiled = _compile(cache, _jitted(2.0), args)
-    assert cache.hits == 0 and "did not load" in logged[0]
+    return entry
+
+
+def _header_and_payload(entry):
+    first, payload = entry.read_bytes().split(b"\n", 1)
+    return json.loads(first), payload
+
+
+def _dropped_and_compiled_again(tmp_path, caplog, reason):
+    """A new cache finds the one entry bad: one WARNING naming reason, a fresh compile that
+    works and is saved, so that the next cache loads it."""
+    args = (jnp.zeros((2, 3)), jnp.arange(3.0))
+    cache = ExecutableCache(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="jaxserve.engine"):
+        compiled = _compile(cache, _jitted(2.0), args)
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert cache.hits == 0 and len(warnings) == 1, warnings
+    assert "dropped" in warnings[0].getMessage() and reason in warnings[0].getMessage()
     assert float(compiled(jnp.zeros((2, 3)), jnp.arange(3.0))[1]) == 6.0
     later = ExecutableCache(tmp_path)
     _compile(later, _jitted(2.0), args)
     assert later.hits == 1
+
+
+def _count_unpickles(monkeypatch) -> list:
+    """Payloads unpickled from now on (one item each)."""
+    calls, loads = [], executable_cache.pickle.loads
+    monkeypatch.setattr(executable_cache.pickle, "loads",
+                        lambda data: calls.append(1) or loads(data))
+    return calls
+
+
+def _saved(tmp_path):
+    _compile(ExecutableCache(tmp_path), _jitted(2.0), (jnp.zeros((2, 3)), jnp.arange(3.0)))
+    return _entry(tmp_path)
+
+
+def test_a_corrupt_entry_is_dropped_and_compiled_again(tmp_path, caplog):
+    _saved(tmp_path).write_bytes(b"not an entry")
+    _dropped_and_compiled_again(tmp_path, caplog, "no header line")
+
+
+def test_a_changed_payload_is_dropped_before_it_is_unpickled(tmp_path, caplog, monkeypatch):
+    entry = _saved(tmp_path)
+    header, payload = _header_and_payload(entry)
+    entry.write_bytes(json.dumps(header).encode() + b"\n" + payload[:-1] + b"x")
+    unpickled = _count_unpickles(monkeypatch)
+    _dropped_and_compiled_again(tmp_path, caplog, "hash")
+    assert len(unpickled) == 1  # the later cache's, of the entry written again
+
+
+@pytest.mark.parametrize("field,value", [("jax", "0.0.1"), ("jaxlib", "0.0.1"), ("format", 0),
+                                         ("donated", [False, False]),
+                                         ("in_avals", ["float32[4, 3]", "float32[3]"])])
+def test_an_entry_of_other_versions_or_another_program_is_dropped(tmp_path, caplog, field,
+                                                                  value):
+    entry = _saved(tmp_path)
+    header, payload = _header_and_payload(entry)
+    entry.write_bytes(json.dumps({**header, field: value}).encode() + b"\n" + payload)
+    _dropped_and_compiled_again(tmp_path, caplog, field)
+
+
+def test_a_loaded_program_that_differs_from_its_header_is_dropped(tmp_path, caplog):
+    entry = _saved(tmp_path)
+    header, payload = _header_and_payload(entry)
+    header["out_avals"][0] = "float32[9, 9]" + header["out_avals"][0].split("]", 1)[1]
+    entry.write_bytes(json.dumps(header).encode() + b"\n" + payload)
+    _dropped_and_compiled_again(tmp_path, caplog, "out_avals")
+
+
+def test_an_entry_others_may_write_is_not_unpickled(tmp_path, caplog, monkeypatch):
+    _saved(tmp_path).chmod(0o666)
+    unpickled = _count_unpickles(monkeypatch)
+    _dropped_and_compiled_again(tmp_path, caplog, "own entries")
+    assert len(unpickled) == 1  # the later cache's, of the entry written again
+
+
+def test_an_entry_of_another_user_is_not_unpickled(tmp_path, caplog, monkeypatch):
+    _saved(tmp_path)
+    unpickled = _count_unpickles(monkeypatch)
+    monkeypatch.setattr(executable_cache.os, "getuid", lambda: os.stat(tmp_path).st_uid + 1)
+    cache = ExecutableCache(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="jaxserve.engine"):
+        _compile(cache, _jitted(2.0), (jnp.zeros((2, 3)), jnp.arange(3.0)))
+    assert cache.hits == 0 and unpickled == []
+    assert "only this user's" in caplog.records[0].getMessage()
+
+
+def test_folders_and_entries_are_private(tmp_path):
+    entry = _saved(tmp_path / "executables")
+    assert stat.S_IMODE(entry.stat().st_mode) == 0o600
+    assert stat.S_IMODE(entry.parent.stat().st_mode) == 0o700
+    assert stat.S_IMODE((tmp_path / "executables").stat().st_mode) == 0o700
+
+
+def test_a_loaded_program_equals_a_fresh_compile(tmp_path):
+    args = (jnp.zeros((2, 3)), jnp.arange(3.0))
+    _compile(ExecutableCache(tmp_path), _jitted(2.0), args)
+    later = ExecutableCache(tmp_path)
+    loaded = _compile(later, _jitted(2.0), args)
+    fresh = _jitted(2.0).lower(*args).compile()
+    assert later.hits == 1
+    assert loaded.in_avals == fresh.in_avals and str(loaded.in_tree) == str(fresh.in_tree)
+    assert loaded.out_info == fresh.out_info
+    assert ([a.donated for a in jax.tree.leaves(loaded.args_info)]
+            == [a.donated for a in jax.tree.leaves(fresh.args_info)] == [True, False])
+    assert loaded.input_shardings == fresh.input_shardings
+    outs = [c(jnp.ones((2, 3)), jnp.arange(3.0)) for c in (loaded, fresh)]
+    for a, b in zip(*map(jax.tree.leaves, outs)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_numpy_and_struct_arguments_of_64_bit_types_load(tmp_path):
+    # without x64 JAX takes them as 32-bit: the entry's abstract values are the canonical ones
+    args = (jnp.zeros((2, 3)), np.arange(3), jax.ShapeDtypeStruct((), np.float64))
+    program = KeyedJit(partial(_add_scaled, 2.0), donate_argnums=(0,))
+    _compile(ExecutableCache(tmp_path), program, args)
+    later = ExecutableCache(tmp_path)
+    compiled = _compile(later, program, args)
+    assert later.hits == 1
+    assert float(compiled(jnp.zeros((2, 3)), np.arange(3), np.float64(1.0))[1]) == 9.0
+
+
+def _add_scaled(factor, pages, x, y):
+    return pages.at[0].set(x * factor + y), (x * factor + y).sum()
+
+
+def test_the_off_switch_keeps_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXSERVE_DISABLE_EXECUTABLE_CACHE", "1")
+    cache = ExecutableCache(tmp_path)
+    for _ in range(2):
+        compiled = _compile(cache, _jitted(2.0), (jnp.zeros((2, 3)), jnp.arange(3.0)))
+        assert float(compiled(jnp.zeros((2, 3)), jnp.arange(3.0))[1]) == 6.0
+    assert cache.hits == 0 and list(tmp_path.iterdir()) == []
 
 
 def test_without_a_directory_nothing_is_kept():
@@ -97,7 +226,7 @@ def test_without_a_directory_nothing_is_kept():
 def test_the_key_follows_the_jit_settings():
     args = (jnp.zeros((2, 3)), jnp.arange(3.0))
     assert (program_key(_jitted(2.0), args, None)
-            != program_key(jax.jit(partial(_scale, 2.0)), args, None))  # no donation
+            != program_key(KeyedJit(partial(_scale, 2.0)), args, None))  # no donation
 
 
 _WITH_JAX_CACHE = """
@@ -105,7 +234,7 @@ import json, pathlib, sys
 import jax, jax.numpy as jnp
 sys.path.insert(0, {tests!r})
 from test_executable_cache import _jitted
-from jaxserve.worker.executable_cache import ExecutableCache
+from jaxserve.worker.executable_cache import ExecutableCache, KeyedJit
 tmp = pathlib.Path({tmp!r})
 jax.config.update("jax_compilation_cache_dir", str(tmp / "jax"))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
@@ -148,12 +277,12 @@ from functools import partial
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 sys.path.insert(0, {tests!r})
 from test_executable_cache import _scale
-from jaxserve.worker.executable_cache import ExecutableCache
+from jaxserve.worker.executable_cache import ExecutableCache, KeyedJit
 devices = jax.devices()  # 4 fake CPU devices
 mesh = NamedSharding(Mesh(np.array(devices[1:3]), ("tp",)), P("tp"))
 programs = {{
-    "two devices": jax.jit(partial(_scale, 2.0), donate_argnums=(0,), out_shardings=(mesh, None)),
-    "one device": jax.jit(partial(_scale, 3.0), donate_argnums=(0,)),
+    "two devices": KeyedJit(partial(_scale, 2.0), donate_argnums=(0,), out_shardings=(mesh, None)),
+    "one device": KeyedJit(partial(_scale, 3.0), donate_argnums=(0,)),
 }}
 inputs = {{"two devices": jax.device_put(jnp.zeros((2, 4)), mesh), "one device": jnp.zeros((2, 4))}}
 cache = ExecutableCache(pathlib.Path({tmp!r}))

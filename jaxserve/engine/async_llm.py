@@ -135,7 +135,7 @@ class AsyncLLM:
         """Text prompt -> token ids (InputProcessor.tokenize_prompt), off the event loop.
 
         Raises:
-          ValueError: naming ``prompt``, when the text is too long to fit max_model_len.
+          ValidationError: on ``prompt``, when the text is too long to fit max_model_len.
         """
         self.input_processor.check_text_size(len(prompt.encode("utf-8")), "prompt")
         return await self._tokenize(self.input_processor.tokenize_prompt, prompt,
@@ -148,7 +148,7 @@ class AsyncLLM:
         event loop.
 
         Raises:
-          ValueError: naming ``messages``: too long to fit max_model_len, or the template
+          ValidationError: on ``messages``: too long to fit max_model_len, or the template
             rejected them.
         """
         self.input_processor.check_text_size(chat_text_bytes(messages, tools), "messages")
@@ -163,8 +163,8 @@ class AsyncLLM:
         """InputProcessor.check_sampling_params and check_prompt with the server's rule.
 
         Raises:
-          ValueError: its message starts with the field at fault; a ContextLengthError names
-            it in ``param``.
+          ValidationError: on the field at fault (``stop_token_ids``, ``logit_bias``,
+            ``prompt``, or ``max_tokens`` when the prompt fits but not with the tokens asked).
         """
         self.input_processor.check_sampling_params(sp)
         self.input_processor.check_prompt(prompt_token_ids, sp.max_tokens)
@@ -174,7 +174,8 @@ class AsyncLLM:
         GrammarValidator's time limit).
 
         Raises:
-          ValueError: "<kind>: <error>" when it does not compile (in time).
+          ValidationError: on ``structured_outputs``, "<kind>: <error>", when it does not
+            compile (in time).
         """
         await self.grammar_validator.check(params)
 

@@ -37,6 +37,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine import EngineCoreRequest, child_request_id
 from jaxserve.engine import messages as M
 from jaxserve.engine.input_processor import check_token_ids
+from jaxserve.exceptions import ValidationError
 from jaxserve.tokenizer_io import save_tokenizer
 
 # Testing hook: "module:Class" of an EngineCore stand-in with the same interface.
@@ -82,10 +83,11 @@ MAX_FAILED_STEPS = 3
 
 
 def check_engine_request(req: EngineCoreRequest, vocab_size: int, max_model_len: int) -> None:
-    """What the model runner's arrays need of a request. Raises ValueError naming the field."""
+    """What the model runner's arrays need of a request. Raises ValidationError on the field."""
     n = len(req.prompt_token_ids)
     if not 0 < n < max_model_len:
-        raise ValueError(f"prompt: {n} tokens; a prompt needs 1 to {max_model_len - 1}")
+        raise ValidationError(f"prompt: {n} tokens; a prompt needs 1 to {max_model_len - 1}",
+                              parameter="prompt")
     check_token_ids(req.prompt_token_ids, vocab_size, "prompt")
     check_token_ids(req.sampling_params.stop_token_ids, vocab_size, "stop_token_ids")
     check_token_ids(req.sampling_params.logit_bias or (), vocab_size, "logit_bias")

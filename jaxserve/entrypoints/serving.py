@@ -35,7 +35,7 @@ import pydantic
 from aiohttp import web
 
 from jaxserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestError
-from jaxserve.engine.input_processor import ContextLengthError, check_token_ids
+from jaxserve.engine.input_processor import check_token_ids
 from jaxserve.entrypoints.app_state import LLM_KEY, STATE_KEY
 from jaxserve.entrypoints.bodies import Bodies, ChatBodies, ChoiceState, CompletionBodies, usage
 from jaxserve.entrypoints.errors import APIError, error_body
@@ -47,13 +47,12 @@ from jaxserve.entrypoints.responses import SSEStream, json_response
 from jaxserve.entrypoints.safe_log import clip
 from jaxserve.entrypoints.tool_grammar import tool_call_grammar
 from jaxserve.entrypoints.tool_parsers import ToolParser
+from jaxserve.exceptions import ValidationError
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import MAX_N, SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("jaxserve.api")
 
-# SamplingParams' fields: an error message that starts with one names it.
-_REQUEST_FIELDS = frozenset(SamplingParams.__struct_fields__) | {"top_logprobs"}
 _MAX_LOGGED_FIELDS = 10  # unknown field names quoted in one warning
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict"}  # pydantic's union member tags
 
@@ -187,6 +186,13 @@ async def _parse(request: web.Request, model_cls):
     return req
 
 
+def _bad_request(e: ValidationError, renames: dict[str, str] | None = None) -> APIError:
+    """The 400 of ``e``, its ``param`` the field at fault in the request's name (``renames``:
+    the internal name -> the request's, where they differ)."""
+    param = e.parameter
+    return APIError(400, str(e), param=(renames or {}).get(param, param))
+
+
 def _check_model(request: web.Request, model: str | None) -> str:
     name = _served_name(request)
     if model is not None and model != name:
@@ -211,8 +217,8 @@ async def _sampling_params(llm: AsyncLLM, req, max_tokens: int | None,
     """
     try:
         so, so_field = req.structured_outputs_params()
-    except ValueError as e:
-        raise APIError(400, str(e), param=str(e).split(":", 1)[0]) from None
+    except ValidationError as e:
+        raise _bad_request(e) from None
     label = so_field  # what a 400 about the constraint starts with
     if tool_grammar is not None:
         if so is not None:
@@ -222,21 +228,18 @@ async def _sampling_params(llm: AsyncLLM, req, max_tokens: int | None,
         so_field, label = "tools", "tools: the grammar that enforces the tool calls"
         try:
             so = StructuredOutputsParams(grammar=tool_grammar)
-        except ValueError as e:  # too long: the tools' schemas are
+        except ValidationError as e:  # too long: the tools' schemas are
             raise APIError(400, f"{label}: {str(e).removeprefix('structured_outputs: ')}",
                            param=so_field) from None
     if so is not None:
         try:
             await llm.check_structured_outputs(so)
-        except ValueError as e:
+        except ValidationError as e:
             raise APIError(400, f"{label}: {e}", param=so_field) from None
     try:
         sp = req.sampling_params(max_tokens, llm.generation_config, so)
-    except ValueError as e:
-        msg = str(e)
-        field = msg.split(" ", 1)[0].rstrip(":")
-        field = renames.get(field, field) if field in _REQUEST_FIELDS else None
-        raise APIError(400, msg, param=field) from None
+    except ValidationError as e:
+        raise _bad_request(e, renames) from None
     limit = min(MAX_N, _max_sequences(llm))
     if sp.n > limit:
         raise APIError(400, f"n: at most {limit} choices per request on this server (the "
@@ -257,22 +260,16 @@ def _check_request(llm: AsyncLLM, ids: list[int], sp: SamplingParams, prompt_fie
     field, or the field of max_tokens when the prompt fits but not with the tokens asked."""
     try:
         llm.check_request(ids, sp)
-    except ContextLengthError as e:
-        param = prompt_field if e.param == "prompt" else max_tokens_field
-        raise APIError(400, str(e), param=param) from None
-    except ValueError as e:
-        msg = str(e)
-        field = msg.split(":", 1)[0]
-        raise APIError(400, msg, param=field if field in ("stop_token_ids", "logit_bias")
-                       else prompt_field) from None
+    except ValidationError as e:
+        raise _bad_request(e, {"prompt": prompt_field, "max_tokens": max_tokens_field}) from None
 
 
-async def _encode(coro, field: str):
-    """Awaits a tokenization; its ValueError (too long, template error) is a 400 on ``field``."""
+async def _encode(coro):
+    """Awaits a tokenization; its ValidationError (too long, template error) is a 400."""
     try:
         return await coro
-    except ValueError as e:
-        raise APIError(400, str(e), param=field) from None
+    except ValidationError as e:
+        raise _bad_request(e) from None
 
 
 def _raise_for(e: Exception):
@@ -484,8 +481,8 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     sp = await _sampling_params(llm, req, req.max_tokens, {})
     try:
         prompts = req.prompts()
-    except ValueError as e:
-        raise APIError(400, str(e), param="prompt") from None
+    except ValidationError as e:
+        raise _bad_request(e) from None
     limit = _max_sequences(llm)
     if len(prompts) * sp.n > limit:
         raise APIError(400, f"prompt: {len(prompts)} prompts x n={sp.n} asks for "
@@ -494,7 +491,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     with _admitted(request, len(prompts) * sp.n):
         ids_list = []
         for prompt in prompts:
-            ids = (await _encode(llm.encode_prompt(prompt), "prompt")
+            ids = (await _encode(llm.encode_prompt(prompt))
                    if isinstance(prompt, str) else list(prompt))
             _check_request(llm, ids, sp, "prompt", "max_tokens")
             ids_list.append(ids)
@@ -519,8 +516,8 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     model = _check_model(request, req.model)
     try:
         tool_choice = req.effective_tool_choice()
-    except ValueError as e:
-        raise APIError(400, str(e), param="tool_choice") from None
+    except ValidationError as e:
+        raise _bad_request(e) from None
     tool_parser = None if tool_choice is None else request.app[STATE_KEY]["tool_parser"]
     grammar = None if tool_parser is None else _tool_grammar(llm, tool_parser, req, tool_choice)
     max_tokens = req.requested_max_tokens()
@@ -529,7 +526,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
                                                        "max_tokens": field}, grammar)
     with _admitted(request, sp.n):
         messages = _template_messages(req)
-        ids = await _encode(llm.encode_chat(messages, tools=req.template_tools()), "messages")
+        ids = await _encode(llm.encode_chat(messages, tools=req.template_tools()))
         _check_request(llm, ids, sp, "messages", field)
         if sp.max_tokens is None:  # OpenAI's and vLLM's meaning: up to the context
             sp.max_tokens = llm.max_model_len - len(ids)
@@ -565,8 +562,8 @@ def _template_messages(req) -> list[dict]:
     """The request's messages for the chat template; a non-text part is a 400 on messages."""
     try:
         return req.template_messages()
-    except ValueError as e:
-        raise APIError(400, str(e), param="messages") from None
+    except ValidationError as e:
+        raise _bad_request(e) from None
 
 
 def _model_card(request: web.Request) -> ModelCard:
@@ -598,12 +595,10 @@ async def tokenize(request: web.Request) -> web.Response:
     if (req.prompt is None) == (req.messages is None):
         raise APIError(400, "give exactly one of prompt and messages", param="prompt")
     if req.prompt is not None:
-        ids = await _encode(llm.encode_prompt(req.prompt, req.add_special_tokens is not False),
-                            "prompt")
+        ids = await _encode(llm.encode_prompt(req.prompt, req.add_special_tokens is not False))
     else:
         ids = await _encode(llm.encode_chat(_template_messages(req), req.add_generation_prompt,
-                                            bool(req.add_special_tokens), req.template_tools()),
-                            "messages")
+                                            bool(req.add_special_tokens), req.template_tools()))
     strs = llm.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
     return json_response(TokenizeResponse(count=len(ids), max_model_len=llm.max_model_len,
                                           tokens=ids, token_strs=strs))
@@ -617,6 +612,6 @@ async def detokenize(request: web.Request) -> web.Response:
     _check_model(request, req.model)
     try:
         check_token_ids(req.tokens, llm.vocab_size, "tokens")
-    except ValueError as e:
-        raise APIError(400, str(e), param="tokens") from None
+    except ValidationError as e:
+        raise _bad_request(e) from None
     return json_response(DetokenizeResponse(prompt=await llm.detokenize(req.tokens)))

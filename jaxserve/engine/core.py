@@ -322,7 +322,8 @@ class EngineCore:
         constrained request gets a grammar matcher per choice.
 
         Raises:
-          ValueError: "<kind>: <error>" for ``structured_outputs`` that do not compile.
+          ValidationError: on ``structured_outputs``, "<kind>: <error>", for a constraint that
+            does not compile.
         """
         sp = request.sampling_params
         seed = sp.seed

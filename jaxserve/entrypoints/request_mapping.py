@@ -22,7 +22,7 @@ async def to_sampling_params(llm: AsyncLLM, req, max_tokens: int | None,
     compile (checked off the event loop: AsyncLLM.check_structured_outputs).
 
     ``tool_grammar``: the grammar that enforces the chat request's ``tool_choice``
-    (``_tool_grammar``), its constraint instead: one that does not compile is a 400 on
+    (serving_chat.py), its constraint instead: one that does not compile is a 400 on
     ``tools`` (their parameter schemas are what it embeds), and a request that also has a
     constraint of its own is a 400 on ``tool_choice`` (a reply cannot be both).
     """

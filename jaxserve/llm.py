@@ -10,6 +10,7 @@ from jaxserve.engine import EngineCoreRequest
 from jaxserve.engine.core import EngineCore
 from jaxserve.engine.input_processor import InputProcessor
 from jaxserve.engine.output_processor import OutputProcessor, merge_outputs
+from jaxserve.exceptions import ValidationError
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
@@ -55,7 +56,7 @@ class LLM:
         ``regex``, ``choice``, ``grammar``, ``json_object``) constrains the output.
 
         Raises:
-          ValueError: a prompt that is empty, holds an id outside the vocabulary or does not
+          ValidationError: a prompt that is empty, holds an id outside the vocabulary or does not
             fit max_model_len, a token id of its SamplingParams outside the vocabulary, or
             structured outputs that do not compile (before any work; the message names the
             prompt's index).
@@ -82,7 +83,7 @@ class LLM:
         as vLLM's ``LLM.chat`` does.
 
         Raises:
-          ValueError: as ``generate``, or the chat template rejected the messages.
+          ValidationError: as ``generate``, or the chat template rejected the messages.
         """
         if messages and isinstance(messages[0], dict):
             messages = [messages]
@@ -109,8 +110,8 @@ class LLM:
                 self.input_processor.check_sampling_params(sp)
                 if sp.structured_outputs is not None:  # compiled once; add_request reuses it
                     self.engine.structured_output_manager.grammar_init(sp.structured_outputs)
-            except ValueError as e:
-                raise ValueError(f"prompt {i}: {e}") from None
+            except ValidationError as e:
+                raise ValidationError(f"prompt {i}: {e}", parameter=e.parameter) from None
         index: dict[str, int] = {}
         results: list[RequestOutput | None] = [None] * len(items)
         for i, ((prompt, ids), sp) in enumerate(zip(items, sampling_params)):

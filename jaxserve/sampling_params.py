@@ -8,13 +8,15 @@ Bounds keep every value inside what the engine's arrays hold (int32 top_k, float
 top_p, min_p and penalties, fixed-size per-request tables of logit biases and stop token ids,
 at most ``MAX_LOGPROBS`` log-probabilities a token) and what the API process can afford per
 token (stop strings are matched in Python on every delta, so their number and length are
-capped). Each error message starts with the field at fault.
+capped). An out-of-range value raises ValidationError naming its field (``parameter``).
 """
 
 import json as _json  # a field of StructuredOutputsParams is named json
 import math
 
 import msgspec
+
+from jaxserve.exceptions import ValidationError
 
 INT32_MAX = 2**31 - 1
 MAX_TEMPERATURE = 2.0  # OpenAI's documented range is [0, 2]
@@ -55,7 +57,7 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True):
     shape and size are checked.
 
     Raises:
-      ValueError: from ``__post_init__``, starting with ``structured_outputs``, for none or
+      ValidationError: from ``__post_init__``, on ``structured_outputs``, for none or
         several constraints, or a spec over MAX_STRUCTURED_OUTPUT_CHARS characters.
     """
 
@@ -68,13 +70,16 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True):
     def __post_init__(self):
         given = [k for k in self.__struct_fields__ if getattr(self, k) not in (None, False)]
         if len(given) != 1:
-            raise ValueError("structured_outputs: give exactly one of json, regex, choice, "
-                             f"grammar and json_object, got {given or 'none'}")
+            raise ValidationError("structured_outputs: give exactly one of json, regex, choice, "
+                                  f"grammar and json_object, got {given or 'none'}",
+                                  parameter="structured_outputs")
         if self.choice is not None and not 0 < len(self.choice) <= 1024:
-            raise ValueError("structured_outputs: choice needs 1 to 1024 strings")
+            raise ValidationError("structured_outputs: choice needs 1 to 1024 strings",
+                                  parameter="structured_outputs")
         if len(self.key[1]) > MAX_STRUCTURED_OUTPUT_CHARS:
-            raise ValueError(f"structured_outputs: the {given[0]} spec exceeds "
-                             f"{MAX_STRUCTURED_OUTPUT_CHARS} characters")
+            raise ValidationError(f"structured_outputs: the {given[0]} spec exceeds "
+                                  f"{MAX_STRUCTURED_OUTPUT_CHARS} characters",
+                                  parameter="structured_outputs")
 
     @property
     def key(self) -> tuple[str, str]:
@@ -136,7 +141,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     biases and temperature), as vLLM V1 returns them by default.
 
     Raises:
-      ValueError: from ``__post_init__``, naming the field first, when a value is out of range.
+      ValidationError: from ``__post_init__``, with the field as ``parameter``, when a value
+        is out of range.
     """
 
     n: int = 1
@@ -167,62 +173,72 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         if not 1 <= self.n <= MAX_N:
-            raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
+            raise ValidationError(f"n must be in [1, {MAX_N}], got {self.n}", parameter="n")
         if self.max_tokens is not None and not 1 <= self.max_tokens <= INT32_MAX:
-            raise ValueError(f"max_tokens must be in [1, {INT32_MAX}], got {self.max_tokens}")
+            raise ValidationError(f"max_tokens must be in [1, {INT32_MAX}], got {self.max_tokens}",
+                                  parameter="max_tokens")
         if not 0 <= self.min_tokens <= (self.max_tokens or INT32_MAX):
-            raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+            raise ValidationError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}",
+                                  parameter="min_tokens")
         if not _in_range(self.temperature, 0, MAX_TEMPERATURE):
-            raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
+            raise ValidationError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}",
+                                  parameter="temperature")
         if 0 < self.temperature < MIN_TEMPERATURE:
             self.temperature = MIN_TEMPERATURE
         if not (_in_range(self.top_p, 0, 1) and self.top_p > 0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise ValidationError(f"top_p must be in (0, 1], got {self.top_p}", parameter="top_p")
         if not -1 <= self.top_k <= INT32_MAX:
-            raise ValueError(f"top_k must be -1 (disable), 0 (disable) or in [1, {INT32_MAX}], "
-                             f"got {self.top_k}")
+            raise ValidationError(f"top_k must be -1 (disable), 0 (disable) or in [1, {INT32_MAX}], "
+                                  f"got {self.top_k}", parameter="top_k")
         if self.top_k == -1:
             self.top_k = 0
         if not _in_range(self.min_p, 0, 1):
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+            raise ValidationError(f"min_p must be in [0, 1], got {self.min_p}", parameter="min_p")
         for name in ("presence_penalty", "frequency_penalty"):
             if not _in_range(getattr(self, name), -MAX_PENALTY, MAX_PENALTY):
-                raise ValueError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], "
-                                 f"got {getattr(self, name)}")
+                raise ValidationError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], "
+                                      f"got {getattr(self, name)}", parameter=name)
         if not (_in_range(self.repetition_penalty, 0, MAX_REPETITION_PENALTY)
                 and self.repetition_penalty > 0):
-            raise ValueError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], "
-                             f"got {self.repetition_penalty}")
+            raise ValidationError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], "
+                                  f"got {self.repetition_penalty}", parameter="repetition_penalty")
         self._check_logit_bias()
         if self.seed is not None and not 0 <= self.seed < 2**63:
-            raise ValueError(f"seed must be a non-negative 63-bit integer, got {self.seed}")
+            raise ValidationError(f"seed must be a non-negative 63-bit integer, got {self.seed}",
+                                  parameter="seed")
         if len(self.stop) > MAX_STOP_STRINGS:
-            raise ValueError(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+            raise ValidationError(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}",
+                                  parameter="stop")
         if any(not 0 < len(s) <= MAX_STOP_CHARS for s in self.stop):
-            raise ValueError(f"stop strings must have 1 to {MAX_STOP_CHARS} characters")
+            raise ValidationError(f"stop strings must have 1 to {MAX_STOP_CHARS} characters",
+                                  parameter="stop")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise ValueError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, got "
-                             f"{len(self.stop_token_ids)}")
+            raise ValidationError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, got "
+                                  f"{len(self.stop_token_ids)}", parameter="stop_token_ids")
         if any(not 0 <= t <= INT32_MAX for t in self.stop_token_ids):
-            raise ValueError("stop_token_ids must be non-negative token ids")
+            raise ValidationError("stop_token_ids must be non-negative token ids",
+                                  parameter="stop_token_ids")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
-                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
+                raise ValidationError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}",
+                                      parameter=name)
 
     def _check_logit_bias(self) -> None:
         if not self.logit_bias:
             self.logit_bias = None
             return
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
-            raise ValueError(f"logit_bias: at most {MAX_LOGIT_BIAS} entries, got "
-                             f"{len(self.logit_bias)}")
+            raise ValidationError(f"logit_bias: at most {MAX_LOGIT_BIAS} entries, got "
+                                  f"{len(self.logit_bias)}", parameter="logit_bias")
         for token, bias in self.logit_bias.items():
             if not 0 <= token <= INT32_MAX:
-                raise ValueError(f"logit_bias: {token} is not a token id")
+                raise ValidationError(f"logit_bias: {token} is not a token id",
+                                      parameter="logit_bias")
             if not _in_range(bias, -MAX_LOGIT_BIAS_VALUE, MAX_LOGIT_BIAS_VALUE):
-                raise ValueError(f"logit_bias: the bias of token {token} must be in "
-                                 f"[-{MAX_LOGIT_BIAS_VALUE:g}, {MAX_LOGIT_BIAS_VALUE:g}], got {bias}")
+                raise ValidationError(f"logit_bias: the bias of token {token} must be in "
+                                      f"[-{MAX_LOGIT_BIAS_VALUE:g}, {MAX_LOGIT_BIAS_VALUE:g}], got {bias}",
+                                      parameter="logit_bias")
 
     @property
     def penalized(self) -> bool:

@@ -8,7 +8,7 @@ import pytest
 
 @pytest.fixture(scope="session")
 def default_gguf() -> pathlib.Path:
-    from checkpoints_tools.fetch_default import default_model_path
+    from jaxserve.model_loader.default_model import default_model_path
 
     return default_model_path()
 

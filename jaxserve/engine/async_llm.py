@@ -10,7 +10,8 @@ Usage (inside an event loop)::
     llm = AsyncLLM(EngineConfig(...))
     await llm.start()
     ids = await llm.encode_chat([{"role": "user", "content": "Hi"}])
-    async for out in llm.generate(ids, SamplingParams(max_tokens=16), "req-1"):
+    queue = llm.add_request(ids, SamplingParams(max_tokens=16), "req-1")
+    async for out in llm.outputs("req-1", queue):
         print(out.outputs[0].text, end="")
     await llm.shutdown()
 
@@ -29,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import logging
 import shutil
 import time
@@ -133,7 +133,7 @@ class AsyncLLM:
         """Text prompt -> token ids (InputProcessor.tokenize_prompt), off the event loop.
 
         Raises:
-          ValueError: naming ``prompt``, when the text is too long to fit max_model_len.
+          ValidationError: on ``prompt``, when the text is too long to fit max_model_len.
         """
         self.input_processor.check_text_size(len(prompt.encode("utf-8")), "prompt")
         return await self._tokenize(self.input_processor.tokenize_prompt, prompt,
@@ -146,7 +146,7 @@ class AsyncLLM:
         event loop.
 
         Raises:
-          ValueError: naming ``messages``: too long to fit max_model_len, or the template
+          ValidationError: on ``messages``: too long to fit max_model_len, or the template
             rejected them.
         """
         self.input_processor.check_text_size(chat_text_bytes(messages, tools), "messages")
@@ -161,8 +161,8 @@ class AsyncLLM:
         """InputProcessor.check_sampling_params and check_prompt with the server's rule.
 
         Raises:
-          ValueError: its message starts with the field at fault; a ContextLengthError names
-            it in ``param``.
+          ValidationError: on the field at fault (``stop_token_ids``, ``logit_bias``,
+            ``prompt``, or ``max_tokens`` when the prompt fits but not with the tokens asked).
         """
         self.input_processor.check_sampling_params(sp)
         self.input_processor.check_prompt(prompt_token_ids, sp.max_tokens)
@@ -172,7 +172,8 @@ class AsyncLLM:
         GrammarValidator's time limit).
 
         Raises:
-          ValueError: "<kind>: <error>" when it does not compile (in time).
+          ValidationError: on ``structured_outputs``, "<kind>: <error>", when it does not
+            compile (in time).
         """
         await self.grammar_validator.check(params)
 
@@ -238,14 +239,6 @@ class AsyncLLM:
         finally:
             if not finished:
                 self.abort(request_id)
-
-    async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
-        """``add_request`` then ``outputs``: submit a request and yield its deltas."""
-        queue = self.add_request(prompt_token_ids, sampling_params, request_id)
-        async with contextlib.aclosing(self.outputs(request_id, queue)) as outputs:
-            async for out in outputs:
-                yield out
 
     def abort(self, request_id: str) -> None:
         """Abort a live request, every choice of it (no-op if it already finished)."""

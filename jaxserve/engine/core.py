@@ -15,7 +15,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from checkpoints_tools.fetch_default import cache_dir
 from jaxserve import distributed, host_memory
 from jaxserve.config import EngineConfig, ModelConfig, resolve_config
 from jaxserve.sampling_params import describe_sampling_defaults
@@ -35,6 +34,7 @@ from jaxserve.model_loader import (
     load_tokenizer_of,
     resolve_model,
 )
+from jaxserve.model_loader.default_model import cache_dir
 from jaxserve.models import sharding
 from jaxserve.models.registry import build_params, resolve_kv_cache_dtype
 from jaxserve.platforms import current_platform
@@ -295,7 +295,8 @@ class EngineCore:
         constrained request gets a grammar matcher per choice.
 
         Raises:
-          ValueError: "<kind>: <error>" for ``structured_outputs`` that do not compile.
+          ValidationError: on ``structured_outputs``, "<kind>: <error>", for a constraint that
+            does not compile.
         """
         sp = request.sampling_params
         seed = sp.seed

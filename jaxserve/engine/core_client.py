@@ -149,10 +149,6 @@ class EngineCoreClient:
             self._proc.kill()
             self._proc.join(5.0)
 
-    @property
-    def pid(self) -> int | None:
-        return None if self._proc is None else self._proc.pid
-
     # -- requests ------------------------------------------------------------------------------
 
     def add_request(self, request: EngineCoreRequest) -> None:

@@ -22,7 +22,6 @@ the API process, which gets the same Ctrl-C, coordinates the shutdown.
 from __future__ import annotations
 
 import gc
-import importlib
 import os
 import signal
 import sys
@@ -36,24 +35,12 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine import EngineCoreRequest, child_request_id
 from jaxserve.engine import messages as M
 from jaxserve.engine.input_processor import check_token_ids
+from jaxserve.exceptions import ValidationError
 from jaxserve.tokenizer_io import save_tokenizer
-
-# Testing hook: "module:Class" of an EngineCore stand-in with the same interface.
-ENGINE_CORE_ENV = "JAXSERVE_ENGINE_CORE"
 
 
 def _log(msg: str) -> None:
     print(f"[jaxserve engine] {msg}", file=sys.stderr, flush=True)
-
-
-def _engine_core_class():
-    spec = os.environ.get(ENGINE_CORE_ENV)
-    if spec:
-        module, _, name = spec.partition(":")
-        return getattr(importlib.import_module(module), name)
-    from jaxserve.engine.core import EngineCore  # imports JAX: engine process only
-
-    return EngineCore
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -81,10 +68,11 @@ MAX_FAILED_STEPS = 3
 
 
 def check_engine_request(req: EngineCoreRequest, vocab_size: int, max_model_len: int) -> None:
-    """What the model runner's arrays need of a request. Raises ValueError naming the field."""
+    """What the model runner's arrays need of a request. Raises ValidationError on the field."""
     n = len(req.prompt_token_ids)
     if not 0 < n < max_model_len:
-        raise ValueError(f"prompt: {n} tokens; a prompt needs 1 to {max_model_len - 1}")
+        raise ValidationError(f"prompt: {n} tokens; a prompt needs 1 to {max_model_len - 1}",
+                              parameter="prompt")
     check_token_ids(req.prompt_token_ids, vocab_size, "prompt")
     check_token_ids(req.sampling_params.stop_token_ids, vocab_size, "stop_token_ids")
     check_token_ids(req.sampling_params.logit_bias or (), vocab_size, "logit_bias")
@@ -240,7 +228,9 @@ def run_engine_core(config: EngineConfig, conn: Connection, parent_pid: int | No
                      name="jaxserve-parent-watch").start()
     try:
         try:
-            core = _engine_core_class()(config, log=_log)
+            from jaxserve.engine.core import EngineCore  # imports JAX: engine process only
+
+            core = EngineCore(config, log=_log)
             tokenizer_dir = tempfile.mkdtemp(prefix="jaxserve-tokenizer-")
             save_tokenizer(core.tokenizer, tokenizer_dir)
         except Exception as e:  # noqa: BLE001 - reported as one line by the API process

@@ -25,6 +25,7 @@ import json
 from collections.abc import Sequence
 
 from jaxserve.engine.chat_tools import hermes_messages, template_handles_tools
+from jaxserve.exceptions import ValidationError
 
 
 def max_token_bytes(tokenizer) -> int:
@@ -55,23 +56,11 @@ def chat_text_bytes(messages: Sequence[dict], tools: Sequence[dict] | None = Non
 
 
 def check_token_ids(ids: Sequence[int], vocab_size: int, field: str) -> None:
-    """Raises ValueError, naming ``field``, for an id outside [0, vocab_size)."""
+    """Raises ValidationError on ``field`` for an id outside [0, vocab_size)."""
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
-        raise ValueError(f"{field}: token id {bad[0]} is out of range [0, {vocab_size})")
-
-
-class ContextLengthError(ValueError):
-    """A request that does not fit max_model_len (OpenAI's wording).
-
-    Attributes:
-      param: "prompt" when the prompt alone leaves no room, "max_tokens" when the prompt fits
-        but not with the tokens asked for.
-    """
-
-    def __init__(self, message: str, param: str):
-        super().__init__(message)
-        self.param = param
+        raise ValidationError(f"{field}: token id {bad[0]} is out of range [0, {vocab_size})",
+                              parameter=field)
 
 
 class InputProcessor:
@@ -98,16 +87,17 @@ class InputProcessor:
           field: the request field named in the error.
 
         Raises:
-          ValueError: the text has more than ``max_text_bytes`` bytes.
+          ValidationError: on ``field``, the text has more than ``max_text_bytes`` bytes.
         """
         if num_bytes > self.max_text_bytes:
-            raise ValueError(
+            raise ValidationError(
                 f"{field}: {num_bytes} bytes of text cannot fit this model's maximum context "
                 f"length (max_model_len) of {self.max_model_len} tokens (at most "
-                f"{self.max_text_bytes} bytes could). Please reduce the length of the input.")
+                f"{self.max_text_bytes} bytes could). Please reduce the length of the input.",
+                parameter=field)
 
     def check_sampling_params(self, sp) -> None:
-        """Raises ValueError, naming ``stop_token_ids`` or ``logit_bias``, for a token id of
+        """Raises ValidationError, on ``stop_token_ids`` or ``logit_bias``, for a token id of
         the SamplingParams outside the vocabulary."""
         check_token_ids(sp.stop_token_ids, self.vocab_size, "stop_token_ids")
         check_token_ids(sp.logit_bias or (), self.vocab_size, "logit_bias")
@@ -130,11 +120,12 @@ class InputProcessor:
         them, into the messages in the Hermes format (``chat_tools``, docs/tool_calling.md).
 
         Raises:
-          ValueError: the tokenizer has no chat template, or the template rejected the messages
-            (e.g. roles that do not alternate).
+          ValidationError: on ``messages``: the tokenizer has no chat template, or the template
+            rejected the messages (e.g. roles that do not alternate).
         """
         if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("messages: this model has no chat template; use /v1/completions")
+            raise ValidationError("messages: this model has no chat template; use /v1/completions",
+                                  parameter="messages")
         kw = {}
         if self.template_handles_tools:
             kw["tools"] = list(tools) if tools else None
@@ -145,7 +136,8 @@ class InputProcessor:
                 list(messages), tokenize=False, add_generation_prompt=add_generation_prompt,
                 **kw)
         except Exception as e:  # jinja errors, raised by the template itself
-            raise ValueError(f"messages: the chat template rejected them: {e}") from e
+            raise ValidationError(f"messages: the chat template rejected them: {e}",
+                                  parameter="messages") from e
         return text, list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def check_prompt(self, prompt_token_ids: Sequence[int], max_tokens: int | None = None) -> None:
@@ -159,22 +151,24 @@ class InputProcessor:
             generation stops at max_model_len with finish_reason "length").
 
         Raises:
-          ValueError: an empty prompt or an id outside the vocabulary (naming ``prompt``);
-            ContextLengthError for a prompt that does not fit.
+          ValidationError: on ``prompt``: an empty prompt, an id outside the vocabulary, or a
+            prompt that leaves no room; on ``max_tokens``: a prompt that fits, but not with
+            ``max_tokens`` more.
         """
         n = len(prompt_token_ids)
         if n == 0:
-            raise ValueError("prompt: the prompt is empty (it tokenizes to no tokens)")
+            raise ValidationError("prompt: the prompt is empty (it tokenizes to no tokens)",
+                                  parameter="prompt")
         if n >= self.max_model_len:
-            raise ContextLengthError(
+            raise ValidationError(
                 f"This model's maximum context length (max_model_len) is {self.max_model_len} "
                 f"tokens. However, your prompt has {n} tokens, which leaves no room for the "
-                "completion.", "prompt")
+                "completion.", parameter="prompt")
         if max_tokens is not None and n + max_tokens > self.max_model_len:
-            raise ContextLengthError(
+            raise ValidationError(
                 f"This model's maximum context length (max_model_len) is {self.max_model_len} "
                 f"tokens. However, you requested {n + max_tokens} tokens ({n} in the prompt, "
                 f"{max_tokens} for the completion). Please reduce the prompt or max_tokens.",
-                "max_tokens")
+                parameter="max_tokens")
         # After the length check, so a huge id list costs no more than max_model_len looks.
         check_token_ids(prompt_token_ids, self.vocab_size, "prompt")

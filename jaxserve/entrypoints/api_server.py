@@ -1,7 +1,7 @@
 """The aiohttp application: routes, API-key check, OpenAI error bodies.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{model},
-POST /tokenize, POST /detokenize (handled in serving.py), GET /health, GET /version,
+POST /tokenize, POST /detokenize (handled in the serving_*.py modules), GET /health, GET /version,
 GET /metrics. Every error, including unknown routes and unexpected exceptions, is an OpenAI
 error body ``{"error": {"message", "type", "param", "code"}}``; tracebacks go to the server log
 only.
@@ -21,11 +21,14 @@ import time
 from aiohttp import web
 
 from jaxserve.engine.async_llm import AsyncLLM
-from jaxserve.entrypoints import serving
 from jaxserve.entrypoints.app_state import LLM_KEY, STATE_KEY
 from jaxserve.entrypoints.errors import APIError, error_response
 from jaxserve.entrypoints.limits import ServerLimits
 from jaxserve.entrypoints.safe_log import clip
+from jaxserve.entrypoints.serving_chat import create_chat_completion
+from jaxserve.entrypoints.serving_completion import create_completion
+from jaxserve.entrypoints.serving_models import retrieve_model, show_available_models
+from jaxserve.entrypoints.serving_tokenization import detokenize, tokenize
 from jaxserve.entrypoints.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS
 from jaxserve.metrics import CONTENT_TYPE
 
@@ -113,12 +116,12 @@ def build_app(llm: AsyncLLM, *, served_model_name: str | None = None,
     app[STATE_KEY] = {"served_model_name": served_model_name, "created": int(time.time()),
                       "limits": limits, "in_flight": 0,
                       "tool_parser": TOOL_PARSERS[tool_call_parser]}
-    app.router.add_post("/v1/completions", serving.create_completion)
-    app.router.add_post("/v1/chat/completions", serving.create_chat_completion)
-    app.router.add_get("/v1/models", serving.show_available_models)
-    app.router.add_get("/v1/models/{model}", serving.retrieve_model)
-    app.router.add_post("/tokenize", serving.tokenize)
-    app.router.add_post("/detokenize", serving.detokenize)
+    app.router.add_post("/v1/completions", create_completion)
+    app.router.add_post("/v1/chat/completions", create_chat_completion)
+    app.router.add_get("/v1/models", show_available_models)
+    app.router.add_get("/v1/models/{model}", retrieve_model)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/health", _health)
     app.router.add_get("/version", _version_route)
     app.router.add_get("/metrics", _metrics)

@@ -1,7 +1,8 @@
 """The keys of what the aiohttp app holds: the AsyncLLM and the server's settings.
 
-``api_server.build_app`` stores them and the handlers (api_server's own, serving's) read them.
-They live here, apart from both, so that serving does not import api_server, which imports it.
+``api_server.build_app`` stores them and the handlers (api_server's own, the serving_*.py
+modules') read them. They live here, apart from both, so that the serving modules do not import
+api_server, which imports them.
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from jaxserve.entrypoints.tool_parsers.call_object import json_as
+from jaxserve.exceptions import ValidationError
 from jaxserve.sampling_params import (
     INT32_MAX, MAX_LOGPROBS, SamplingParams, StructuredOutputsParams)
 
@@ -146,8 +147,8 @@ class _SamplingFields(_Base):
         """(the request's output constraint, the field it came from), or (None, None).
 
         Raises:
-          ValueError: whose message starts with the field: several constraints, or one
-            without exactly one kind (``structured_outputs: {}``).
+          ValidationError: on the constraint's field: several constraints, or one without
+            exactly one kind (``structured_outputs: {}``).
         """
         given = []
         rf = self.response_format
@@ -155,8 +156,8 @@ class _SamplingFields(_Base):
             given.append(("response_format", {"json_object": True}))
         elif rf is not None and rf.type == "json_schema":
             if rf.json_schema is None:
-                raise ValueError("response_format: json_schema is required when type is "
-                                 "json_schema")
+                raise ValidationError("response_format: json_schema is required when type is "
+                                      "json_schema", parameter="response_format")
             schema = rf.json_schema.schema_
             given.append(("response_format", {"json": {} if schema is None else schema}))
         if self.structured_outputs is not None:
@@ -170,13 +171,15 @@ class _SamplingFields(_Base):
         if not given:
             return None, None
         if len(given) > 1:
-            raise ValueError(f"{given[1][0]}: give one output constraint, not "
-                             f"{' and '.join(field for field, _ in given)}")
+            raise ValidationError(f"{given[1][0]}: give one output constraint, not "
+                                  f"{' and '.join(field for field, _ in given)}",
+                                  parameter=given[1][0])
         field, kw = given[0]
         try:
             return StructuredOutputsParams(**kw), field
-        except ValueError as e:
-            raise ValueError(f"{field}: {str(e).removeprefix('structured_outputs: ')}") from None
+        except ValidationError as e:
+            raise ValidationError(f"{field}: {str(e).removeprefix('structured_outputs: ')}",
+                                  parameter=field) from None
 
     def sampling_params(self, max_tokens: int | None, defaults: dict,
                         structured_outputs: StructuredOutputsParams | None = None
@@ -186,7 +189,7 @@ class _SamplingFields(_Base):
         ``structured_outputs``: from ``structured_outputs_params``.
 
         Raises:
-          ValueError: whose message starts with the field out of range (SamplingParams' names).
+          ValidationError: on the field out of range (SamplingParams' names).
         """
         kw: dict[str, Any] = {"max_tokens": max_tokens, "structured_outputs": structured_outputs}
         for name in GENERATION_DEFAULTS:
@@ -212,8 +215,8 @@ def _token_id_key(key: str) -> int:
     as OpenAI takes them: no sign, spaces, underscores or other scripts' digits)."""
     if key.isascii() and key.isdigit():
         return int(key)
-    raise ValueError(f"logit_bias: {key[:40]!r} is not a token id (keys are token ids, "
-                     "as strings of ASCII digits)")
+    raise ValidationError(f"logit_bias: {key[:40]!r} is not a token id (keys are token ids, "
+                          "as strings of ASCII digits)", parameter="logit_bias")
 
 
 class CompletionRequest(_SamplingFields):
@@ -239,12 +242,12 @@ class CompletionRequest(_SamplingFields):
         return self.logprobs, self.logprobs if self.echo else None
 
     def prompts(self) -> list[str | list[int]]:
-        """The prompts, one list entry each. Raises ValueError (naming ``prompt``) for none."""
+        """The prompts, one list entry each. Raises ValidationError on ``prompt`` for none."""
         p = self.prompt
         if isinstance(p, str) or (p and isinstance(p[0], int)):
             return [p]
         if not p:
-            raise ValueError("prompt: the prompt is empty")
+            raise ValidationError("prompt: the prompt is empty", parameter="prompt")
         return list(p)
 
 
@@ -284,7 +287,8 @@ class ChatCompletionMessageParam(_Base):
         """The message's text (its text parts joined).
 
         Raises:
-          ValueError: naming ``where`` and the part, for a part that is not text.
+          ValidationError: on ``messages``, naming ``where`` and the part, for a part that
+            is not text.
         """
         if self.content is None:
             return ""
@@ -293,8 +297,9 @@ class ChatCompletionMessageParam(_Base):
         for j, part in enumerate(self.content):
             if part.type != "text" or part.text is None:
                 kind = "images" if part.type == "image_url" else f"{part.type!r} content parts"
-                raise ValueError(f"{where}.content.{j}: {kind} are not supported: this server "
-                                 "serves a text-only model (send text parts)")
+                raise ValidationError(f"{where}.content.{j}: {kind} are not supported: this server "
+                                      "serves a text-only model (send text parts)",
+                                      parameter="messages")
         return "".join(p.text for p in self.content)
 
     def template_message(self, where: str) -> dict:
@@ -304,21 +309,23 @@ class ChatCompletionMessageParam(_Base):
         does the same) or a tool message's ``tool_call_id``.
 
         Raises:
-          ValueError: naming ``where``: a part that is not text, ``tool_calls`` on a message
+          ValidationError: on ``messages``, naming ``where``: a part that is not text,
+            ``tool_calls`` on a message
             that is not the assistant's, a tool message without ``tool_call_id``.
         """
         out = {"role": "system" if self.role == "developer" else self.role,
                "content": self.text(where)}
         if self.tool_calls is not None:
             if self.role != "assistant":
-                raise ValueError(f"{where}.tool_calls: only assistant messages carry tool calls")
+                raise ValidationError(f"{where}.tool_calls: only assistant messages carry tool calls",
+                                      parameter="messages")
             out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
                 "name": c.function.name, "arguments": _json_object(c.function.arguments)}}
                 for c in self.tool_calls]
         if self.role == "tool":
             if self.tool_call_id is None:
-                raise ValueError(f"{where}.tool_call_id: a tool message needs the id of the "
-                                 "call it answers")
+                raise ValidationError(f"{where}.tool_call_id: a tool message needs the id of the "
+                                      "call it answers", parameter="messages")
             out["tool_call_id"] = self.tool_call_id
         return out
 
@@ -383,7 +390,8 @@ class ChatCompletionRequest(_SamplingFields):
     def _logprobs(self) -> tuple[int | None, int | None]:
         if not self.logprobs:
             if self.top_logprobs:
-                raise ValueError("top_logprobs: set logprobs to true to use it")
+                raise ValidationError("top_logprobs: set logprobs to true to use it",
+                                      parameter="top_logprobs")
             return None, None
         return self.top_logprobs or 0, None
 
@@ -402,18 +410,19 @@ class ChatCompletionRequest(_SamplingFields):
         default is ``auto`` when tools are given.
 
         Raises:
-          ValueError: naming ``tool_choice``: ``required`` or a function without tools, or a
+          ValidationError: on ``tool_choice``: ``required`` or a function without tools, or a
             function that is not among them.
         """
         choice = self.tool_choice
         if isinstance(choice, ChatCompletionNamedToolChoiceParam):
             choice = choice.function.name
             if not any(t.function.name == choice for t in self.tools or ()):
-                raise ValueError(f"tool_choice: function {choice!r} is not among the request's "
-                                 "tools")
+                raise ValidationError(f"tool_choice: function {choice!r} is not among the request's "
+                                      "tools", parameter="tool_choice")
         if not self.tools:
             if choice not in (None, "none", "auto"):
-                raise ValueError(f"tool_choice: {choice!r} needs tools (the request has none)")
+                raise ValidationError(f"tool_choice: {choice!r} needs tools (the request has none)",
+                                      parameter="tool_choice")
             return None
         choice = choice or "auto"
         return None if choice == "none" else choice
@@ -428,7 +437,7 @@ def template_messages(messages: list[ChatCompletionMessageParam]) -> list[dict]:
     """Messages for the chat template (``ChatCompletionMessageParam.template_message``).
 
     Raises:
-      ValueError: naming the message's field at fault.
+      ValidationError: on ``messages``, naming the message's field at fault.
     """
     return [m.template_message(f"messages.{i}") for i, m in enumerate(messages)]
 

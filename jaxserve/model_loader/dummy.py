@@ -112,8 +112,7 @@ DEFAULT_TOKENIZER_VOCAB = 49152  # its vocabulary, special tokens included
 
 def default_tokenizer():
     """The default model's tokenizer, from the cache folder or built from its GGUF (fetching it)."""
-    from checkpoints_tools.fetch_default import cache_dir, default_model_path
-
+    from .default_model import cache_dir, default_model_path  # (loader.py says why here)
     from .gguf_loader import load_gguf
     from jaxserve.tokenizer_io import load_tokenizer, save_tokenizer
 

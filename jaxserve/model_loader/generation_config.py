@@ -4,7 +4,7 @@
 ``auto`` (the default) reads the model's own ``generation_config.json`` (in an HF folder, or
 an orbax folder holding one) and keeps the fields vLLM keeps: temperature, top_p, top_k,
 min_p, repetition_penalty and max_new_tokens (as max_tokens); the default model, a GGUF
-without one, gets the chat defaults of its model card (``checkpoints_tools.fetch_default``).
+without one, gets the chat defaults of its model card (``default_model.GENERATION_CONFIG``).
 ``vllm`` uses none (SamplingParams' own defaults: temperature 1.0, no top-p / top-k). A folder
 path reads that folder's ``generation_config.json``.
 """
@@ -60,7 +60,7 @@ def load_generation_config(source: str, fmt: str, mode: str = "auto") -> dict:
         if fmt in ("safetensors", "orbax"):
             return sampling_defaults(_read(pathlib.Path(source)))
         if fmt == "gguf":
-            from checkpoints_tools.fetch_default import GENERATION_CONFIG, is_default_model
+            from .default_model import GENERATION_CONFIG, is_default_model  # (loader.py: why here)
 
             return dict(GENERATION_CONFIG) if is_default_model(source) else {}
         return {}

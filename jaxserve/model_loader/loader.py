@@ -41,7 +41,9 @@ def resolve_model(model: str | None, load_format: str = "auto") -> tuple[str, st
     if model is None:
         if load_format == "dummy":
             return "smollm2-135m", "dummy"
-        from checkpoints_tools.fetch_default import default_model_path
+        # Imported where used, as in dummy.py and generation_config.py: the package must not
+        # import it, or ``python -m jaxserve.model_loader.default_model`` runs a second copy.
+        from .default_model import default_model_path
 
         model, load_format = str(default_model_path()), "gguf" if load_format == "auto" else load_format
     if load_format == "dummy":

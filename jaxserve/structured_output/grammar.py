@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import llguidance
 
+from jaxserve.exceptions import ValidationError
 from jaxserve.sampling_params import StructuredOutputsParams
 
 # llguidance's own bounds on the work of compiling a grammar and of each mask (its defaults,
@@ -159,7 +160,7 @@ def grammar_text(params: StructuredOutputsParams) -> str:
     """The llguidance grammar of a constraint.
 
     Raises:
-      ValueError: naming the constraint's kind, for a spec that is not even well-formed (a
+      ValidationError: on ``structured_outputs``, naming the constraint's kind, for a spec that is not even well-formed (a
         schema that is not JSON, a GBNF grammar that does not convert); deeper errors surface
         when the grammar is compiled (``compile_matcher``).
     """
@@ -184,7 +185,7 @@ def grammar_text(params: StructuredOutputsParams) -> str:
             return llguidance.grammar_from("choice", params.choice)
         return llguidance.grammar_from("grammar", params.grammar)
     except (ValueError, TypeError, RecursionError) as e:
-        raise ValueError(f"{kind}: {e}") from None
+        raise ValidationError(f"{kind}: {e}", parameter="structured_outputs") from None
 
 
 def compile_matcher(ll_tokenizer: llguidance.LLTokenizer,
@@ -194,7 +195,7 @@ def compile_matcher(ll_tokenizer: llguidance.LLTokenizer,
     compiles: typically well under 10 ms; bounded by LIMITS).
 
     Raises:
-      ValueError: "<kind>: <llguidance's error>" for a spec that does not compile (an invalid
+      ValidationError: on ``structured_outputs``, "<kind>: <llguidance's error>", for a spec that does not compile (an invalid
         schema, regex or grammar, one past LIMITS or nested past MAX_SCHEMA_DEPTH).
     """
     return _compiler_thread().submit(_compile, ll_tokenizer, params).result()
@@ -205,5 +206,6 @@ def _compile(ll_tokenizer: llguidance.LLTokenizer,
     text = grammar_text(params)
     matcher = llguidance.LLMatcher(ll_tokenizer, text, log_level=0, limits=limits())
     if matcher.is_error():
-        raise ValueError(f"{params.key[0]}: {matcher.get_error().strip()}")
+        raise ValidationError(f"{params.key[0]}: {matcher.get_error().strip()}",
+                              parameter="structured_outputs")
     return matcher

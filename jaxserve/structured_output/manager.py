@@ -48,7 +48,8 @@ class StructuredOutputManager:
         """A matcher of the constraint at its start state, for one sequence.
 
         Raises:
-          ValueError: "<kind>: <error>" for a spec that does not compile.
+          ValidationError: on ``structured_outputs``, "<kind>: <error>", for a spec that does
+            not compile.
         """
         key = params.key
         template = self._compiled.get(key)

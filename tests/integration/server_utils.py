@@ -15,7 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from prometheus_client.parser import text_string_to_metric_families
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
 
 
 def free_port() -> int:
@@ -92,9 +93,11 @@ def in_parallel(fn, items, workers: int = 32) -> list:
 
 
 class Server:
-    """A ``python -m jaxserve.serve`` subprocess on 127.0.0.1:<free port>."""
+    """A ``python -m <module>`` subprocess on 127.0.0.1:<free port>: ``jaxserve.serve``, or
+    ``stub_server`` (this folder's: the server with stub_engine's StubEngineCore)."""
 
-    def __init__(self, *args: str, env: dict | None = None, startup_timeout: float = 1200.0):
+    def __init__(self, *args: str, env: dict | None = None, startup_timeout: float = 1200.0,
+                 module: str = "jaxserve.serve"):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile(prefix="jaxserve-server-", suffix=".log",
@@ -102,9 +105,9 @@ class Server:
         full_env = dict(os.environ)
         full_env.update(env or {})
         full_env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (REPO, full_env.get("PYTHONPATH")) if p)
+            p for p in (REPO, HERE, full_env.get("PYTHONPATH")) if p)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "jaxserve.serve", "--port", str(self.port), *args],
+            [sys.executable, "-m", module, "--port", str(self.port), *args],
             stdout=self.log, stderr=subprocess.STDOUT, env=full_env, cwd=REPO)
         self._wait_ready(startup_timeout)
         self.engine_pids = descendants(self.proc.pid)

@@ -1,6 +1,6 @@
 """A JAX-free stand-in for EngineCore, for server failure tests (engine crashes, slow start-up).
 
-Selected with ``JAXSERVE_ENGINE_CORE=stub_engine:StubEngineCore`` (core_proc's testing hook).
+Served by ``python -m stub_server`` (stub_server.py puts it in place of EngineCore).
 It uses the default model's tokenizer and "generates" a fixed text; a few magic prompts make it
 misbehave:
   * prompts starting with ADD_CRASH_ID: add_request raises (not a ValueError);

@@ -315,6 +315,18 @@ def test_out_of_range_is_a_400_naming_the_field(server, path, body, param):
         assert "images are not supported" in err["error"]["message"]
 
 
+def test_openai_client_sees_the_field_as_param(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=PARIS_Q, max_completion_tokens=5000)
+    assert e.value.param == "max_completion_tokens", e.value.body
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=4, presence_penalty=2.5)
+    assert e.value.param == "presence_penalty", e.value.body
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[], max_tokens=4)
+    assert e.value.param == "messages", e.value.body
+
+
 # -- endpoints, content parts, prompt lists -------------------------------------------------------
 
 

@@ -24,8 +24,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from server_utils import REPO, Server, get
 from stub_engine import STEP_CRASH_ID
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-STUB_ENV = {"JAXSERVE_ENGINE_CORE": "stub_engine:StubEngineCore", "PYTHONPATH": HERE}
 API_KEY = "k-11"
 MAX_NUM_SEQS, MAX_WAITING = 4, 2
 MAX_IN_FLIGHT = MAX_NUM_SEQS + MAX_WAITING  # sequences admitted at once
@@ -39,7 +37,7 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 @pytest.fixture(scope="module")
 def server():
-    srv = Server(*FLAGS, env=STUB_ENV, startup_timeout=120)
+    srv = Server(*FLAGS, module="stub_server", startup_timeout=120)
     yield srv
     srv.stop()
 

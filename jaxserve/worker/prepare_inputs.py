@@ -212,7 +212,7 @@ class InputBuilder:
         src[: len(sched.copy_pages)], dst[: len(sched.copy_pages)] = zip(*sched.copy_pages)
         return src, dst
 
-    def _gather(self, group: str, slots: np.ndarray, s: int, **computed: np.ndarray) -> dict:
+    def _gather(self, group: str, slots: np.ndarray, s: int, /, **computed: np.ndarray) -> dict:
         """Each field of ``group`` for the step's rows, padded to s with its default: the
         InputBatch's slot values for a per-slot field, else its ``computed`` values."""
         return {f.name: _padded(computed[f.name] if f.of_request is None

@@ -20,7 +20,7 @@ def plain_filter_metadata(sm: SamplingMetadata, vocab: int) -> FilterMetadata:
     return neutral(FilterMetadata, sm.temperature.shape[0], rows=filtered_rows(sm, vocab))
 
 
-def sample_unjitted(logits, sm, fm=None, state=None, bitmask=None):
+def draw_tokens(logits, sm, fm=None, state=None, bitmask=None):
     """One token per row as a step draws it: ``sample_unfiltered`` then ``sample_filtered``.
     With ``fm`` None the top-k / top-p rows alone are drawn again and the [S] int32 tokens
     returned; else ``sample_filtered``'s (tokens, state, Logprobs)."""
@@ -30,7 +30,7 @@ def sample_unjitted(logits, sm, fm=None, state=None, bitmask=None):
     return sample_filtered(logits, tokens, sm, fm, state, bitmask)
 
 
-sample = jax.jit(sample_unjitted)
+sample = jax.jit(draw_tokens)
 
 
 def meta(n, temperature=1.0, top_k=0, top_p=1.0, seed=0, step=0):
@@ -280,12 +280,12 @@ def test_min_p_keeps_tokens_within_its_share_of_the_best():
     n = N_DRAWS
     sm = meta(n, temperature=1.0)
     fm = fmeta(n, min_p=np.full(n, 0.3))
-    tokens = np.asarray(jax.jit(sample_unjitted)(jnp.tile(logits, (n, 1)), sm, fm, None)[0])
+    tokens = np.asarray(sample(jnp.tile(logits, (n, 1)), sm, fm, None)[0])
     p = np.array([0.4, 0.3, 0.15, 0, 0])  # 0.1 < 0.3 * 0.4: out
     assert_follows(tokens, p / p.sum())
     fm1 = fmeta(8, min_p=np.ones(8))
-    assert set(np.asarray(jax.jit(sample_unjitted)(jnp.tile(logits, (8, 1)), meta(8, temperature=2.0),
-                                          fm1, None)[0])) == {0}
+    assert set(np.asarray(sample(jnp.tile(logits, (8, 1)), meta(8, temperature=2.0),
+                                 fm1, None)[0])) == {0}
 
 
 def test_logprobs_are_the_raw_log_softmax_with_ranks():
@@ -313,7 +313,7 @@ def test_filtered_rows_count_their_tokens_and_greedy_takes_the_processed_argmax(
     sm = meta(3, temperature=0.0)
     fm = fmeta(3, rows=[True, True, False], frequency_penalty=[1.0, 0, 0],
                count=[True, True, False], logprobs=[True, False, False])
-    tokens, st2, lp = jax.jit(sample_unjitted)(jnp.asarray(logits), sm, fm, st)
+    tokens, st2, lp = sample(jnp.asarray(logits), sm, fm, st)
     assert np.asarray(tokens).tolist() == [6, 5, 5]  # row 0: 3.0 - 1 < 2.5
     counts = np.asarray(st2.output_counts)
     assert counts[0, 6] == 1 and counts[0, 5] == 1 and counts[1, 5] == 1 and counts[2].sum() == 0

@@ -227,7 +227,7 @@ class InputBuilder:
             structured[[row_of[r] for r in sched.structured_output_request_ids]] = True
         return structured
 
-    def no_block_table_writes(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _no_block_table_writes(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """W entries that write nothing (rows past the table are dropped)."""
         w = self.block_table_writes
         return (np.full(w, self.max_num_seqs, np.int32), np.zeros(w, np.int32),
@@ -240,12 +240,12 @@ class InputBuilder:
         w = self.block_table_writes
         chunks = []
         for a in range(0, len(rows), w):
-            r, c, p = self.no_block_table_writes()
+            r, c, p = self._no_block_table_writes()
             n = min(w, len(rows) - a)
             r[:n], c[:n], p[:n] = rows[a : a + n], cols[a : a + n], pages[a : a + n]
             chunks.append((r, c, p))
         if not chunks:
-            return self.no_block_table_writes(), []
+            return self._no_block_table_writes(), []
         return chunks[-1], chunks[:-1]
 
     def _prompt_logprob_rows(self, sched, req_ids, slots, computed, counts, ends):

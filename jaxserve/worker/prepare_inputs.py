@@ -70,10 +70,11 @@ def _padded(values: np.ndarray, s: int, fill, dtype) -> np.ndarray:
     return out
 
 
+@dataclass
 class InputBuilder:
     """Builds the host inputs of each step from ``batch``.
 
-    Args:
+    Attributes:
       batch: the runner's InputBatch (read; ``num_computed_tokens`` and the in-flight marks are
         the runner's to update after a dispatch).
       layouts: the StepLayout of each token bucket.
@@ -85,20 +86,16 @@ class InputBuilder:
       bias_width, stop_width: widths of the SamplingState's logit-bias and stop-id tables.
     """
 
-    def __init__(self, batch: InputBatch, layouts: dict[int, StepLayout], *, page_size: int,
-                 vocab_size: int, max_num_seqs: int, max_model_len: int,
-                 prompt_logprob_rows: int, block_table_writes: int, bias_width: int,
-                 stop_width: int):
-        self.batch = batch
-        self.layouts = layouts
-        self.page_size = page_size
-        self.vocab_size = vocab_size
-        self.max_num_seqs = max_num_seqs
-        self.max_model_len = max_model_len
-        self.prompt_logprob_rows = prompt_logprob_rows
-        self.block_table_writes = block_table_writes
-        self.bias_width = bias_width
-        self.stop_width = stop_width
+    batch: InputBatch
+    layouts: dict[int, StepLayout]
+    page_size: int
+    vocab_size: int
+    max_num_seqs: int
+    max_model_len: int
+    prompt_logprob_rows: int
+    block_table_writes: int
+    bias_width: int
+    stop_width: int
 
     def state_row(self, slot: int, r: NewRequestData) -> tuple:
         """The arguments, after the state, of ``sampler.write_state_row`` for a request

@@ -1,4 +1,5 @@
-"""Time ``sampler.sample`` against a full-sort sampler, in the same run.
+"""Time the sampler (``sample`` below: a step's draw without logits processors) against the
+full-sort sampler, in the same run.
 
 For each batch size and case, both samplers are jitted, warmed up, then timed call by call
 (``block_until_ready``); the table gives medians in milliseconds and reference / new. Logits are
@@ -14,7 +15,8 @@ import time
 import jax
 import jax.numpy as jnp
 
-from jaxserve.worker.sampler import SamplingMetadata, sample
+from jaxserve.worker.sampler import filtered_rows, sample_filtered, sample_unfiltered
+from jaxserve.worker.sampling_fields import FilterMetadata, SamplingMetadata, neutral
 
 # name: (temperature, top_k, top_p, every): top_k and top_p apply to every `every`-th row, the
 # other rows sample at the temperature alone.
@@ -45,6 +47,14 @@ def _reference_sample_rows(logits: jax.Array, sm: SamplingMetadata) -> jax.Array
     keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(sm.seeds, sm.steps)
     sampled = jax.vmap(jax.random.categorical)(keys, masked)
     return jnp.where(sm.temperature > 0, sampled, jnp.argmax(logits, axis=-1))
+
+
+def sample(logits: jax.Array, sm: SamplingMetadata) -> jax.Array:
+    """[S, V] float32 logits -> [S] int32 tokens: the step's greedy and plain rows, then the
+    filtered sampler for the top-k / top-p rows."""
+    tokens = sample_unfiltered(logits, sm, branch_free=False)
+    fm = neutral(FilterMetadata, len(tokens), rows=filtered_rows(sm, logits.shape[-1]))
+    return sample_filtered(logits, tokens, sm, fm)[0]
 
 
 def reference_sample(logits: jax.Array, sm: SamplingMetadata) -> jax.Array:

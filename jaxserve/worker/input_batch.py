@@ -3,12 +3,13 @@
 Each running request owns a slot (a row of every array below) from the step it enters the batch
 until it leaves. A step applies the scheduler's changes (``SchedulerOutput``: requests that left,
 new requests, newly allocated pages) to these arrays instead of rebuilding them, then
-``ModelRunner.execute`` builds the step's flat inputs from them with vectorized numpy.
+``prepare_inputs.InputBuilder`` builds the step's flat inputs from them with vectorized numpy.
 """
 
 import numpy as np
 
 from jaxserve.core.scheduler_output import NewRequestData, SchedulerOutput
+from jaxserve.worker.sampling_fields import PER_SLOT
 
 
 class InputBatch:
@@ -24,13 +25,8 @@ class InputBatch:
         The model runner keeps a copy on the device and sends it only what changed
         (``take_block_table_changes``).
       num_blocks: [max_num_seqs] int32 valid entries of each block_table row.
-      temperature, top_k, top_p, min_p, presence_penalty, frequency_penalty,
-        repetition_penalty, seeds: [max_num_seqs] sampling settings.
-      min_tokens: [max_num_seqs] int32.
-      penalized: [max_num_seqs] bool, some penalty applies (the sampler counts its tokens).
-      logit_bias: [max_num_seqs] bool, the request has a logit bias.
-      logprobs, prompt_logprobs: [max_num_seqs] int32, top log-probabilities wanted per
-        sampled token / prompt token, -1 for none.
+      one [max_num_seqs] array per ``sampling_fields.PER_SLOT`` field, by its name and of its
+        dtype (temperature, top_k, ..., num_logprobs): the request's sampling settings.
       in_flight_row, in_flight_step: [max_num_seqs] int32, the row and the step (a counter)
         whose sampled token is this request's newest token while the host does not know it yet
         (async scheduling), else -1 and -1. The step after that one reads the token from the
@@ -45,19 +41,8 @@ class InputBatch:
         self.num_computed_tokens = np.zeros(n, np.int32)
         self.block_table = np.zeros((n, max_pages_per_seq), np.int32)
         self.num_blocks = np.zeros(n, np.int32)
-        self.temperature = np.zeros(n, np.float32)
-        self.top_k = np.zeros(n, np.int32)
-        self.top_p = np.ones(n, np.float32)
-        self.min_p = np.zeros(n, np.float32)
-        self.presence_penalty = np.zeros(n, np.float32)
-        self.frequency_penalty = np.zeros(n, np.float32)
-        self.repetition_penalty = np.ones(n, np.float32)
-        self.min_tokens = np.zeros(n, np.int32)
-        self.penalized = np.zeros(n, bool)
-        self.logit_bias = np.zeros(n, bool)
-        self.logprobs = np.full(n, -1, np.int32)
-        self.prompt_logprobs = np.full(n, -1, np.int32)
-        self.seeds = np.zeros(n, np.uint32)
+        for f in PER_SLOT:
+            setattr(self, f.name, np.full(n, f.default, f.dtype))
         self.in_flight_row = np.full(n, -1, np.int32)
         self.in_flight_step = np.full(n, -1, np.int64)
         self.req_index: dict[str, int] = {}
@@ -87,21 +72,9 @@ class InputBatch:
             self.block_table[i] = 0
             self.block_table[i, : len(r.block_ids)] = r.block_ids
             self.num_blocks[i] = len(r.block_ids)
-            sp = r.sampling_params
-            self.temperature[i] = sp.temperature
-            self.top_k[i] = sp.top_k
-            self.top_p[i] = sp.top_p
-            self.min_p[i] = sp.min_p
-            self.presence_penalty[i] = sp.presence_penalty
-            self.frequency_penalty[i] = sp.frequency_penalty
-            self.repetition_penalty[i] = sp.repetition_penalty
-            self.min_tokens[i] = sp.min_tokens
-            self.penalized[i] = sp.penalized
-            self.logit_bias[i] = sp.logit_bias is not None
-            self.logprobs[i] = -1 if sp.logprobs is None else sp.logprobs
-            self.prompt_logprobs[i] = -1 if sp.prompt_logprobs is None else sp.prompt_logprobs
-            self.seeds[i] = r.seed
-            if self.penalized[i] or self.logit_bias[i] or sp.min_tokens:
+            for f in PER_SLOT:
+                getattr(self, f.name)[i] = f.of_request(r)
+            if self.penalized[i] or self.logit_bias[i] or self.min_tokens[i]:
                 needs_state.append((i, r))
             self.in_flight_row[i] = self.in_flight_step[i] = -1
         for rid, pages in sched.new_block_ids.items():

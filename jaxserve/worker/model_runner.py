@@ -1,27 +1,25 @@
-"""ModelRunner: applies a SchedulerOutput to its persistent InputBatch, builds the step's padded
-inputs with vectorized numpy, and dispatches the compiled step.
+"""ModelRunner: applies a SchedulerOutput to its persistent InputBatch, has the step's padded
+inputs built (``prepare_inputs``), dispatches the compiled programs (``programs``, compiled by
+``compilation``) and turns a step's results into a ModelRunnerOutput.
 
 One step = one call of a compiled executable, without control flow on the GPU (an XLA
-conditional there blocks the dispatching thread): model forward over the ragged batch, KV write into the
-donated pool, and greedy or plain-temperature sampling; in steps with top-k/top-p rows (or
-penalties, log-probabilities, a grammar's bitmask: structured outputs) a second executable (one
-per sequence count S) draws those rows. ``execute`` only dispatches;
-``get_output`` waits for the sampled tokens. Between the two the host is free (async scheduling schedules and dispatches the next
-step there): a token the host does not know yet is read by the next step straight from the
-previous step's sampled array on the device. Token counts T come from a fixed list of buckets (powers of two
-up to max_num_batched_tokens, from Platform.min_token_bucket); the sequence count is S = min(T, max_num_seqs), and the block
-table always has the width P of a max_model_len sequence. Attention reads pages only as far as
-each sequence's length reaches, so its cost follows the real contexts, not P; that keeps the
-number of compiled shapes to the token buckets alone (docs/design.md section 3; P buckets were
-tried and multiplied start-up compilation). Every program is compiled ahead of time by
-``compile_buckets``; ``execute`` never compiles (it raises if asked to).
+conditional there blocks the dispatching thread): model forward over the ragged batch, KV write
+into the donated pool, and greedy or plain-temperature sampling; in steps with top-k/top-p rows
+(or penalties, log-probabilities, a grammar's bitmask: structured outputs) a second executable
+(one per sequence count S) draws those rows. ``execute`` only dispatches; ``get_output`` waits
+for the sampled tokens. Between the two the host is free (async scheduling schedules and
+dispatches the next step there): a token the host does not know yet is read by the next step
+straight from the previous step's sampled array on the device. Token counts T come from a fixed
+list of buckets (powers of two up to max_num_batched_tokens, from Platform.min_token_bucket);
+the sequence count is S = min(T, max_num_seqs), and the block table always has the width P of a
+max_model_len sequence. Attention reads pages only as far as each sequence's length reaches, so
+its cost follows the real contexts, not P; that keeps the number of compiled shapes to the token
+buckets alone (docs/architecture.md, "Buckets and the executable cache"; P buckets would
+multiply start-up compilation). Every program is compiled ahead of time by ``compile_buckets``;
+``execute`` never compiles (it raises if asked to).
 """
 
-import dataclasses
-import os
-import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from functools import partial
 
@@ -31,27 +29,22 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxserve.config import ModelConfig
-from jaxserve.core.scheduler_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from jaxserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from jaxserve.engine import LogprobsLists
-from jaxserve.engine.kv_sizing import peak_program_bytes, program_bytes
-from jaxserve.models import llama, sharding
+from jaxserve.engine.kv_sizing import peak_program_bytes
+from jaxserve.models import sharding
 from jaxserve.platforms import current_platform
 from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
 from jaxserve.structured_output.manager import bitmask_width
-from jaxserve.worker.executable_cache import ExecutableCache, KeyedJit
+from jaxserve.worker import compilation
+from jaxserve.worker.compilation import bucket_for, powers_of_two_up_to
+from jaxserve.worker.executable_cache import ExecutableCache
 from jaxserve.worker.input_batch import InputBatch
+from jaxserve.worker.prepare_inputs import InputBuilder
+from jaxserve.worker.programs import Programs, jit_programs, jit_zeroed_pools
+from jaxserve.worker.sampler import Logprobs, init_state
+from jaxserve.worker.sampling_fields import FilterMetadata, SamplingMetadata, neutral
 from jaxserve.worker.step_inputs import StepLayout
-from jaxserve.worker.sampler import (
-    FilterMetadata,
-    Logprobs,
-    SamplingMetadata,
-    compute_logprobs,
-    filtered_rows,
-    init_state,
-    sample_filtered,
-    sample_unfiltered,
-    write_state_row,
-)
 from pallas_kernels import kv_quant
 
 # Prompt positions whose log-probabilities one step computes (the scheduler caps the prompt
@@ -61,102 +54,11 @@ from pallas_kernels import kv_quant
 PROMPT_LOGPROB_ROWS = 128
 
 
-def powers_of_two_up_to(limit: int, start: int = 1) -> list[int]:
-    """[start, 2 start, 4 start, ...] below limit, then limit itself."""
-    out, b = [], start
-    while b < limit:
-        out.append(b)
-        b *= 2
-    return out + [limit]
-
-
-# Block table entries a step writes to the device copy before it runs (_block_table_writes):
+# Block table entries a step writes to the device copy before it runs (prepare_inputs):
 # a decode or chunked-prefill step's new pages (at most its tokens / page size + one per
 # sequence) fit; a new request's prefix-cache hits, or the stale row of a reused slot, can
 # take more, and those go first by the "block table write" program, as many at a time.
 BLOCK_TABLE_WRITES = 1024
-
-
-def _bucket(buckets: list[int], n: int) -> int:
-    for b in buckets:
-        if b >= n:
-            return b
-    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
-
-
-def _step(config, attention_fn, mesh, max_num_seqs, branch_free, layout, params, packed,
-          prev_sampled, k_cache, v_cache, block_table):
-    """One model step of a token bucket, from its host inputs ``packed`` ([layout.size] int32,
-    ``StepLayout.pack``: one transfer).
-
-    ``prev_rows`` [T]: for each input token, the row of ``prev_sampled`` (the previous step's
-    sampled tokens) that holds it, or -1 to take ``token_ids``. The step writes the block table
-    entries changed since the last step (``block_table_rows/cols/pages``, ``_write_block_table``)
-    to the device-resident ``block_table`` [max_num_seqs, P] (InputBatch slots), then gathers
-    its sequences' rows ``seq_slots`` [S] from it: one dispatch, where a separate write cost an
-    idle engine's first token ~1 ms of host time on the H200. Returns the greedy and plain
-    rows' tokens padded to [max_num_seqs] (so that the next step's prev_sampled has one shape
-    in every bucket), the logits [S, V] for ``_filter``, the hidden rows [R, E] at
-    ``hidden_indices`` for ``_prompt_logprobs``, the updated KV pool and the updated block
-    table. ``branch_free``: no control flow (the GPU; see the sampler's module docstring).
-    ``mesh``: the tensor-parallel mesh (None: one device)."""
-    x = layout.unpack(packed)
-    prev_rows = x["prev_rows"]
-    token_ids = jnp.where(prev_rows >= 0, prev_sampled[jnp.maximum(prev_rows, 0)],
-                          x["token_ids"])
-    block_table = _write_block_table(block_table, x["block_table_rows"], x["block_table_cols"],
-                                     x["block_table_pages"])
-    md = llama.AttentionMetadata(x["positions"], x["slot_mapping"], x["query_start_loc"],
-                                 x["seq_lens"], block_table[x["seq_slots"]])
-    sm = SamplingMetadata(**{f.name: x[f.name] for f in dataclasses.fields(SamplingMetadata)})
-    logits, k_cache, v_cache, hidden = llama.forward(
-        config, params, token_ids, md, k_cache, v_cache, x["logits_indices"],
-        attention_fn=attention_fn, mesh=mesh, hidden_indices=x["hidden_indices"])
-    sampled = sample_unfiltered(logits, sm, branch_free=branch_free)
-    return (jnp.pad(sampled, (0, max_num_seqs - sampled.shape[0])), logits, hidden, k_cache,
-            v_cache, block_table)
-
-
-def _filter(logits, sampled, sm, fm, state, bitmask):
-    """The step's tokens ([max_num_seqs]) with the rows of ``fm`` drawn again (a step's S rows
-    come first; constrained rows under their row of ``bitmask`` [S, W] int32), the sampler
-    state with their tokens counted, and their Logprobs."""
-    s = logits.shape[0]
-    tokens, state, logprobs = sample_filtered(logits, sampled[:s], sm, fm, state, bitmask)
-    return sampled.at[:s].set(tokens), state, logprobs
-
-
-def _prompt_logprobs(config, mesh, params, hidden, targets):
-    """Logprobs of ``targets`` [R] from the hidden rows [R, E] that precede them."""
-    return compute_logprobs(llama.compute_logits(config, params, hidden, mesh), targets)
-
-
-def _zeroed_pools(shape, dtype, num_layers: int):
-    """(K pools, V pools): num_layers zeroed pools each (``kv_quant.pool_zeros``)."""
-    return ([kv_quant.pool_zeros(shape, dtype) for _ in range(num_layers)],
-            [kv_quant.pool_zeros(shape, dtype) for _ in range(num_layers)])
-
-
-def _write_block_table(block_table, rows, cols, pages):
-    """``block_table`` [max_num_seqs, P] with ``pages`` [N] written at (``rows``, ``cols``);
-    entries with a row past the table pad (dropped)."""
-    return block_table.at[rows, cols].set(pages, mode="drop")
-
-
-def _copy_pages(k_cache, v_cache, src, dst):
-    """Copy KV pages ``src`` [N] to ``dst`` [N] in every layer (0 -> 0 pads: the null page)."""
-    copy = lambda pool: jax.tree.map(lambda a: a.at[:, dst].set(a[:, src]), pool)  # noqa: E731
-    return [copy(k) for k in k_cache], [copy(v) for v in v_cache]
-
-
-def _memory_of(compiled) -> tuple[int, int]:
-    """``kv_sizing.program_bytes`` of a compiled program; (0, 0) where the backend gives no
-    memory analysis."""
-    ma = compiled.memory_analysis()
-    if ma is None:
-        return 0, 0
-    return program_bytes(ma.temp_size_in_bytes, ma.output_size_in_bytes,
-                         ma.alias_size_in_bytes, getattr(ma, "generated_code_size_in_bytes", 0))
 
 
 def _trim(lp: dict, rows, ks) -> LogprobsLists:
@@ -263,34 +165,14 @@ class ModelRunner:
         self.step_layouts = {
             t: StepLayout(t, self.num_seqs_for(t), self.prompt_logprob_rows, BLOCK_TABLE_WRITES)
             for t in self.token_buckets}
-        # The step of each token bucket (its layout is static); the pool and the block table
-        # are donated.
-        if mesh is None:
-            jit_step = partial(KeyedJit, donate_argnums=(3, 4, 5))
-            self._filter_jitted = KeyedJit(_filter, donate_argnums=(4,))
-        else:
-            # Params as split by the Megatron layout, the pool by KV head.
-            rep, kv = self._replicated, sharding.kv_sharding(mesh)
-            jit_step = partial(
-                KeyedJit, donate_argnums=(3, 4, 5),
-                in_shardings=(sharding.param_shardings(params, mesh), rep, rep, kv, kv, rep),
-                out_shardings=(rep, rep, rep, kv, kv, rep))
-            self._filter_jitted = KeyedJit(_filter, donate_argnums=(4,), in_shardings=rep,
-                                           out_shardings=rep)
-        self._step_jitted = {
-            t: jit_step(partial(_step, config, attention_fn, mesh, max_num_seqs, branch_free,
-                                layout)) for t, layout in self.step_layouts.items()}
-        # The other programs a step may dispatch, each compiled once at start-up.
-        self._aux_jitted = {
-            "state writer": KeyedJit(write_state_row, donate_argnums=(0,)),
-            "page copy": KeyedJit(_copy_pages, donate_argnums=(0, 1)),
-            "block table write": KeyedJit(_write_block_table, donate_argnums=(0,)),
-            "prompt logprobs": KeyedJit(partial(_prompt_logprobs, config, mesh)),
-        }
+        self.programs = jit_programs(
+            config, params, attention_fn, mesh, max_num_seqs, branch_free, self.step_layouts,
+            sorted({self.num_seqs_for(t) for t in self.token_buckets}))
+        self.compiled: Programs | None = None  # compile_buckets
         self._prev_sampled = jnp.zeros(max_num_seqs, jnp.int32, device=self._replicated)
         # The InputBatch's block table, kept on the device: a step sends only the entries that
-        # changed (the whole table is 8 MB at 256 sequences of 131,072 tokens; staging it took
-        # ~2 ms of an idle engine's first token on the H200, docs/performance.md). Created by
+        # changed (the whole table is 8 MB at 256 sequences of 131,072 tokens; staging it would
+        # cost ~2 ms of an idle engine's first token on the H200, docs/performance.md). Created by
         # a jitted call, as the sampling state below.
         self.block_table = jax.jit(
             partial(jnp.zeros, (max_num_seqs, self.max_pages_per_seq), jnp.int32),
@@ -300,9 +182,6 @@ class ModelRunner:
         # device, so such steps move no bitmask to the device.
         self.bitmask_width = bitmask_width(config.vocab_size)
         self._no_bitmask: dict[int, jax.Array] = {}  # by S
-        self._compiled: dict[int, Callable] = {}
-        self._filter_compiled: dict[int, Callable] = {}  # by S
-        self._aux_compiled: dict[str, Callable] = {}
         self.peak_program_bytes = 0  # compile_buckets
         self._step_count = 0
         # Penalty counts, logit biases, stop ids per slot, on the device (sampler.py); stop ids
@@ -313,6 +192,12 @@ class ModelRunner:
             partial(init_state, max_num_seqs, config.vocab_size, MAX_LOGIT_BIAS,
                     MAX_STOP_TOKEN_IDS + len(config.eos_token_ids) + 1),
             out_shardings=self._replicated)()
+        st = self.sampling_state
+        self.inputs = InputBuilder(
+            self.input_batch, self.step_layouts, page_size=page_size,
+            vocab_size=config.vocab_size, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+            prompt_logprob_rows=self.prompt_logprob_rows, block_table_writes=BLOCK_TABLE_WRITES,
+            bias_width=st.bias_ids.shape[1], stop_width=st.stop_ids.shape[1])
 
     def _kv_pool(self, num_pages: int):
         """(shape [KV, num_pages, page_size, D] of one layer's K (or V) pool, KV the layout's,
@@ -340,8 +225,7 @@ class ModelRunner:
             error (kv_sizing's docstring), which would let layers overwrite each other.
         """
         shape, where = self._kv_pool(num_pages)
-        make = KeyedJit(partial(_zeroed_pools, shape, self.kv_dtype, self.config.num_layers),
-                        out_shardings=where)
+        make = jit_zeroed_pools(shape, self.kv_dtype, self.config.num_layers, where)
         k_cache, v_cache = self.executables.compile(make)()
         shards = [s.data for x in jax.tree.leaves((k_cache, v_cache)) for s in x.addressable_shards]
         distinct, total = len({x.unsafe_buffer_pointer() for x in shards}), len(shards)
@@ -353,43 +237,40 @@ class ModelRunner:
         self.k_cache, self.v_cache = k_cache, v_cache
 
     def profile_peak_bytes(self, num_pages: int) -> int:
-        """``kv_sizing.peak_program_bytes`` of the programs that can need the most (the largest
-        token bucket's step, the sampler of the most sequences, the page copy and the prompt
-        log-probabilities), each compiled against a pool of num_pages pages given by shapes
-        only (nothing is allocated). On a mesh, the bytes of one device (XLA analyses the
-        partitioned program). ``compile_buckets`` then measures every program at the real
-        pool size."""
-        k, v = self.pool_structs(num_pages)
-        t = self.token_buckets[-1]
-        programs = [(self._step_jitted[t], self.step_args(t, k, v), self._compiler_options(t)),
-                    (self._filter_jitted, self._filter_args(self.num_seqs_for(t)), None),
-                    (self._aux_jitted["page copy"], self._aux_args("page copy", k, v), None),
-                    (self._aux_jitted["prompt logprobs"], self._aux_args("prompt logprobs"), None)]
-        return peak_program_bytes([_memory_of(self.executables.compile(*p)) for p in programs])
+        """``kv_sizing.peak_program_bytes`` of the programs that can need the most
+        (``compilation.profile_peak_bytes``), each compiled against a pool of num_pages pages
+        given by shapes only (nothing is allocated). On a mesh, the bytes of one device (XLA
+        analyses the partitioned program). ``compile_buckets`` then measures every program at
+        the real pool size."""
+        return compilation.profile_peak_bytes(self.executables, self.programs,
+                                              self.placeholder_args(*self.pool_structs(num_pages)),
+                                              self._compiler_options)
 
     def num_seqs_for(self, num_tokens_bucket: int) -> int:
         return min(num_tokens_bucket, self.max_num_seqs)
 
-    def step_args(self, t: int, k_cache, v_cache) -> tuple:
-        """Placeholder arguments of token bucket t's step (``_step_jitted[t]``), for its
-        compilation, with the given pool (arrays, or ShapeDtypeStructs to compile against a
-        pool that is not allocated)."""
-        packed = np.zeros(self.step_layouts[t].size, np.int32)
-        return self.params, packed, self._prev_sampled, k_cache, v_cache, self.block_table
-
-    @staticmethod
-    def _dummy_sampling(s: int) -> tuple[SamplingMetadata, FilterMetadata]:
-        f32, i32, off = np.zeros(s, np.float32), np.zeros(s, np.int32), np.zeros(s, bool)
-        sm = SamplingMetadata(temperature=f32, top_k=i32, top_p=np.ones(s, np.float32),
-                              seeds=np.zeros(s, np.uint32), steps=i32)
-        fm = FilterMetadata(rows=off, slots=i32, min_p=f32, presence_penalty=f32,
-                            frequency_penalty=f32, repetition_penalty=np.ones(s, np.float32),
-                            logit_bias=off, suppress_stop=off, count=off, logprobs=off,
-                            structured=off)
-        return sm, fm
+    def placeholder_args(self, k_cache, v_cache) -> Programs:
+        """Placeholder arguments of every program, for their compilation, with the given pool
+        (arrays, or ShapeDtypeStructs to compile against a pool that is not allocated)."""
+        st = self.sampling_state
+        pages = np.zeros(self.max_num_seqs, np.int32)
+        entries = np.zeros(BLOCK_TABLE_WRITES, np.int32)
+        hidden = jax.ShapeDtypeStruct((self.prompt_logprob_rows, self.config.hidden_size),
+                                      self.params["embed_tokens"].dtype)
+        return Programs(
+            step={t: (self.params, np.zeros(layout.size, np.int32), self._prev_sampled,
+                      k_cache, v_cache, self.block_table)
+                  for t, layout in self.step_layouts.items()},
+            filter={s: self._filter_args(s) for s in self.programs.filter},
+            state_writer=(st, np.int32(0), np.zeros(self.max_model_len, np.int32), np.int32(0),
+                          np.int32(0), np.asarray(st.bias_ids[0]), np.asarray(st.bias_values[0]),
+                          np.asarray(st.stop_ids[0])),
+            page_copy=(k_cache, v_cache, pages, pages),
+            block_table_write=(self.block_table, entries, entries, entries),
+            prompt_logprobs=(self.params, hidden, np.zeros(self.prompt_logprob_rows, np.int32)))
 
     def _filter_args(self, s: int) -> tuple:
-        """Placeholder arguments of the sampler of s sequences (``_filter``)."""
+        """Placeholder arguments of the sampler of s sequences (``programs._filter``)."""
         logits = jax.ShapeDtypeStruct((s, self.config.vocab_size), jnp.float32,
                                       sharding=self._replicated)
         if s not in self._no_bitmask:
@@ -397,26 +278,8 @@ class ModelRunner:
             self._no_bitmask[s] = jax.jit(
                 partial(jnp.full, (s, self.bitmask_width), -1, jnp.int32),
                 out_shardings=self._replicated)()
-        return (logits, self._prev_sampled, *self._dummy_sampling(s), self.sampling_state,
-                self._no_bitmask[s])
-
-    def _aux_args(self, name: str, k_cache=None, v_cache=None):
-        """Placeholder arguments of the auxiliary programs, for their compilation (the page
-        copy's with the given pool, ``pool_structs``)."""
-        st = self.sampling_state
-        if name == "state writer":
-            return (st, np.int32(0), np.zeros(self.max_model_len, np.int32), np.int32(0),
-                    np.int32(0), np.asarray(st.bias_ids[0]), np.asarray(st.bias_values[0]),
-                    np.asarray(st.stop_ids[0]))
-        if name == "page copy":
-            pages = np.zeros(self.max_num_seqs, np.int32)
-            return k_cache, v_cache, pages, pages
-        if name == "block table write":
-            entries = np.zeros(BLOCK_TABLE_WRITES, np.int32)
-            return self.block_table, entries, entries, entries
-        hidden = jax.ShapeDtypeStruct((self.prompt_logprob_rows, self.config.hidden_size),
-                                      self.params["embed_tokens"].dtype)
-        return self.params, hidden, np.zeros(self.prompt_logprob_rows, np.int32)
+        return (logits, self._prev_sampled, neutral(SamplingMetadata, s),
+                neutral(FilterMetadata, s), self.sampling_state, self._no_bitmask[s])
 
     def _compiler_options(self, tokens: int) -> dict | None:
         """XLA options of the step for a bucket of ``tokens``. On a GPU, XLA updates a step's
@@ -431,64 +294,15 @@ class ModelRunner:
         return {"xla_gpu_enable_command_buffer": ""}
 
     def compile_buckets(self, num_pages: int, log: Callable[[str], None] = print) -> None:
-        """Compile the step for every token bucket and the top-k/top-p sampler for every
-        sequence count, against a pool of num_pages pages (``allocate_kv_cache`` may come
-        after), with a progress line each, and set ``peak_program_bytes`` over all of them
-        (``kv_sizing.peak_program_bytes``). A program in the executable cache is loaded
-        from it on a pool of a thread per core; the others are traced and lowered one after
-        another on this thread, and each lowered program is compiled (and saved to the cache)
-        at once on that pool (XLA's compiler runs outside the GIL), so compiling overlaps the
-        lowering of the next."""
-        start = time.perf_counter()
-        k, v = self.pool_structs(num_pages)
-        programs = {}  # (kind, tokens or seqs) -> (jitted, args, compiler options)
-        for t in self.token_buckets:
-            programs["step", t] = (self._step_jitted[t], self.step_args(t, k, v),
-                                   self._compiler_options(t))
-        for s in sorted({self.num_seqs_for(t) for t in self.token_buckets}):
-            programs["filter", s] = (self._filter_jitted, self._filter_args(s), None)
-        for name, fn in self._aux_jitted.items():
-            programs[name, None] = (fn, self._aux_args(name, k, v), None)
-        total, hits = len(programs), self.executables.hits
-        with ThreadPoolExecutor(min(total, os.cpu_count() or 1)) as pool:
-            futures = {self.executables.submit(pool, *program): label
-                       for label, program in programs.items()}
-            log(f"{total} programs ({len(self.token_buckets)} token buckets, "
-                f"{total - len(self.token_buckets) - len(self._aux_jitted)} samplers, "
-                f"{len(self._aux_jitted)} others) traced, or found in the executable cache, in "
-                f"{time.perf_counter() - start:.1f}s")
-            for i, done in enumerate(as_completed(futures), 1):
-                kind, n = futures[done]
-                table = {"step": self._compiled, "filter": self._filter_compiled}.get(kind)
-                if table is None:
-                    self._aux_compiled[kind] = done.result()
-                    what = kind
-                else:
-                    table[n] = done.result()
-                    what = f"{kind} {'tokens' if kind == 'step' else 'seqs'}={n}"
-                log(f"compiling (or loading from a cache): {i}/{total} ({what}) "
-                    f"{time.perf_counter() - start:.1f}s")
-        log(f"{self.executables.hits - hits} of {total} programs came from the executable cache")
+        """Compile every program (``compilation.compile_programs``: the step of every token
+        bucket, the filtered sampler of every sequence count, the others) against a pool of
+        num_pages pages (``allocate_kv_cache`` may come after), and set ``peak_program_bytes``
+        over all of them (``kv_sizing.peak_program_bytes``)."""
+        self.compiled = compilation.compile_programs(
+            self.executables, self.programs, self.placeholder_args(*self.pool_structs(num_pages)),
+            self._compiler_options, log)
         self.peak_program_bytes = peak_program_bytes(
-            [_memory_of(c) for c in [*self._compiled.values(), *self._filter_compiled.values(),
-                                     *self._aux_compiled.values()]])
-
-    def _write_state_row(self, slot: int, r: NewRequestData) -> None:
-        """Dispatch the sampler-state row of a request entering the batch (sampler.py)."""
-        st = self.sampling_state
-        vocab = self.config.vocab_size
-        tokens = np.zeros(self.max_model_len, np.int32)
-        tokens[: len(r.token_ids)] = r.token_ids
-        bias = r.sampling_params.logit_bias or {}
-        bias_ids = np.full(st.bias_ids.shape[1], vocab, np.int32)
-        bias_ids[: len(bias)] = list(bias)
-        bias_values = np.zeros(st.bias_values.shape[1], np.float32)
-        bias_values[: len(bias)] = list(bias.values())
-        stop_ids = np.full(st.stop_ids.shape[1], vocab, np.int32)
-        stop_ids[: len(r.stop_token_ids)] = r.stop_token_ids
-        self.sampling_state = self._aux_compiled["state writer"](
-            st, np.int32(slot), tokens, np.int32(r.num_prompt_tokens), np.int32(len(r.token_ids)),
-            bias_ids, bias_values, stop_ids)
+            [compilation.memory_of(c) for _, _, c in self.compiled.entries()])
 
     def execute(self, sched: SchedulerOutput) -> StepHandle | None:
         """Apply the step's changes to the InputBatch and dispatch the step (no wait), then,
@@ -504,121 +318,43 @@ class ModelRunner:
         """
         b = self.input_batch
         for slot, r in b.update_states(sched):
-            self._write_state_row(slot, r)
+            self.sampling_state = self.compiled.state_writer(
+                self.sampling_state, *self.inputs.state_row(slot, r))
         n_tok = sched.total_num_scheduled_tokens
         if n_tok == 0:
             return None
-        req_ids = list(sched.num_scheduled_tokens)
-        n_seq = len(req_ids)
         # Forked choices are rows without tokens, so a step may hold more rows than tokens.
-        t = _bucket(self.token_buckets, max(n_tok, n_seq))
-        s = self.num_seqs_for(t)
-        ps = self.page_size
-        slots = np.fromiter((b.req_index[r] for r in req_ids), np.int32, n_seq)
-        counts = np.fromiter(sched.num_scheduled_tokens.values(), np.int32, n_seq)
-        computed = b.num_computed_tokens[slots]
-        ends = np.cumsum(counts, dtype=np.int32)
-        seq_of_tok = np.repeat(np.arange(n_seq, dtype=np.int32), counts)
-        tok_slot = slots[seq_of_tok]
-        pos = computed[seq_of_tok] + np.arange(n_tok, dtype=np.int32) - (ends - counts)[seq_of_tok]
-        unknown = pos >= b.num_tokens[tok_slot]
-        if unknown.any() and (b.in_flight_step[tok_slot[unknown]] != self._step_count - 1).any():
-            raise RuntimeError("a scheduled token is neither known nor sampled by the last step")
-
-        token_ids = np.zeros(t, np.int32)
-        token_ids[:n_tok] = np.where(unknown, 0, b.token_ids[tok_slot, pos])
-        prev_rows = np.full(t, -1, np.int32)
-        prev_rows[:n_tok] = np.where(unknown, b.in_flight_row[tok_slot], -1)
-        positions = np.zeros(t, np.int32)
-        positions[:n_tok] = pos
-        slot_mapping = np.zeros(t, np.int32)  # padding writes to the null page
-        slot_mapping[:n_tok] = b.block_table[tok_slot, pos // ps] * ps + pos % ps
-        qsl = np.full(s + 1, n_tok, np.int32)
-        qsl[0] = 0
-        qsl[1 : n_seq + 1] = ends
-        context = computed + counts  # each sequence's length after this step
-        seq_lens = np.zeros(s, np.int32)
-        seq_lens[:n_seq] = np.where(counts > 0, context, 0)  # a forked row attends to nothing
-        seq_slots = np.zeros(s, np.int32)  # padding rows attend to nothing (seq_lens 0)
-        seq_slots[:n_seq] = slots
-        logits_indices = np.zeros(s, np.int32)
-        logits_indices[:n_seq] = ends - 1
-        if sched.forked_from:
-            row_of = {r: i for i, r in enumerate(req_ids)}
-            for child, parent in sched.forked_from.items():
-                logits_indices[row_of[child]] = logits_indices[row_of[parent]]
-        samples = np.fromiter((sched.samples[r] for r in req_ids), bool, n_seq)
-        hidden_indices, prompt_spans, targets = self._prompt_logprob_rows(
-            sched, req_ids, slots, computed, counts, ends)
-
-        def per_seq(values, fill, dtype):
-            out = np.full(s, fill, dtype)
-            out[:n_seq] = values
-            return out
-
-        # tokens generated before the one sampled now: its position minus the prompt
-        steps = context - b.num_prompt_tokens[slots]
-        sm = SamplingMetadata(
-            temperature=per_seq(b.temperature[slots], 0, np.float32),
-            top_k=per_seq(b.top_k[slots], 0, np.int32),
-            top_p=per_seq(b.top_p[slots], 1, np.float32),
-            seeds=per_seq(b.seeds[slots], 0, np.uint32),
-            steps=per_seq(steps, 0, np.int32),
-        )
-        step = self._compiled.get(t)
+        t = bucket_for(self.token_buckets, max(n_tok, len(sched.num_scheduled_tokens)))
+        step = self.compiled.step.get(t)
         if step is None:
             raise RuntimeError(f"bucket tokens={t} was not compiled at start-up")
-        bt_rows, bt_cols, bt_pages = self._block_table_writes()
-        packed = self.step_layouts[t].pack(dict(
-            token_ids=token_ids, prev_rows=prev_rows, positions=positions,
-            slot_mapping=slot_mapping, query_start_loc=qsl, seq_lens=seq_lens,
-            seq_slots=seq_slots, logits_indices=logits_indices, hidden_indices=hidden_indices,
-            block_table_rows=bt_rows, block_table_cols=bt_cols, block_table_pages=bt_pages,
-            **{f.name: getattr(sm, f.name) for f in dataclasses.fields(sm)}))
+        x = self.inputs.build(sched, t, self._step_count - 1)
+        for r, c, p in x.early_block_table_writes:
+            self.block_table = self.compiled.block_table_write(self.block_table, r, c, p)
         sampled, logits, hidden, self.k_cache, self.v_cache, self.block_table = step(
-            self.params, packed, self._prev_sampled, self.k_cache, self.v_cache,
+            self.params, x.packed, self._prev_sampled, self.k_cache, self.v_cache,
             self.block_table)
-        logprob_ks = b.logprobs[slots]
-        suppress = b.min_tokens[slots] > steps
-        redraw = (b.penalized[slots] | b.logit_bias[slots] | suppress
-                  | ((b.temperature[slots] > 0) & (b.min_p[slots] > 0)))
-        redraw |= filtered_rows(sm, self.config.vocab_size)[:n_seq]
-        structured = self._structured_rows(sched, req_ids, s)
-        redraw |= structured[:n_seq]
-        want_logprobs = samples & (logprob_ks >= 0)
-        fm = None
-        if redraw.any() or want_logprobs.any():
-            fm = FilterMetadata(
-                rows=per_seq(redraw, False, bool), slots=per_seq(slots, 0, np.int32),
-                min_p=per_seq(b.min_p[slots], 0, np.float32),
-                presence_penalty=per_seq(b.presence_penalty[slots], 0, np.float32),
-                frequency_penalty=per_seq(b.frequency_penalty[slots], 0, np.float32),
-                repetition_penalty=per_seq(b.repetition_penalty[slots], 1, np.float32),
-                logit_bias=per_seq(b.logit_bias[slots], False, bool),
-                suppress_stop=per_seq(suppress, False, bool),
-                count=per_seq(samples & b.penalized[slots], False, bool),
-                logprobs=per_seq(want_logprobs, False, bool), structured=structured)
-        if sched.copy_pages:
-            src = np.zeros(self.max_num_seqs, np.int32)
-            dst = np.zeros(self.max_num_seqs, np.int32)
-            src[: len(sched.copy_pages)], dst[: len(sched.copy_pages)] = zip(*sched.copy_pages)
-            self.k_cache, self.v_cache = self._aux_compiled["page copy"](
-                self.k_cache, self.v_cache, src, dst)
+        f = self.inputs.filter_inputs(sched, x)
+        copies = self.inputs.page_copies(sched)
+        if copies is not None:
+            self.k_cache, self.v_cache = self.compiled.page_copy(self.k_cache, self.v_cache,
+                                                                 *copies)
         prompt_logprobs = None
-        if prompt_spans:
-            prompt_logprobs = self._aux_compiled["prompt logprobs"](self.params, hidden, targets)
+        if x.prompt_spans:
+            prompt_logprobs = self.compiled.prompt_logprobs(self.params, hidden, x.prompt_targets)
         self._step_count += 1
-        b.num_computed_tokens[slots] = context
-        rows = np.flatnonzero(samples).astype(np.int32)
-        b.in_flight_row[slots[rows]] = rows
-        b.in_flight_step[slots[rows]] = self._step_count - 1
-        handle = StepHandle(self._step_count - 1, sampled, rows, [req_ids[i] for i in rows],
-                            None, logprob_ks[rows], prompt_logprobs, prompt_spans, targets)
+        b.num_computed_tokens[x.slots] = x.context
+        rows = np.flatnonzero(x.samples).astype(np.int32)
+        b.in_flight_row[x.slots[rows]] = rows
+        b.in_flight_step[x.slots[rows]] = self._step_count - 1
+        handle = StepHandle(self._step_count - 1, sampled, rows, [x.req_ids[i] for i in rows],
+                            None, f.logprob_ks[rows], prompt_logprobs, x.prompt_spans,
+                            x.prompt_targets)
         self._prev_sampled = sampled
-        if fm is not None:
-            handle.filter_inputs = (logits, sm, fm, np.flatnonzero(structured),
-                                    bool(want_logprobs.any()))
-            if not structured.any() or sched.grammar_bitmask is not None:
+        if f.fm is not None:
+            handle.filter_inputs = (logits, x.sm, f.fm, np.flatnonzero(f.structured),
+                                    f.want_logprobs)
+            if not f.structured.any() or sched.grammar_bitmask is not None:
                 self.sample_filtered(handle, sched.grammar_bitmask)
         return handle
 
@@ -637,7 +373,7 @@ class ModelRunner:
         if grammar_bitmask is not None:
             bitmask = np.full((s, self.bitmask_width), -1, np.int32)
             bitmask[struct_rows] = grammar_bitmask
-        sampled, self.sampling_state, lp = self._filter_compiled[s](
+        sampled, self.sampling_state, lp = self.compiled.filter[s](
             logits, handle.sampled, sm, fm, self.sampling_state, bitmask)
         handle.sampled = self._prev_sampled = sampled
         handle.logprobs = lp if want_logprobs else None
@@ -656,61 +392,6 @@ class ModelRunner:
         except Exception:  # noqa: BLE001 - whatever the failed program left, it cannot serve
             return False
         return True
-
-    def _structured_rows(self, sched: SchedulerOutput, req_ids: list[str], s: int) -> np.ndarray:
-        """[S] bool: the rows of the step's constrained sequences."""
-        structured = np.zeros(s, bool)
-        if sched.structured_output_request_ids:
-            row_of = {r: i for i, r in enumerate(req_ids)}
-            structured[[row_of[r] for r in sched.structured_output_request_ids]] = True
-        return structured
-
-    def _no_block_table_writes(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """BLOCK_TABLE_WRITES entries that write nothing (rows past the table are dropped)."""
-        return (np.full(BLOCK_TABLE_WRITES, self.max_num_seqs, np.int32),
-                np.zeros(BLOCK_TABLE_WRITES, np.int32), np.zeros(BLOCK_TABLE_WRITES, np.int32))
-
-    def _block_table_writes(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The InputBatch's block table entries written since the last step, for the step to
-        write to the device copy: its last BLOCK_TABLE_WRITES (padded); any before those go
-        now by the "block table write" program, as many at a time."""
-        rows, cols, pages = self.input_batch.take_block_table_changes()
-        chunks = []
-        for a in range(0, len(rows), BLOCK_TABLE_WRITES):
-            r, c, p = self._no_block_table_writes()
-            n = min(BLOCK_TABLE_WRITES, len(rows) - a)
-            r[:n], c[:n], p[:n] = rows[a : a + n], cols[a : a + n], pages[a : a + n]
-            chunks.append((r, c, p))
-        for r, c, p in chunks[:-1]:
-            self.block_table = self._aux_compiled["block table write"](self.block_table, r, c, p)
-        return chunks[-1] if chunks else self._no_block_table_writes()
-
-    def _prompt_logprob_rows(self, sched, req_ids, slots, computed, counts, ends):
-        """For the requests in ``sched.prompt_logprobs``: the flat-batch rows of their scheduled
-        prompt positions that predict a next prompt token, padded to PROMPT_LOGPROB_ROWS, the
-        spans (see StepHandle) and the tokens predicted."""
-        rows = np.zeros(self.prompt_logprob_rows, np.int32)
-        targets = np.zeros(self.prompt_logprob_rows, np.int32)
-        spans, used = [], 0
-        if not sched.prompt_logprobs:
-            return rows, spans, targets
-        b = self.input_batch
-        for i, rid in enumerate(req_ids):
-            if rid not in sched.prompt_logprobs:
-                continue
-            slot = slots[i]
-            first = computed[i]  # position of the chunk's first token
-            n = min(computed[i] + counts[i], b.num_prompt_tokens[slot] - 1) - first
-            if n <= 0:
-                continue
-            if used + n > len(rows):
-                raise RuntimeError("prompt log-probability rows exceed the step's capacity")
-            rows[used : used + n] = ends[i] - counts[i] + np.arange(n)
-            targets[used : used + n] = b.token_ids[slot, first + 1 : first + 1 + n]
-            k = b.prompt_logprobs[slot]
-            spans.append((rid, int(first) + 1, used, int(n), int(k)))
-            used += n
-        return rows, spans, targets
 
     def get_output(self, handle: StepHandle) -> ModelRunnerOutput:
         """Wait for a dispatched step; returns its sampled tokens (for the requests whose step

@@ -17,13 +17,13 @@ A constrained row (structured outputs) first has every token its grammar does no
 vLLM V1, which masks the logits before its sampler, everything after that, log-probabilities
 included, sees the masked logits.
 
-Before a row is drawn, the logits processors of vLLM V1 run in its order: min_tokens (EOS and
-stop token ids at -inf until enough tokens, unless the grammar's mask left nothing else), logit
-bias, then the repetition, frequency and presence penalties (vLLM's definitions: repetition
-over prompt and output tokens, the other two over output tokens); greedy takes the argmax of the result; temperature, then min-p, then
-top-k / top-p apply to sampled rows. Log-probabilities are the log-softmax of the raw logits
-(before all of that but the grammar's mask), vLLM V1's default; the sampled token's rank counts the tokens more likely
-than it, plus one.
+Before a row is drawn, the logits processors of vLLM V1 run in its order: min_tokens (EOS and stop
+token ids at -inf until enough tokens, unless the grammar's mask left nothing else), logit bias,
+then the repetition, frequency and presence penalties (vLLM's definitions: repetition over prompt
+and output tokens, the other two over output tokens); greedy takes the argmax of the result;
+temperature, then min-p, then top-k / top-p apply to sampled rows. Log-probabilities are the log-
+softmax of the raw logits (before all of that but the grammar's mask), vLLM V1's default; the
+sampled token's rank counts the tokens more likely than it, plus one.
 
 Penalties need each request's token counts: ``SamplingState`` keeps them on the device, one row
 per InputBatch slot (output token counts, the prompt's tokens as a mask, and fixed-width tables
@@ -40,9 +40,9 @@ skips the noise when every row is greedy) runs inside every step; ``sample_filte
 row that needs more: processors, min-p, candidates and sort, each costly path under a
 ``lax.cond`` so that it runs only when some row takes it; and the log-probabilities) is a
 separate executable that the runner dispatches only in steps that hold such a row.
-``sample`` is the two in a row.
 """
 
+import dataclasses
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -50,6 +50,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.sampling_params import MAX_LOGPROBS
+from jaxserve.worker.sampling_fields import FilterMetadata, SamplingMetadata
 
 # Covers the top_k values clients use in practice (20, 40, 50, 100). On CPU lax.top_k(256) is a
 # partial sort (about 0.3 ms a 128,256-token row against 40 ms for the sort). On GPU, XLA has a
@@ -57,73 +58,6 @@ from jaxserve.sampling_params import MAX_LOGPROBS
 # slow as the full sort (H200, 256 rows: 2.6 ms against 2.4): there this path saves only the
 # full-vocabulary softmax, cumulative sum and noise of the sort path.
 K_MAX = 256
-
-
-@dataclass(frozen=True)
-class SamplingMetadata:
-    """Per-sequence sampling settings of one step, padded to the step's S.
-
-    Attributes:
-      temperature: [S] float32; 0 means greedy.
-      top_k: [S] int32; 0 disables.
-      top_p: [S] float32 in (0, 1].
-      seeds: [S] uint32 per-request seed.
-      steps: [S] int32 tokens the request has generated so far; folded into its seed so a
-        request's draws do not depend on what else is in the batch.
-    """
-
-    temperature: jax.Array
-    top_k: jax.Array
-    top_p: jax.Array
-    seeds: jax.Array
-    steps: jax.Array
-
-
-jax.tree_util.register_dataclass(
-    SamplingMetadata, data_fields=["temperature", "top_k", "top_p", "seeds", "steps"], meta_fields=[]
-)
-
-
-@dataclass(frozen=True)
-class FilterMetadata:
-    """Per-sequence settings of ``sample_filtered``, padded to the step's S (built only in
-    steps that dispatch it).
-
-    Attributes:
-      rows: [S] bool, the rows ``sample_filtered`` draws again (the others keep their token).
-      slots: [S] int32, each row's row of the SamplingState.
-      min_p: [S] float32 in [0, 1]; 0 disables.
-      presence_penalty, frequency_penalty: [S] float32; 0 disables.
-      repetition_penalty: [S] float32 > 0; 1 disables.
-      logit_bias: [S] bool, add the slot's logit-bias table.
-      suppress_stop: [S] bool, the slot's stop token ids (EOS included) at -inf (min_tokens not
-        reached yet).
-      count: [S] bool, add the drawn token to the slot's output counts (a penalized row whose
-        token is its next output).
-      logprobs: [S] bool, rows whose log-probabilities are wanted.
-      structured: [S] bool, rows constrained by their row of the step's grammar bitmask.
-    """
-
-    rows: jax.Array
-    slots: jax.Array
-    min_p: jax.Array
-    presence_penalty: jax.Array
-    frequency_penalty: jax.Array
-    repetition_penalty: jax.Array
-    logit_bias: jax.Array
-    suppress_stop: jax.Array
-    count: jax.Array
-    logprobs: jax.Array
-    structured: jax.Array
-
-
-jax.tree_util.register_dataclass(
-    FilterMetadata,
-    data_fields=["rows", "slots", "min_p", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty", "logit_bias", "suppress_stop", "count", "logprobs",
-                 "structured"],
-    meta_fields=[],
-)
 
 
 @dataclass(frozen=True)
@@ -148,10 +82,7 @@ class SamplingState:
 
 
 jax.tree_util.register_dataclass(
-    SamplingState,
-    data_fields=["output_counts", "prompt_mask", "bias_ids", "bias_values", "stop_ids"],
-    meta_fields=[],
-)
+    SamplingState, data_fields=[f.name for f in dataclasses.fields(SamplingState)], meta_fields=[])
 
 
 class Logprobs(NamedTuple):
@@ -448,35 +379,3 @@ def sample_filtered(logits: jax.Array, tokens: jax.Array, sm: SamplingMetadata,
     logprobs = jax.lax.cond(jnp.any(fm.logprobs), lambda: compute_logprobs(logits, tokens),
                             lambda: no_logprobs)
     return tokens, state, logprobs
-
-
-def plain_filter_metadata(sm: SamplingMetadata, vocab: int) -> FilterMetadata:
-    """FilterMetadata that draws the top-k / top-p rows of ``sm`` and nothing else."""
-    n = sm.temperature.shape[0]
-    off = jnp.zeros(n, bool)
-    return FilterMetadata(
-        rows=filtered_rows(sm, vocab), slots=jnp.zeros(n, jnp.int32),
-        min_p=jnp.zeros(n, jnp.float32), presence_penalty=jnp.zeros(n, jnp.float32),
-        frequency_penalty=jnp.zeros(n, jnp.float32), repetition_penalty=jnp.ones(n, jnp.float32),
-        logit_bias=off, suppress_stop=off, count=off, logprobs=off, structured=off)
-
-
-def sample(logits: jax.Array, sm: SamplingMetadata, fm: FilterMetadata | None = None,
-           state: SamplingState | None = None, bitmask: jax.Array | None = None):
-    """Pick one token per row (``sample_unfiltered`` then ``sample_filtered``).
-
-    Args:
-      logits: [S, V] float32.
-      sm: the rows' sampling settings.
-      fm, state, bitmask: as ``sample_filtered``; None for ``fm`` draws the top-k / top-p rows
-        only.
-
-    Returns:
-      [S] int32 token ids when ``fm`` is None, else ``sample_filtered``'s triple. Greedy rows
-      take the argmax (of the processed logits). A row's token depends only on its own logits,
-      settings, state row, seed and step.
-    """
-    tokens = sample_unfiltered(logits, sm, branch_free=False)
-    if fm is None:
-        return sample_filtered(logits, tokens, sm, plain_filter_metadata(sm, logits.shape[-1]))[0]
-    return sample_filtered(logits, tokens, sm, fm, state, bitmask)

@@ -17,26 +17,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.worker.sampling_fields import SAMPLING, fields_of
+
 # (name, length: "t" tokens, "s" sequences, "s+1", "r" prompt-logprob rows, "w" block table
-# writes, dtype)
+# writes, dtype); the SamplingMetadata fields as sampling_fields declares them
 FIELDS = (
-    ("token_ids", "t", np.int32),
-    ("prev_rows", "t", np.int32),
-    ("positions", "t", np.int32),
-    ("slot_mapping", "t", np.int32),
+    *((name, "t", np.int32) for name in ("token_ids", "prev_rows", "positions", "slot_mapping")),
     ("query_start_loc", "s+1", np.int32),
-    ("seq_lens", "s", np.int32),
-    ("seq_slots", "s", np.int32),
-    ("logits_indices", "s", np.int32),
-    ("temperature", "s", np.float32),
-    ("top_k", "s", np.int32),
-    ("top_p", "s", np.float32),
-    ("seeds", "s", np.uint32),
-    ("steps", "s", np.int32),
+    *((name, "s", np.int32) for name in ("seq_lens", "seq_slots", "logits_indices")),
+    *((f.name, "s", f.dtype) for f in fields_of(SAMPLING)),
     ("hidden_indices", "r", np.int32),
-    ("block_table_rows", "w", np.int32),
-    ("block_table_cols", "w", np.int32),
-    ("block_table_pages", "w", np.int32),
+    *((name, "w", np.int32)
+      for name in ("block_table_rows", "block_table_cols", "block_table_pages")),
 )
 
 

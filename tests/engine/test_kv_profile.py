@@ -8,7 +8,7 @@ import pytest
 
 from jaxserve.engine import kv_sizing
 from jaxserve.models.registry import build_params
-from jaxserve.worker import model_runner
+from jaxserve.worker import compilation
 from jaxserve.worker.model_runner import ModelRunner
 from pallas_kernels.reference import attention
 
@@ -32,8 +32,7 @@ def test_peaks_count_every_program_and_the_pool_comes_after():
     assert 64 * 64 * 4 <= profiled < 10 * 2**20
     runner.compile_buckets(17, log=lambda _: None)  # against the pool's shapes: nothing allocated
     assert runner.k_cache is None
-    every = [model_runner._memory_of(c) for c in [*runner._compiled.values(),
-             *runner._filter_compiled.values(), *runner._aux_compiled.values()]]
+    every = [compilation.memory_of(c) for _, _, c in runner.compiled.entries()]
     assert len(every) == len(runner.token_buckets) + 3 + 4  # buckets, samplers, the others
     assert runner.peak_program_bytes == kv_sizing.peak_program_bytes(every) >= profiled
     runner.allocate_kv_cache(17)

@@ -26,8 +26,8 @@ COLLECTIVE = re.compile(
 def collectives(runner) -> dict:
     """Collective ops in the compiled program of the runner's largest token bucket."""
     t = runner.token_buckets[-1]
-    text = runner._step_jitted[t].lower(
-        *runner.step_args(t, runner.k_cache, runner.v_cache)).compile().as_text()
+    args = runner.placeholder_args(runner.k_cache, runner.v_cache)
+    text = runner.programs.step[t].lower(*args.step[t]).compile().as_text()
     found = COLLECTIVE.findall(text)
     return {"ops": dict(collections.Counter(op for _, op in found)),
             "gathered": [shape for shape, op in found if op == "all-gather"]}

@@ -7,7 +7,6 @@ unreferenced KV slots hold a finite poison value, so a missing mask shows as a w
 
 import functools
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

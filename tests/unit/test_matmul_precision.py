@@ -21,8 +21,8 @@ def step_dots(dtype) -> list[str]:
                          max_num_seqs=4, max_num_batched_tokens=8, max_model_len=64,
                          kv_dtype=dtype, attention_fn=attention_stub)
     runner.allocate_kv_cache(8)
-    text = runner._step_jitted[8].lower(
-        *runner.step_args(8, runner.k_cache, runner.v_cache)).as_text()
+    args = runner.placeholder_args(runner.k_cache, runner.v_cache)
+    text = runner.programs.step[8].lower(*args.step[8]).as_text()
     return DOT.findall(text)
 
 

@@ -4,14 +4,33 @@ Each sampling path (plain Gumbel-max, top-k candidates, full sort) is checked ag
 target distribution with a chi-square test on 20,000 draws.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.worker.sampler import K_MAX, SamplingMetadata, sample
+from jaxserve.worker.sampler import K_MAX, filtered_rows, sample_filtered, sample_unfiltered
+from jaxserve.worker.sampling_fields import FilterMetadata, SamplingMetadata, neutral
 
-sample = jax.jit(sample)
+
+def plain_filter_metadata(sm: SamplingMetadata, vocab: int) -> FilterMetadata:
+    """FilterMetadata that draws the top-k / top-p rows of ``sm`` and nothing else."""
+    return neutral(FilterMetadata, sm.temperature.shape[0], rows=filtered_rows(sm, vocab))
+
+
+def draw_tokens(logits, sm, fm=None, state=None, bitmask=None):
+    """One token per row as a step draws it: ``sample_unfiltered`` then ``sample_filtered``.
+    With ``fm`` None the top-k / top-p rows alone are drawn again and the [S] int32 tokens
+    returned; else ``sample_filtered``'s (tokens, state, Logprobs)."""
+    tokens = sample_unfiltered(logits, sm, branch_free=False)
+    if fm is None:
+        return sample_filtered(logits, tokens, sm, plain_filter_metadata(sm, logits.shape[-1]))[0]
+    return sample_filtered(logits, tokens, sm, fm, state, bitmask)
+
+
+sample = jax.jit(draw_tokens)
 
 
 def meta(n, temperature=1.0, top_k=0, top_p=1.0, seed=0, step=0):
@@ -171,8 +190,6 @@ def test_a_rows_token_does_not_depend_on_the_rest_of_the_batch():
 @pytest.mark.parametrize("temperatures", [(0.0, 0.0, 0.0), (0.0, 0.7, 1.3)])
 def test_branch_free_draws_equal_the_branching_ones(temperatures):
     # The GPU's step (branch_free) and the CPU's must give the same tokens.
-    from jaxserve.worker.sampler import sample_unfiltered
-
     n = len(temperatures)
     m = meta(n, seed=3, step=5)
     m = SamplingMetadata(jnp.asarray(temperatures, jnp.float32), m.top_k, m.top_p, m.seeds, m.steps)
@@ -185,21 +202,16 @@ def test_branch_free_draws_equal_the_branching_ones(temperatures):
 # -- logits processors, penalties, min-p, logprobs (the filtered executable) -------------------
 
 from jaxserve.worker.sampler import (  # noqa: E402
-    FilterMetadata, apply_processors, compute_logprobs, init_state, write_state_row)
+    apply_processors, compute_logprobs, init_state, write_state_row)
 
 V = 12
 
 
 def fmeta(n, **kw):
     """FilterMetadata for n rows, rows i using slot i, everything off unless given."""
-    base = dict(rows=np.ones(n, bool), slots=np.arange(n, dtype=np.int32),
-                min_p=np.zeros(n, np.float32), presence_penalty=np.zeros(n, np.float32),
-                frequency_penalty=np.zeros(n, np.float32),
-                repetition_penalty=np.ones(n, np.float32), logit_bias=np.zeros(n, bool),
-                suppress_stop=np.zeros(n, bool), count=np.zeros(n, bool),
-                logprobs=np.zeros(n, bool), structured=np.zeros(n, bool))
-    base.update({k: np.asarray(v, base[k].dtype) for k, v in kw.items()})
-    return FilterMetadata(**base)
+    base = neutral(FilterMetadata, n, rows=np.ones(n, bool), slots=np.arange(n, dtype=np.int32))
+    return dataclasses.replace(base, **{k: np.asarray(v, getattr(base, k).dtype)
+                                        for k, v in kw.items()})
 
 
 def state_with(rows):
@@ -268,12 +280,12 @@ def test_min_p_keeps_tokens_within_its_share_of_the_best():
     n = N_DRAWS
     sm = meta(n, temperature=1.0)
     fm = fmeta(n, min_p=np.full(n, 0.3))
-    tokens = np.asarray(jax.jit(sample)(jnp.tile(logits, (n, 1)), sm, fm, None)[0])
+    tokens = np.asarray(sample(jnp.tile(logits, (n, 1)), sm, fm, None)[0])
     p = np.array([0.4, 0.3, 0.15, 0, 0])  # 0.1 < 0.3 * 0.4: out
     assert_follows(tokens, p / p.sum())
     fm1 = fmeta(8, min_p=np.ones(8))
-    assert set(np.asarray(jax.jit(sample)(jnp.tile(logits, (8, 1)), meta(8, temperature=2.0),
-                                          fm1, None)[0])) == {0}
+    assert set(np.asarray(sample(jnp.tile(logits, (8, 1)), meta(8, temperature=2.0),
+                                 fm1, None)[0])) == {0}
 
 
 def test_logprobs_are_the_raw_log_softmax_with_ranks():
@@ -301,7 +313,7 @@ def test_filtered_rows_count_their_tokens_and_greedy_takes_the_processed_argmax(
     sm = meta(3, temperature=0.0)
     fm = fmeta(3, rows=[True, True, False], frequency_penalty=[1.0, 0, 0],
                count=[True, True, False], logprobs=[True, False, False])
-    tokens, st2, lp = jax.jit(sample)(jnp.asarray(logits), sm, fm, st)
+    tokens, st2, lp = sample(jnp.asarray(logits), sm, fm, st)
     assert np.asarray(tokens).tolist() == [6, 5, 5]  # row 0: 3.0 - 1 < 2.5
     counts = np.asarray(st2.output_counts)
     assert counts[0, 6] == 1 and counts[0, 5] == 1 and counts[1, 5] == 1 and counts[2].sum() == 0

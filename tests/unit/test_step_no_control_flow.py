@@ -13,7 +13,9 @@ import numpy as np
 from jaxserve.config import ModelConfig
 from jaxserve.models import llama
 from jaxserve.worker.model_runner import ModelRunner
-from jaxserve.worker.sampler import SamplingMetadata, plain_filter_metadata, sample_filtered
+from jaxserve.worker.sampler import sample_filtered
+from jaxserve.worker.sampling_fields import SamplingMetadata
+from tests.unit.test_sampler import plain_filter_metadata
 
 CONTROL_FLOW = re.compile(r"stablehlo\.(if|case|while)\b")
 
@@ -36,8 +38,8 @@ def test_step_lowers_without_control_flow():
                          max_num_seqs=4, max_num_batched_tokens=8, max_model_len=64,
                          kv_dtype=np.float32, attention_fn=attention_stub, branch_free=True)
     runner.allocate_kv_cache(8)
-    text = runner._step_jitted[8].lower(
-        *runner.step_args(8, runner.k_cache, runner.v_cache)).as_text()
+    args = runner.placeholder_args(runner.k_cache, runner.v_cache)
+    text = runner.programs.step[8].lower(*args.step[8]).as_text()
     for func in re.split(r"\n\s*func\.func ", text):
         found = CONTROL_FLOW.search(func)
         if found and not (found.group(1) == "while" and func.startswith("private @threefry2x32")):

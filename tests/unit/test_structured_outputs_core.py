@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from jaxserve.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
-from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams as SO
-from jaxserve.worker.sampler import SamplingMetadata, apply_grammar_bitmask, sample_filtered
+from jaxserve.sampling_params import StructuredOutputsParams as SO
+from jaxserve.worker.sampler import apply_grammar_bitmask, sample_filtered
+from jaxserve.worker.sampling_fields import SamplingMetadata
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
           "required": ["a"], "additionalProperties": False}

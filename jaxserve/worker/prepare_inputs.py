@@ -1,0 +1,273 @@
+"""InputBuilder: a step's host inputs, built with vectorized numpy from the InputBatch and the
+SchedulerOutput (vLLM V1's ``_prepare_inputs``): the packed step inputs of its token bucket,
+the sampler metadata, the rows to draw again, the prompt log-probability rows, and the host
+arguments of the other programs a step dispatches.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from jaxserve.core.scheduler_output import NewRequestData, SchedulerOutput
+from jaxserve.worker.input_batch import InputBatch
+from jaxserve.worker.sampler import filtered_rows
+from jaxserve.worker.sampling_fields import (FILTER, SAMPLING, FilterMetadata, SamplingMetadata,
+                                             fields_of)
+from jaxserve.worker.step_inputs import StepLayout
+
+
+@dataclass
+class StepInputs:
+    """A step's host inputs (n sequences scheduled, S = the bucket's sequence count).
+
+    Attributes:
+      packed: [layout.size] int32, the step's inputs (``StepLayout.pack``).
+      early_block_table_writes: (rows, cols, pages) chunks of W entries each, to write to the
+        device block table before the step (the changes that do not fit in ``packed``).
+      req_ids: the n scheduled requests, in row order.
+      slots: [n] int32 their InputBatch slots.
+      context: [n] int32 each sequence's length after the step.
+      samples: [n] bool, the rows that sample their request's next token.
+      steps: [n] int32 the tokens each request generated before this step's.
+      sm: the rows' SamplingMetadata (numpy, [S]).
+      prompt_spans, prompt_targets: as ``StepHandle``.
+    """
+
+    packed: np.ndarray
+    early_block_table_writes: list[tuple[np.ndarray, np.ndarray, np.ndarray]]
+    req_ids: list[str]
+    slots: np.ndarray
+    context: np.ndarray
+    samples: np.ndarray
+    steps: np.ndarray
+    sm: SamplingMetadata
+    prompt_spans: list[tuple[str, int, int, int, int]]
+    prompt_targets: np.ndarray
+
+
+@dataclass
+class FilterInputs:
+    """What a step's filtered sampler needs from the host ([S] rows).
+
+    Attributes:
+      fm: the FilterMetadata when some row is drawn again or wants log-probabilities, else
+        None (the step dispatches no filtered sampler).
+      structured: [S] bool, the constrained rows.
+      want_logprobs: some row wants the log-probabilities of its token.
+      logprob_ks: [n] int32 log-probabilities wanted per row (-1: none).
+    """
+
+    fm: FilterMetadata | None
+    structured: np.ndarray
+    want_logprobs: bool
+    logprob_ks: np.ndarray
+
+
+def _padded(values: np.ndarray, s: int, fill, dtype) -> np.ndarray:
+    """[s] of ``dtype``: ``values`` first, then ``fill``."""
+    out = np.full(s, fill, dtype)
+    out[: len(values)] = values
+    return out
+
+
+@dataclass
+class InputBuilder:
+    """Builds the host inputs of each step from ``batch``.
+
+    Attributes:
+      batch: the runner's InputBatch (read; ``num_computed_tokens`` and the in-flight marks are
+        the runner's to update after a dispatch).
+      layouts: the StepLayout of each token bucket.
+      page_size: tokens per page.
+      vocab_size: the model's vocabulary.
+      max_num_seqs, max_model_len: scheduler limits.
+      prompt_logprob_rows: R, prompt positions a step computes log-probabilities of.
+      block_table_writes: W, block table entries a step's inputs carry.
+      bias_width, stop_width: widths of the SamplingState's logit-bias and stop-id tables.
+    """
+
+    batch: InputBatch
+    layouts: dict[int, StepLayout]
+    page_size: int
+    vocab_size: int
+    max_num_seqs: int
+    max_model_len: int
+    prompt_logprob_rows: int
+    block_table_writes: int
+    bias_width: int
+    stop_width: int
+
+    def state_row(self, slot: int, r: NewRequestData) -> tuple:
+        """The arguments, after the state, of ``sampler.write_state_row`` for a request
+        entering the batch at ``slot``."""
+        vocab = self.vocab_size
+        tokens = np.zeros(self.max_model_len, np.int32)
+        tokens[: len(r.token_ids)] = r.token_ids
+        bias = r.sampling_params.logit_bias or {}
+        bias_ids = np.full(self.bias_width, vocab, np.int32)
+        bias_ids[: len(bias)] = list(bias)
+        bias_values = np.zeros(self.bias_width, np.float32)
+        bias_values[: len(bias)] = list(bias.values())
+        stop_ids = np.full(self.stop_width, vocab, np.int32)
+        stop_ids[: len(r.stop_token_ids)] = r.stop_token_ids
+        return (np.int32(slot), tokens, np.int32(r.num_prompt_tokens), np.int32(len(r.token_ids)),
+                bias_ids, bias_values, stop_ids)
+
+    def build(self, sched: SchedulerOutput, t: int, last_step: int) -> StepInputs:
+        """The inputs of a step of token bucket t; ``last_step`` is the counter of the step
+        dispatched before it. Takes the InputBatch's block table changes.
+
+        Raises:
+          RuntimeError: a token the host does not know is not the last step's (a scheduling
+            bug), or the prompt log-probability rows exceed R.
+        """
+        b = self.batch
+        layout = self.layouts[t]
+        s = layout.seqs
+        n_tok = sched.total_num_scheduled_tokens
+        req_ids = list(sched.num_scheduled_tokens)
+        n_seq = len(req_ids)
+        ps = self.page_size
+        slots = np.fromiter((b.req_index[r] for r in req_ids), np.int32, n_seq)
+        counts = np.fromiter(sched.num_scheduled_tokens.values(), np.int32, n_seq)
+        computed = b.num_computed_tokens[slots]
+        ends = np.cumsum(counts, dtype=np.int32)
+        seq_of_tok = np.repeat(np.arange(n_seq, dtype=np.int32), counts)
+        tok_slot = slots[seq_of_tok]
+        pos = computed[seq_of_tok] + np.arange(n_tok, dtype=np.int32) - (ends - counts)[seq_of_tok]
+        unknown = pos >= b.num_tokens[tok_slot]
+        if unknown.any() and (b.in_flight_step[tok_slot[unknown]] != last_step).any():
+            raise RuntimeError("a scheduled token is neither known nor sampled by the last step")
+
+        token_ids = np.zeros(t, np.int32)
+        token_ids[:n_tok] = np.where(unknown, 0, b.token_ids[tok_slot, pos])
+        prev_rows = np.full(t, -1, np.int32)
+        prev_rows[:n_tok] = np.where(unknown, b.in_flight_row[tok_slot], -1)
+        positions = np.zeros(t, np.int32)
+        positions[:n_tok] = pos
+        slot_mapping = np.zeros(t, np.int32)  # padding writes to the null page
+        slot_mapping[:n_tok] = b.block_table[tok_slot, pos // ps] * ps + pos % ps
+        qsl = np.full(s + 1, n_tok, np.int32)
+        qsl[0] = 0
+        qsl[1 : n_seq + 1] = ends
+        context = computed + counts  # each sequence's length after this step
+        seq_lens = np.zeros(s, np.int32)
+        seq_lens[:n_seq] = np.where(counts > 0, context, 0)  # a forked row attends to nothing
+        seq_slots = np.zeros(s, np.int32)  # padding rows attend to nothing (seq_lens 0)
+        seq_slots[:n_seq] = slots
+        logits_indices = np.zeros(s, np.int32)
+        logits_indices[:n_seq] = ends - 1
+        if sched.forked_from:
+            row_of = {r: i for i, r in enumerate(req_ids)}
+            for child, parent in sched.forked_from.items():
+                logits_indices[row_of[child]] = logits_indices[row_of[parent]]
+        samples = np.fromiter((sched.samples[r] for r in req_ids), bool, n_seq)
+        hidden_indices, prompt_spans, targets = self._prompt_logprob_rows(
+            sched, req_ids, slots, computed, counts, ends)
+
+        # tokens generated before the one sampled now: its position minus the prompt
+        steps = context - b.num_prompt_tokens[slots]
+        sm = SamplingMetadata(**self._gather(SAMPLING, slots, s, steps=steps))
+        (bt_rows, bt_cols, bt_pages), early = self._block_table_writes()
+        packed = layout.pack(dict(
+            token_ids=token_ids, prev_rows=prev_rows, positions=positions,
+            slot_mapping=slot_mapping, query_start_loc=qsl, seq_lens=seq_lens,
+            seq_slots=seq_slots, logits_indices=logits_indices, hidden_indices=hidden_indices,
+            block_table_rows=bt_rows, block_table_cols=bt_cols, block_table_pages=bt_pages,
+            **vars(sm)))
+        return StepInputs(packed, early, req_ids, slots, context, samples, steps, sm,
+                          prompt_spans, targets)
+
+    def filter_inputs(self, sched: SchedulerOutput, x: StepInputs) -> FilterInputs:
+        """The filtered sampler's inputs of the step ``x``: the rows drawn again (penalties,
+        a logit bias, min_tokens, min-p, top-k/top-p, a grammar) and those wanting
+        log-probabilities."""
+        b, slots, n_seq, s = self.batch, x.slots, len(x.slots), len(x.sm.temperature)
+        logprob_ks = b.num_logprobs[slots]
+        suppress = b.min_tokens[slots] > x.steps
+        redraw = (b.penalized[slots] | b.logit_bias[slots] | suppress
+                  | ((b.temperature[slots] > 0) & (b.min_p[slots] > 0)))
+        redraw |= filtered_rows(x.sm, self.vocab_size)[:n_seq]
+        structured = self._structured_rows(sched, x.req_ids, s)
+        redraw |= structured[:n_seq]
+        want_logprobs = x.samples & (logprob_ks >= 0)
+        fm = None
+        if redraw.any() or want_logprobs.any():
+            fm = FilterMetadata(**self._gather(
+                FILTER, slots, s, rows=redraw, slots=slots, suppress_stop=suppress,
+                count=x.samples & b.penalized[slots], logprobs=want_logprobs,
+                structured=structured))
+        return FilterInputs(fm, structured, bool(want_logprobs.any()), logprob_ks)
+
+    def page_copies(self, sched: SchedulerOutput) -> tuple[np.ndarray, np.ndarray] | None:
+        """(src, dst), each [max_num_seqs] int32 (0 -> 0 pads), of the step's page copies
+        (forked choices), or None."""
+        if not sched.copy_pages:
+            return None
+        src = np.zeros(self.max_num_seqs, np.int32)
+        dst = np.zeros(self.max_num_seqs, np.int32)
+        src[: len(sched.copy_pages)], dst[: len(sched.copy_pages)] = zip(*sched.copy_pages)
+        return src, dst
+
+    def _gather(self, group: str, slots: np.ndarray, s: int, /, **computed: np.ndarray) -> dict:
+        """Each field of ``group`` for the step's rows, padded to s with its default: the
+        InputBatch's slot values for a per-slot field, else its ``computed`` values."""
+        return {f.name: _padded(computed[f.name] if f.of_request is None
+                                else getattr(self.batch, f.name)[slots], s, f.default, f.dtype)
+                for f in fields_of(group)}
+
+    def _structured_rows(self, sched: SchedulerOutput, req_ids: list[str], s: int) -> np.ndarray:
+        """[S] bool: the rows of the step's constrained sequences."""
+        structured = np.zeros(s, bool)
+        if sched.structured_output_request_ids:
+            row_of = {r: i for i, r in enumerate(req_ids)}
+            structured[[row_of[r] for r in sched.structured_output_request_ids]] = True
+        return structured
+
+    def _no_block_table_writes(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """W entries that write nothing (rows past the table are dropped)."""
+        w = self.block_table_writes
+        return (np.full(w, self.max_num_seqs, np.int32), np.zeros(w, np.int32),
+                np.zeros(w, np.int32))
+
+    def _block_table_writes(self) -> tuple[tuple, list[tuple]]:
+        """The InputBatch's block table entries written since the last step, as (the last W,
+        padded, for the step to write to the device copy; W at a time, those before them)."""
+        rows, cols, pages = self.batch.take_block_table_changes()
+        w = self.block_table_writes
+        chunks = []
+        for a in range(0, len(rows), w):
+            r, c, p = self._no_block_table_writes()
+            n = min(w, len(rows) - a)
+            r[:n], c[:n], p[:n] = rows[a : a + n], cols[a : a + n], pages[a : a + n]
+            chunks.append((r, c, p))
+        if not chunks:
+            return self._no_block_table_writes(), []
+        return chunks[-1], chunks[:-1]
+
+    def _prompt_logprob_rows(self, sched, req_ids, slots, computed, counts, ends):
+        """For the requests in ``sched.prompt_logprobs``: the flat-batch rows of their scheduled
+        prompt positions that predict a next prompt token, padded to R, the spans (see
+        StepHandle) and the tokens predicted."""
+        rows = np.zeros(self.prompt_logprob_rows, np.int32)
+        targets = np.zeros(self.prompt_logprob_rows, np.int32)
+        spans, used = [], 0
+        if not sched.prompt_logprobs:
+            return rows, spans, targets
+        b = self.batch
+        for i, rid in enumerate(req_ids):
+            if rid not in sched.prompt_logprobs:
+                continue
+            slot = slots[i]
+            first = computed[i]  # position of the chunk's first token
+            n = min(computed[i] + counts[i], b.num_prompt_tokens[slot] - 1) - first
+            if n <= 0:
+                continue
+            if used + n > len(rows):
+                raise RuntimeError("prompt log-probability rows exceed the step's capacity")
+            rows[used : used + n] = ends[i] - counts[i] + np.arange(n)
+            targets[used : used + n] = b.token_ids[slot, first + 1 : first + 1 + n]
+            k = b.num_prompt_logprobs[slot]
+            spans.append((rid, int(first) + 1, used, int(n), int(k)))
+            used += n
+        return rows, spans, targets

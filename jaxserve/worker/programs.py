@@ -1,0 +1,171 @@
+"""The programs a step may dispatch, and ``Programs``: the typed table of them, jitted
+(``jit_programs``), as placeholder arguments, or compiled (``compilation.compile_programs``).
+
+The step is one executable per token bucket, without control flow on the GPU (the model
+runner's module docstring says why); the others are dispatched only when a step needs them.
+"""
+
+import dataclasses
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from functools import partial
+from typing import Generic, TypeVar
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from jaxserve.config import ModelConfig
+from jaxserve.models import llama, sharding
+from jaxserve.worker.executable_cache import KeyedJit
+from jaxserve.worker.sampler import (compute_logprobs, sample_filtered, sample_unfiltered,
+                                     write_state_row)
+from jaxserve.worker.sampling_fields import SamplingMetadata
+from jaxserve.worker.step_inputs import StepLayout
+from pallas_kernels import kv_quant
+
+P = TypeVar("P")
+
+
+@dataclass
+class Programs(Generic[P]):
+    """One entry per program a step may dispatch: the jitted function, its placeholder
+    arguments, or its compiled executable.
+
+    Attributes:
+      step: by token bucket T, the model step (``_step``).
+      filter: by sequence count S, the filtered sampler (``_filter``).
+      state_writer: ``sampler.write_state_row``, a request's sampler-state row.
+      page_copy: ``_copy_pages``, forked choices' pages.
+      block_table_write: ``_write_block_table``, entries that do not fit in the step's inputs.
+      prompt_logprobs: ``_prompt_logprobs``.
+    """
+
+    step: dict[int, P]
+    filter: dict[int, P]
+    state_writer: P
+    page_copy: P
+    block_table_write: P
+    prompt_logprobs: P
+
+    def entries(self) -> Iterator[tuple[str, int | None, P]]:
+        """(field, T or S or None, entry) of every program: steps, samplers, then the others."""
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, dict):
+                yield from ((field.name, n, v) for n, v in value.items())
+            else:
+                yield field.name, None, value
+
+    def get(self, field: str, n: int | None) -> P:
+        value = getattr(self, field)
+        return value if n is None else value[n]
+
+    @classmethod
+    def of_entries(cls, entries) -> "Programs":
+        """``entries``' inverse: a table of the (field, n, entry) triples given."""
+        tables: dict[str, dict | object] = {"step": {}, "filter": {}}
+        for field, n, value in entries:
+            if n is None:
+                tables[field] = value
+            else:
+                tables[field][n] = value
+        return cls(**tables)
+
+
+def jit_programs(config: ModelConfig, params: dict, attention_fn: Callable, mesh: Mesh | None,
+                 max_num_seqs: int, branch_free: bool, layouts: dict[int, StepLayout],
+                 seq_counts: list[int]) -> Programs:
+    """Every program, jitted: the step of each token bucket of ``layouts`` (its layout is
+    static; the pool and the block table are donated), the filtered sampler (one for every S
+    of ``seq_counts``), and the others. On a mesh the params are split by the Megatron layout,
+    the pool by KV head, everything else replicated."""
+    if mesh is None:
+        jit_step = partial(KeyedJit, donate_argnums=(3, 4, 5))
+        jit_filter = KeyedJit(_filter, donate_argnums=(4,))
+    else:
+        rep, kv = sharding.replicated(mesh), sharding.kv_sharding(mesh)
+        jit_step = partial(
+            KeyedJit, donate_argnums=(3, 4, 5),
+            in_shardings=(sharding.param_shardings(params, mesh), rep, rep, kv, kv, rep),
+            out_shardings=(rep, rep, rep, kv, kv, rep))
+        jit_filter = KeyedJit(_filter, donate_argnums=(4,), in_shardings=rep,
+                             out_shardings=rep)
+    return Programs(
+        step={t: jit_step(partial(_step, config, attention_fn, mesh, max_num_seqs, branch_free,
+                                  layout)) for t, layout in layouts.items()},
+        filter={s: jit_filter for s in seq_counts},
+        state_writer=KeyedJit(write_state_row, donate_argnums=(0,)),
+        page_copy=KeyedJit(_copy_pages, donate_argnums=(0, 1)),
+        block_table_write=KeyedJit(_write_block_table, donate_argnums=(0,)),
+        prompt_logprobs=KeyedJit(partial(_prompt_logprobs, config, mesh)))
+
+
+def _step(config, attention_fn, mesh, max_num_seqs, branch_free, layout, params, packed,
+          prev_sampled, k_cache, v_cache, block_table):
+    """One model step of a token bucket, from its host inputs ``packed`` ([layout.size] int32,
+    ``StepLayout.pack``: one transfer).
+
+    ``prev_rows`` [T]: for each input token, the row of ``prev_sampled`` (the previous step's
+    sampled tokens) that holds it, or -1 to take ``token_ids``. The step writes the block table
+    entries changed since the last step (``block_table_rows/cols/pages``, ``_write_block_table``)
+    to the device-resident ``block_table`` [max_num_seqs, P] (InputBatch slots), then gathers
+    its sequences' rows ``seq_slots`` [S] from it: one dispatch, where a separate write cost an
+    idle engine's first token ~1 ms of host time on the H200. Returns the greedy and plain
+    rows' tokens padded to [max_num_seqs] (so that the next step's prev_sampled has one shape
+    in every bucket), the logits [S, V] for ``_filter``, the hidden rows [R, E] at
+    ``hidden_indices`` for ``_prompt_logprobs``, the updated KV pool and the updated block
+    table. ``branch_free``: no control flow (the GPU; see the sampler's module docstring).
+    ``mesh``: the tensor-parallel mesh (None: one device)."""
+    x = layout.unpack(packed)
+    prev_rows = x["prev_rows"]
+    token_ids = jnp.where(prev_rows >= 0, prev_sampled[jnp.maximum(prev_rows, 0)],
+                          x["token_ids"])
+    block_table = _write_block_table(block_table, x["block_table_rows"], x["block_table_cols"],
+                                     x["block_table_pages"])
+    md = llama.AttentionMetadata(x["positions"], x["slot_mapping"], x["query_start_loc"],
+                                 x["seq_lens"], block_table[x["seq_slots"]])
+    sm = SamplingMetadata(**{f.name: x[f.name] for f in dataclasses.fields(SamplingMetadata)})
+    logits, k_cache, v_cache, hidden = llama.forward(
+        config, params, token_ids, md, k_cache, v_cache, x["logits_indices"],
+        attention_fn=attention_fn, mesh=mesh, hidden_indices=x["hidden_indices"])
+    sampled = sample_unfiltered(logits, sm, branch_free=branch_free)
+    return (jnp.pad(sampled, (0, max_num_seqs - sampled.shape[0])), logits, hidden, k_cache,
+            v_cache, block_table)
+
+
+def _filter(logits, sampled, sm, fm, state, bitmask):
+    """The step's tokens ([max_num_seqs]) with the rows of ``fm`` drawn again (a step's S rows
+    come first; constrained rows under their row of ``bitmask`` [S, W] int32), the sampler
+    state with their tokens counted, and their Logprobs."""
+    s = logits.shape[0]
+    tokens, state, logprobs = sample_filtered(logits, sampled[:s], sm, fm, state, bitmask)
+    return sampled.at[:s].set(tokens), state, logprobs
+
+
+def _prompt_logprobs(config, mesh, params, hidden, targets):
+    """Logprobs of ``targets`` [R] from the hidden rows [R, E] that precede them."""
+    return compute_logprobs(llama.compute_logits(config, params, hidden, mesh), targets)
+
+
+def jit_zeroed_pools(shape, dtype, num_layers: int, where) -> Callable:
+    """The program that makes the zeroed KV pools (``_zeroed_pools``), placed by ``where``."""
+    return KeyedJit(partial(_zeroed_pools, shape, dtype, num_layers), out_shardings=where)
+
+
+def _zeroed_pools(shape, dtype, num_layers: int):
+    """(K pools, V pools): num_layers zeroed pools each (``kv_quant.pool_zeros``)."""
+    return ([kv_quant.pool_zeros(shape, dtype) for _ in range(num_layers)],
+            [kv_quant.pool_zeros(shape, dtype) for _ in range(num_layers)])
+
+
+def _write_block_table(block_table, rows, cols, pages):
+    """``block_table`` [max_num_seqs, P] with ``pages`` [N] written at (``rows``, ``cols``);
+    entries with a row past the table pad (dropped)."""
+    return block_table.at[rows, cols].set(pages, mode="drop")
+
+
+def _copy_pages(k_cache, v_cache, src, dst):
+    """Copy KV pages ``src`` [N] to ``dst`` [N] in every layer (0 -> 0 pads: the null page)."""
+    copy = lambda pool: jax.tree.map(lambda a: a.at[:, dst].set(a[:, src]), pool)  # noqa: E731
+    return [copy(k) for k in k_cache], [copy(v) for v in v_cache]

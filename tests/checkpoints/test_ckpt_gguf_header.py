@@ -72,3 +72,27 @@ def test_rewritten_file_is_parsed_again(fresh_cache, tmp_path):
     assert load_gguf(path, with_weights=False).hf_config["model_type"] == "llama"
     make_tiny_gguf(path, "qwen3")
     assert load_gguf(path, with_weights=False).hf_config["model_type"] == "qwen3"
+
+
+def test_threads_share_one_parse(fresh_cache, tmp_path, monkeypatch):
+    """The engine's tokenizer thread and its checkpoint load ask for the file at once: one parse."""
+    import threading
+
+    import gguf
+
+    path = tmp_path / "tiny.gguf"
+    make_tiny_gguf(path, "llama")
+    parses = []
+    real = gguf.GGUFReader
+
+    def counted(*a, **k):
+        parses.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(gguf, "GGUFReader", counted)
+    threads = [threading.Thread(target=gguf_header.read_header, args=(path,)) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(parses) == 1

@@ -106,11 +106,13 @@ def _load(path: pathlib.Path, folder: pathlib.Path) -> GGUFHeader | None:
         return None
     if saved.get("format") != FORMAT:
         return None
-    tensors = {t["name"]: GGUFTensor(
-        t["name"], t["type"], tuple(t["shape"]),
-        np.memmap(path, dtype=np.dtype(t["dtype"]), mode="r", offset=t["offset"],
-                  shape=tuple(t["data_shape"])))
-        for t in saved["tensors"]}
+    file = np.memmap(path, dtype=np.uint8, mode="r")
+    tensors = {}
+    for t in saved["tensors"]:
+        dtype, shape = np.dtype(t["dtype"]), tuple(t["data_shape"])
+        raw = file[t["offset"]:t["offset"] + dtype.itemsize * int(np.prod(shape))]
+        tensors[t["name"]] = GGUFTensor(t["name"], t["type"], tuple(t["shape"]),
+                                        raw.view(dtype).reshape(shape))
     return GGUFHeader(saved["name"], saved["architecture"], saved["hf_config"], tensors,
                       folder / "tokenizer")
 

@@ -10,6 +10,7 @@ un-permuted (see :mod:`.llama_cpp_layout`). Architectures: ``llama`` (Llama, or 
 
 from __future__ import annotations
 
+import copy
 import pathlib
 import re
 from functools import partial
@@ -170,25 +171,15 @@ def load_gguf(path: str | pathlib.Path, *, with_weights: bool = True,
     Returns:
       :class:`Checkpoint` with float32 weights ``[out, in]`` under HF names.
     """
-    from gguf import GGUFReader
-    from gguf.quants import dequantize
+    from jaxserve.tokenizer_io import load_tokenizer
 
-    from .gguf_tokenizer import build_tokenizer
+    from .gguf_header import read_header
 
     path = pathlib.Path(path)
     log(f"reading GGUF {path}" + ("" if with_weights else " (metadata and tokenizer)"))
-    reader = GGUFReader(str(path))
-    meta = read_metadata(reader)
-    arch = meta.get("general.architecture")
-    by_name = {t.name: t for t in reader.tensors}
-    raw = {}
-    if "rope_freqs.weight" in by_name:
-        t = by_name["rope_freqs.weight"]
-        raw["rope_freqs.weight"] = dequantize(t.data, t.tensor_type).astype(np.float32)
-    cfg = build_hf_config(meta, set(by_name), raw)
-    tokenizer = None
-    if with_tokenizer:
-        tokenizer = build_tokenizer({k: v for k, v in meta.items() if k.startswith("tokenizer.")})
+    header = read_header(path)
+    cfg, by_name, arch = copy.deepcopy(header.hf_config), header.tensors, header.architecture
+    tokenizer = load_tokenizer(header.tokenizer_dir) if with_tokenizer else None
     weights = None
     if with_weights:
         log(f"{'indexing' if lazy else 'dequantizing'} {len(by_name)} tensors ({arch}, "
@@ -204,10 +195,10 @@ def load_gguf(path: str | pathlib.Path, *, with_weights: bool = True,
             if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
                 heads = cfg["num_attention_heads"] if ".attn_q." in name else cfg["num_key_value_heads"]
             # GGUF lists dimensions innermost first; HF's are [out, in].
-            weights[hf] = LazyTensor(tuple(reversed(t.shape.tolist())), np.float32,
+            weights[hf] = LazyTensor(tuple(reversed(t.shape)), np.float32,
                                      partial(_dequantize_rows, t, heads))
         if not lazy:
             weights = {k: np.asarray(w) for k, w in weights.items()}
         log(f"{'indexed' if lazy else 'loaded'} "
             f"{sum(np.prod(w.shape) for w in weights.values()) / 1e6:.1f}M parameters")
-    return Checkpoint(name=model_name(path, meta), hf_config=cfg, weights=weights, tokenizer=tokenizer)
+    return Checkpoint(name=header.name, hf_config=cfg, weights=weights, tokenizer=tokenizer)

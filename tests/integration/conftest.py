@@ -100,10 +100,10 @@ class RecordingTransport(httpx.HTTPTransport):
 
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def small_server():
     """The default model's server of test_structured_outputs.py and test_tool_calling.py, one
-    per module; the same engine flags, so the executable cache serves the second."""
+    for both (a start-up costs tens of seconds on 2 CPU cores)."""
     srv = Server("--max-model-len", "1024", "--max-num-seqs", "32",
                  "--max-num-batched-tokens", "256")
     yield srv

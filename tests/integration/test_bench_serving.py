@@ -15,11 +15,13 @@ import pytest
 
 from server_utils import REPO, Server
 
+from tests.conftest import SMALL_ENGINE, SMALL_ENGINE_FLAGS
+
 pytestmark = pytest.mark.slow
 
 SCRIPT = os.path.join(REPO, "scripts", "bench_serving.py")
-MAX_NUM_SEQS = 16
-MAX_MODEL_LEN = 512
+MAX_NUM_SEQS = SMALL_ENGINE["max_num_seqs"]
+MAX_MODEL_LEN = SMALL_ENGINE["max_model_len"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # The result keys the script's docstring documents.
 KEYS = {
@@ -37,8 +39,7 @@ PER_REQUEST = ("start_times_s", "input_lens", "output_lens", "ttfts_s", "latenci
 
 @pytest.fixture(scope="module")
 def server():
-    srv = Server("--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS),
-                 "--max-num-batched-tokens", "128", "--kv-cache-gib", "0.25")
+    srv = Server(*SMALL_ENGINE_FLAGS)
     yield srv
     srv.stop()
 

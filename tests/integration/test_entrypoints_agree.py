@@ -16,13 +16,10 @@ import openai
 import pytest
 from server_utils import REPO, Server
 
-from tests.conftest import sharegpt_prompts
+from tests.conftest import SMALL_ENGINE, SMALL_ENGINE_FLAGS, sharegpt_prompts
 
 pytestmark = pytest.mark.slow
 
-FLAGS = {"max_model_len": 512, "max_num_batched_tokens": 64, "max_num_seqs": 4,
-         "kv_cache_gib": 0.1}
-CLI_FLAGS = [x for k, v in FLAGS.items() for x in (f"--{k.replace('_', '-')}", str(v))]
 MAX_TOKENS = 12
 BOS = "<|endoftext|>"  # id 0 of the default model's vocabulary; the BOS of the test Llama
 CHATML_WITH_BOS = (
@@ -63,7 +60,7 @@ def offline_batch(tmp_path, model: str | None, line: dict) -> dict:
     model_flags = ["--model", model] if model else []
     proc = subprocess.run(
         [sys.executable, "scripts/offline_batch.py", "--input", str(inp), "--output", str(out),
-         *model_flags, *CLI_FLAGS],
+         *model_flags, *SMALL_ENGINE_FLAGS],
         capture_output=True, text=True, timeout=900, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (row,) = [json.loads(x) for x in out.read_text().splitlines()]
@@ -79,7 +76,7 @@ def test_server_llm_and_offline_batch_agree(model, bos_llama, tmp_path):
     messages = [{"role": "user", "content": sharegpt_prompts(1, max_chars=300, skip=41)[0]}]
     sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
 
-    llm = LLM(path, log=lambda s: None, **FLAGS)
+    llm = LLM(path, log=lambda s: None, **SMALL_ENGINE)
     (by_llm,) = llm.generate([prompt], sp, use_tqdm=False)
     (chat_by_llm,) = llm.chat([messages], sp, use_tqdm=False)
     tok = llm.tokenizer
@@ -100,7 +97,7 @@ def test_server_llm_and_offline_batch_agree(model, bos_llama, tmp_path):
     by_script = offline_batch(tmp_path, path, {**line, "prompt": prompt})
     chat_by_script = offline_batch(tmp_path, path, {**line, "messages": messages})
 
-    server = Server(*(["--model", path] if path else []), *CLI_FLAGS)
+    server = Server(*(["--model", path] if path else []), *SMALL_ENGINE_FLAGS)
     try:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0,
                                timeout=300)

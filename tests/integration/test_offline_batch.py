@@ -8,12 +8,10 @@ import sys
 
 import pytest
 
-from tests.conftest import sharegpt_prompts
+from tests.conftest import SMALL_ENGINE, SMALL_ENGINE_FLAGS, sharegpt_prompts
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "offline_batch.py"
-ENGINE_FLAGS = ["--max-model-len", "256", "--max-num-batched-tokens", "128", "--max-num-seqs", "32",
-                "--kv-cache-gib", "0.25"]
 BAD_LINE = 26  # 1-based line number of the malformed line
 
 
@@ -21,7 +19,7 @@ def run_script(tmp_path, lines: list[str], *extra) -> tuple[subprocess.Completed
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_text("\n".join(lines) + "\n")
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--input", str(inp), "--output", str(out), *ENGINE_FLAGS, *extra],
+        [sys.executable, str(SCRIPT), "--input", str(inp), "--output", str(out), *SMALL_ENGINE_FLAGS, *extra],
         capture_output=True, text=True, timeout=600, cwd=REPO,
     )
     rows = [json.loads(x) for x in out.read_text().splitlines()] if out.exists() else []
@@ -69,7 +67,7 @@ def test_bad_lines_each_fail_alone_and_all_valid_exits_zero(tmp_path):
         json.dumps({"id": "type", "prompt": "x", "max_tokens": "8"}),
         json.dumps({"id": "range", "prompt": "x", "temperature": -1}),
         json.dumps({"id": "unknown", "prompt": "x", "max_token": 8}),
-        json.dumps({"id": "long", "prompt": "hello " * 400}),
+        json.dumps({"id": "long", "prompt": "hello " * SMALL_ENGINE["max_model_len"]}),
         "[1, 2]",
     ]
     proc, rows = run_script(tmp_path, [good, *bad, "", good])

@@ -3,7 +3,7 @@ JSON schemas, regex and choice constraints
 always met, streamed and not; unconstrained requests unaffected by constrained neighbours;
 ``chat.completions.parse`` with a pydantic model; 400s naming the field.
 
-One server for the module (conftest.py's ``small_server``)."""
+One server, shared with test_tool_calling.py (conftest.py's ``small_server``)."""
 
 from __future__ import annotations
 

@@ -5,8 +5,8 @@ and a named function always give calls whose arguments validate against the func
 parameters (enforced with structured outputs: tool_grammar.py), streamed deltas reassemble
 into the non-streamed answer, ``none`` returns content only, a later turn with the assistant's
 calls and the tool results is accepted, /tokenize renders the tools as chat does, and every
-body on the wire validates against OpenAI's schema. One server for the module (conftest.py's
-``small_server``; its ``client`` records the bodies); the tests run in file order. Requests that can run together are
+body on the wire validates against OpenAI's schema. One server, shared with
+test_structured_outputs.py (conftest.py's ``small_server``; its ``client`` records the bodies); the tests run in file order. Requests that can run together are
 sent at once: the module's runtime is mostly decode steps, which a batch shares.
 """
 

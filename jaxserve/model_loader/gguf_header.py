@@ -93,7 +93,7 @@ def read_header(path: pathlib.Path) -> GGUFHeader:
 
 
 def _cache_root() -> pathlib.Path:
-    from checkpoints_tools.fetch_default import cache_dir
+    from .default_model import cache_dir  # (loader.py says why here)
 
     return cache_dir() / "gguf"
 

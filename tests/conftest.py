@@ -30,8 +30,11 @@ def smollm_hf_folder(smollm, tmp_path_factory) -> pathlib.Path:
 # Small engine limits keep start-up compilation short on 2 CPU cores (fewer buckets). Tests of
 # the default model that need no other limits use these, in-process or as CLI flags, so that
 # one engine's compiled programs serve the others from the executable cache.
-SMALL_ENGINE = dict(max_model_len=512, max_num_batched_tokens=128, max_num_seqs=16, kv_cache_gib=0.25)
-SMALL_ENGINE_FLAGS = [x for k, v in SMALL_ENGINE.items() for x in (f"--{k.replace('_', '-')}", str(v))]
+SMALL_ENGINE = dict(max_model_len=512, max_num_batched_tokens=128, max_num_seqs=16,
+                    kv_cache_gib=0.25)
+SMALL_ENGINE_FLAGS = [x for k, v in SMALL_ENGINE.items()
+                      for x in (f"--{k.replace('_', '-')}", str(v))]
+
 
 def sharegpt_prompts(n: int, max_chars: int = 600, skip: int = 0, min_chars: int = 1) -> list[str]:
     """First human turns of the repo's ShareGPT sample (data/README.md), from conversation

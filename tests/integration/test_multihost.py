@@ -1,7 +1,8 @@
-"""Two hosts, one model (docs/parallelism.md): two processes on 127.0.0.1, each with its
-own fake CPU devices (host 0 two, host 1 one), joined by jax.distributed into one TP=3 mesh,
-serve the default model; its greedy outputs equal TP=1's (docs/architecture.md, "Testing
-numerics"), and host 1 ends when host 0 does."""
+"""Two hosts, one model (docs/parallelism.md): two processes on 127.0.0.1, each with one fake
+CPU device, joined by jax.distributed into one TP=2 mesh, serve the tiny random Llama
+(``tp_utils.TINY``; two layers compile in seconds, where a multi-process engine's programs are
+never cached); its greedy outputs equal TP=1's (docs/architecture.md, "Testing numerics"), and
+host 1 ends when host 0 does."""
 
 import subprocess
 import sys
@@ -14,16 +15,18 @@ from tests.integration import tp_utils
 pytestmark = pytest.mark.slow
 
 
-def test_two_hosts_serve_the_default_model_as_tp1(tp_offline, tp_prompts, hf_smollm, tmp_path):
-    hosts = ["--num-hosts", "2", "--distributed-coordinator", f"127.0.0.1:{free_port()}",
-             "--tensor-parallel-size", "3", *tp_utils.TP_CLI_FLAGS]
+def test_two_hosts_serve_a_model_as_tp1(tp_offline, tp_prompts, tiny_tp_folders, tiny_hf_models,
+                                        tmp_path):
+    hosts = ["--model", str(tiny_tp_folders["llama"]), "--num-hosts", "2",
+             "--distributed-coordinator", f"127.0.0.1:{free_port()}",
+             "--tensor-parallel-size", "2", *tp_utils.TP_CLI_FLAGS]
     follower_log = tmp_path / "host1.log"
     with open(follower_log, "w") as log:
         follower = subprocess.Popen(
             [sys.executable, "-m", "jaxserve.serve", "--host-id", "1", *hosts], cwd=REPO,
             stdout=log, stderr=subprocess.STDOUT, env=tp_utils.fake_devices_env(1))
     try:
-        server = Server("--host-id", "0", *hosts, env=tp_utils.fake_devices_env(2))
+        server = Server("--host-id", "0", *hosts, env=tp_utils.fake_devices_env(1))
         try:
             choices = tp_utils.serve_greedy(server.url, tp_prompts)
             log0 = server.output()
@@ -35,12 +38,13 @@ def test_two_hosts_serve_the_default_model_as_tp1(tp_offline, tp_prompts, hf_smo
             follower.kill()
             follower.wait()
     log1 = follower_log.read_text()
-    assert "host 0 of 2: serving" in log0 and "split over 3 devices" in log0
+    assert "host 0 of 2: serving" in log0 and "split over 2 devices" in log0
     assert "ready: host 1 of 2, following host 0" in log1 and "host 0 has ended" in log1
-    ref = tp_offline["default:1"]
+    ref = tp_offline["llama:1"]
     assert [c.prompt_token_ids for c in choices] == ref["prompt_ids"]
     tp_utils.assert_greedy_matches([c.token_ids for c in choices], ref["output_ids"],
-                                   ref["prompt_ids"], hf_smollm, "two hosts at TP=3")
+                                   ref["prompt_ids"], tiny_hf_models["llama"],
+                                   "two hosts at TP=2")
 
 
 def test_a_mesh_that_leaves_out_a_host_is_refused():

@@ -45,7 +45,7 @@ def test_help_shows_every_default(cli, monkeypatch):
         assert "input JSONL file --output" in help_text
 
 
-def test_server_flags_from_before_parse_to_the_same_values():
+def test_server_flags_parse_to_their_engine_config():
     args = serve.build_parser().parse_args([
         "--model", "llama-3.1-8b", "--host", "0.0.0.0", "--port", "9000",
         "--served-model-name", "m", "--max-model-len", "2048", "--max-num-seqs", "8",
@@ -62,7 +62,7 @@ def test_server_flags_from_before_parse_to_the_same_values():
     assert serve.build_parser().parse_args(["--enable-prefix-caching"]).enable_prefix_caching
 
 
-def test_batch_flags_from_before_parse_to_the_same_values():
+def test_batch_flags_parse_to_their_engine_config():
     args = offline_batch.build_parser().parse_args([
         *BATCH_IO, "--model", "m.gguf", "--load-format", "gguf", "--max-model-len", "256",
         "--max-num-seqs", "32", "--max-num-batched-tokens", "128", "--kv-cache-gib", "0.25",
@@ -75,7 +75,7 @@ def test_batch_flags_from_before_parse_to_the_same_values():
 
 
 @pytest.mark.parametrize("cli", PARSERS)
-def test_new_flags_page_size_and_seed(cli):
+def test_page_size_and_seed_flags(cli):
     build, required = PARSERS[cli]
     config = from_cli_args(build().parse_args([*required, "--page-size", "32", "--seed", "7"]))
     assert (config.page_size, config.seed) == (32, 7)

@@ -18,8 +18,13 @@ from tests.greedy import hf_greedy_margins
 CLEAR_MARGIN = 0.3
 
 
+# The FP8 pool's programs are its own (no other test compiles them): fewer token buckets and
+# samplers than SMALL_ENGINE's keep their compile short; the pool is SMALL_ENGINE's size.
+FP8_LIMITS = dict(max_num_batched_tokens=32, max_num_seqs=8)
+
+
 def test_fp8_kv_cache_in_the_engine(smollm_llm, hf_smollm):
-    llm8 = LLM(log=lambda s: None, kv_cache_dtype="fp8", **SMALL_ENGINE)
+    llm8 = LLM(log=lambda s: None, kv_cache_dtype="fp8", **SMALL_ENGINE | FP8_LIMITS)
     runner = llm8.engine.runner
     assert isinstance(runner.k_cache[0], QuantizedPages)
     # Same GiB: float32 rows take 4 D bytes, FP8 rows D + 4 (the scale).

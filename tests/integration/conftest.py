@@ -7,7 +7,7 @@ OpenAI's schema."""
 import openai
 import pytest
 
-from tests.conftest import sharegpt_prompts
+from tests.conftest import SERVER_ENGINE_FLAGS, sharegpt_prompts
 from tests.integration import tp_utils
 from tests.integration.server_utils import Server
 
@@ -104,8 +104,7 @@ class RecordingTransport(httpx.HTTPTransport):
 def small_server():
     """The default model's server of test_structured_outputs.py and test_tool_calling.py, one
     for both (a start-up costs tens of seconds on 2 CPU cores)."""
-    srv = Server("--max-model-len", "1024", "--max-num-seqs", "32",
-                 "--max-num-batched-tokens", "256")
+    srv = Server(*SERVER_ENGINE_FLAGS)
     yield srv
     srv.stop()
 

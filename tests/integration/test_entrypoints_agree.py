@@ -68,7 +68,7 @@ def offline_batch(tmp_path, model: str | None, line: dict) -> dict:
 
 
 @pytest.mark.parametrize("model", ["default", "bos-llama"])
-def test_server_llm_and_offline_batch_agree(model, bos_llama, tmp_path):
+def test_server_llm_and_offline_batch_agree(model, bos_llama, tmp_path, request):
     from jaxserve import LLM, SamplingParams
 
     path = bos_llama if model == "bos-llama" else None
@@ -76,7 +76,9 @@ def test_server_llm_and_offline_batch_agree(model, bos_llama, tmp_path):
     messages = [{"role": "user", "content": sharegpt_prompts(1, max_chars=300, skip=41)[0]}]
     sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
 
-    llm = LLM(path, log=lambda s: None, **SMALL_ENGINE)
+    # The default model's offline engine is the engine tests' (the same limits).
+    llm = (request.getfixturevalue("smollm_llm") if path is None
+           else LLM(path, log=lambda s: None, **SMALL_ENGINE))
     (by_llm,) = llm.generate([prompt], sp, use_tqdm=False)
     (chat_by_llm,) = llm.chat([messages], sp, use_tqdm=False)
     tok = llm.tokenizer

@@ -21,6 +21,7 @@ import openai
 import pytest
 from server_utils import Server, get
 
+from tests.conftest import SERVER_ENGINE, SERVER_ENGINE_FLAGS
 from tests.openai_schema import CHAT, CHAT_CHUNK, COMPLETION, COMPLETION_CHUNK, errors
 
 try:  # the HTTP library the openai client is built on (httpx2 in its 3.x releases)
@@ -29,7 +30,7 @@ except ImportError:
     import httpx
 
 MODEL = "SmolLM2-135M-Instruct"
-MAX_MODEL_LEN = 1024
+MAX_MODEL_LEN = SERVER_ENGINE["max_model_len"]
 PARIS_Q = [{"role": "user", "content": "What is the capital of France?"}]
 
 pytestmark = pytest.mark.slow
@@ -37,8 +38,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def server():
-    srv = Server("--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "32",
-                 "--max-num-batched-tokens", "256", "--no-enable-prefix-caching")
+    srv = Server(*SERVER_ENGINE_FLAGS, "--no-enable-prefix-caching")
     yield srv
     srv.stop()
 

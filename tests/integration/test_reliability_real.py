@@ -11,18 +11,16 @@ import pytest
 
 from scripts import fuzz_api, stress
 from server_utils import Server
+from tests.conftest import SERVER_ENGINE_FLAGS
 
 pytestmark = pytest.mark.slow
 
-# The engine flags of test_server.py, so the compiled steps come from the same cache entries.
-ENGINE_FLAGS = ("--max-model-len", "1024", "--max-num-seqs", "32",
-                "--max-num-batched-tokens", "256")
 MAX_WAITING = 64
 
 
 @pytest.fixture(scope="module")
 def server():
-    srv = Server(*ENGINE_FLAGS, "--max-waiting-requests", str(MAX_WAITING),
+    srv = Server(*SERVER_ENGINE_FLAGS, "--max-waiting-requests", str(MAX_WAITING),
                  "--max-engine-restarts", "0")
     yield srv
     srv.stop()

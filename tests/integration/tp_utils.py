@@ -10,11 +10,13 @@ import pathlib
 import subprocess
 import sys
 
+from tests.conftest import cli_flags
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
 # Small limits keep start-up compilation short: 5 token buckets and 3 samplers per engine.
 TP_FLAGS = {"max_model_len": 512, "max_num_batched_tokens": 16, "max_num_seqs": 4,
             "kv_cache_gib": 0.1}
-TP_CLI_FLAGS = [x for k, v in TP_FLAGS.items() for x in (f"--{k.replace('_', '-')}", str(v))]
+TP_CLI_FLAGS = cli_flags(TP_FLAGS)
 MAX_TOKENS = 16
 NUM_PROMPTS = 8
 MIN_FULL = 6  # comparisons (of NUM_PROMPTS) that must run in full, past every near-tie

@@ -28,9 +28,10 @@ def smollm_hf_folder(smollm, tmp_path_factory) -> pathlib.Path:
 
 
 # Small engine limits keep start-up compilation short on 2 CPU cores (fewer buckets). Tests of
-# the default model that need no other limits use these, in-process or as CLI flags, so that
-# one engine's compiled programs serve the others from the executable cache.
-SMALL_ENGINE = dict(max_model_len=512, max_num_batched_tokens=128, max_num_seqs=16,
+# the default model that need no other limits use these, in-process or as CLI flags (the API
+# tests' servers too), so that one engine's compiled programs serve the others from the
+# executable cache.
+SMALL_ENGINE = dict(max_model_len=1024, max_num_batched_tokens=128, max_num_seqs=16,
                     kv_cache_gib=0.25)
 
 
@@ -40,11 +41,6 @@ def cli_flags(limits: dict) -> list[str]:
 
 
 SMALL_ENGINE_FLAGS = cli_flags(SMALL_ENGINE)
-# The servers of the API tests (test_openai_api, test_server, test_reliability_real and the
-# shared small_server): longer prompts and more sequences than SMALL_ENGINE, one set of limits
-# so that the first server's compiled programs serve the others from the executable cache.
-SERVER_ENGINE = dict(max_model_len=1024, max_num_seqs=32, max_num_batched_tokens=128)
-SERVER_ENGINE_FLAGS = cli_flags(SERVER_ENGINE)
 
 
 def sharegpt_prompts(n: int, max_chars: int = 600, skip: int = 0, min_chars: int = 1) -> list[str]:

@@ -13,15 +13,25 @@ def top2_margins(logits: np.ndarray) -> np.ndarray:
     return top2[:, 1] - top2[:, 0]
 
 
-def hf_greedy_margins(hf_model, prompt_ids: list[int], generated: list[int]) -> np.ndarray:
-    """Gaps at each generated position, from one HF forward over prompt + generated tokens."""
+def _hf_logits(hf_model, prompt_ids: list[int], generated: list[int]) -> np.ndarray:
+    """[len(generated), V] HF logits at each generated position (one forward, teacher-forced)."""
     import torch
 
     ids = torch.tensor([list(prompt_ids) + list(generated)])
     with torch.no_grad():
         logits = hf_model(ids).logits[0].numpy()
     n = len(prompt_ids)
-    return top2_margins(logits[n - 1 : n - 1 + len(generated)])
+    return logits[n - 1 : n - 1 + len(generated)]
+
+
+def hf_greedy_margins(hf_model, prompt_ids: list[int], generated: list[int]) -> np.ndarray:
+    """Gaps at each generated position, from one HF forward over prompt + generated tokens."""
+    return top2_margins(_hf_logits(hf_model, prompt_ids, generated))
+
+
+def hf_greedy_tokens(hf_model, prompt_ids: list[int], generated: list[int]) -> list[int]:
+    """HF's argmax at each generated position, the earlier positions teacher-forced."""
+    return _hf_logits(hf_model, prompt_ids, generated).argmax(-1).tolist()
 
 
 def compare_greedy(ours: list[int], ref: list[int], ref_margins: np.ndarray) -> tuple[bool, int]:

@@ -7,7 +7,7 @@ OpenAI's schema."""
 import openai
 import pytest
 
-from tests.conftest import SERVER_ENGINE_FLAGS, sharegpt_prompts
+from tests.conftest import SMALL_ENGINE_FLAGS, sharegpt_prompts
 from tests.integration import tp_utils
 from tests.integration.server_utils import Server
 
@@ -49,16 +49,17 @@ def tiny_hf_models(tiny_tp_folders) -> dict:
 def tp_offline(tiny_tp_folders, tp_prompts, smollm_llm) -> dict:
     """Greedy outputs of the prompts (``prompt_ids``, ``output_ids``), keyed "NAME:TP": the
     default model (its GGUF) at TP 1 (the engine tests' ``smollm_llm``, in this process) and 3,
-    each tiny model (HF folders) at TP 1, 2 and 4 (the Llama at 2 with the Pallas kernels) and
-    the Llama's orbax folder at 2 (``LLM`` on fake devices); plus the tiny Llama step's
-    collectives at 4."""
+    each tiny model (HF folders) at TP 1 and 4, and the Llama's orbax folder at 2 with the
+    Pallas kernels (``LLM`` on fake devices; the Qwen3 at 2 is served in
+    test_tensor_parallel_tiny_server.py); plus the tiny Llama step's collectives at 4."""
     from jaxserve import SamplingParams
 
-    sizes = {"default": (3,), "llama": (1, 2, 4), "qwen3": (1, 2, 4), "llama-orbax": (2,)}
+    sizes = {"default": (3,), "llama": (1, 4), "qwen3": (1, 4), "llama-orbax": (2,)}
     paths = {"default": None, **{name: str(folder) for name, folder in tiny_tp_folders.items()}}
     runs = [{"model": paths[name], "tp": tp} for name in sizes for tp in sizes[name]]
     # The GPU's attention, the Pallas kernels (in interpret mode here), per shard.
-    runs[runs.index({"model": paths["llama"], "tp": 2})]["flags"] = {"attention_backend": "pallas"}
+    runs[runs.index({"model": paths["llama-orbax"], "tp": 2})]["flags"] = {
+        "attention_backend": "pallas"}
     raw = tp_utils.run_offline(runs, tp_prompts, collectives_of=paths["llama"])
     out = {"collectives": raw["collectives"]}
     out |= {f"{name}:{tp}": raw[f"{paths[name]}:{tp}"] for name in sizes for tp in sizes[name]}
@@ -104,7 +105,7 @@ class RecordingTransport(httpx.HTTPTransport):
 def small_server():
     """The default model's server of test_structured_outputs.py and test_tool_calling.py, one
     for both (a start-up costs tens of seconds on 2 CPU cores)."""
-    srv = Server(*SERVER_ENGINE_FLAGS)
+    srv = Server(*SMALL_ENGINE_FLAGS)
     yield srv
     srv.stop()
 

@@ -21,7 +21,7 @@ import openai
 import pytest
 from server_utils import Server, get
 
-from tests.conftest import SERVER_ENGINE, SERVER_ENGINE_FLAGS
+from tests.conftest import SMALL_ENGINE, SMALL_ENGINE_FLAGS
 from tests.openai_schema import CHAT, CHAT_CHUNK, COMPLETION, COMPLETION_CHUNK, errors
 
 try:  # the HTTP library the openai client is built on (httpx2 in its 3.x releases)
@@ -30,7 +30,7 @@ except ImportError:
     import httpx
 
 MODEL = "SmolLM2-135M-Instruct"
-MAX_MODEL_LEN = SERVER_ENGINE["max_model_len"]
+MAX_MODEL_LEN = SMALL_ENGINE["max_model_len"]
 PARIS_Q = [{"role": "user", "content": "What is the capital of France?"}]
 
 pytestmark = pytest.mark.slow
@@ -38,7 +38,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def server():
-    srv = Server(*SERVER_ENGINE_FLAGS, "--no-enable-prefix-caching")
+    srv = Server(*SMALL_ENGINE_FLAGS, "--no-enable-prefix-caching")
     yield srv
     srv.stop()
 
@@ -281,7 +281,8 @@ def test_sampling_fields_through_the_client(client):
 
 @pytest.mark.parametrize("path,body,param", [
     ("/v1/chat/completions", {"n": 129}, "n"),
-    ("/v1/chat/completions", {"n": 33}, "n"),  # over the server's limit (--max-num-seqs 32)
+    # over the server's limit (--max-num-seqs)
+    ("/v1/chat/completions", {"n": SMALL_ENGINE["max_num_seqs"] + 1}, "n"),
     ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),  # without logprobs
     ("/v1/chat/completions", {"logit_bias": {"abc": 5}}, "logit_bias"),

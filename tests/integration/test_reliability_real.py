@@ -11,16 +11,17 @@ import pytest
 
 from scripts import fuzz_api, stress
 from server_utils import Server
-from tests.conftest import SERVER_ENGINE_FLAGS
+from tests.conftest import SMALL_ENGINE, SMALL_ENGINE_FLAGS
 
 pytestmark = pytest.mark.slow
 
-MAX_WAITING = 64
+MAX_NUM_SEQS = SMALL_ENGINE["max_num_seqs"]
+MAX_WAITING = 80  # with MAX_NUM_SEQS running, 96 requests admitted
 
 
 @pytest.fixture(scope="module")
 def server():
-    srv = Server(*SERVER_ENGINE_FLAGS, "--max-waiting-requests", str(MAX_WAITING),
+    srv = Server(*SMALL_ENGINE_FLAGS, "--max-waiting-requests", str(MAX_WAITING),
                  "--max-engine-restarts", "0")
     yield srv
     srv.stop()
@@ -72,7 +73,7 @@ def test_fuzz_short(server):
 
 
 def test_stress_short(server):
-    """Check 4, bounded: 90 streams (under the 32 + 64 admitted), 20% hang up, 10% read
+    """Check 4, bounded: 90 streams (under the 16 + 80 admitted), 20% hang up, 10% read
     slowly; nothing lost, and the server settles to no running request and no KV page held."""
     result = _scenario(server, "--num-streams", "90", "--max-tokens", "8")
     assert result["num_lost"] == 0 and result["settled"], result
@@ -80,10 +81,10 @@ def test_stress_short(server):
 
 
 def test_overload(server):
-    """Check 5, bounded: 160 requests at once against 32 + 64 admitted."""
+    """Check 5, bounded: 160 requests at once against 16 + 80 admitted."""
     result = _scenario(server, "--scenario", "overload", "--num-streams", "160",
                        "--max-tokens", "4")
-    assert result["ok"] and result["refused_503"] >= 160 - 32 - MAX_WAITING, result
+    assert result["ok"] and result["refused_503"] >= 160 - MAX_NUM_SEQS - MAX_WAITING, result
 
 
 def test_engine_sigkill_fails_in_flight_and_exits_3(server):

@@ -21,11 +21,11 @@ import pytest
 
 from server_utils import Server, descendants, get, wait_gone
 
-from tests.conftest import SERVER_ENGINE, SERVER_ENGINE_FLAGS, sharegpt_prompts
+from tests.conftest import SMALL_ENGINE, SMALL_ENGINE_FLAGS, sharegpt_prompts
 
 API_KEY = "test-key-123"
 MODEL = "SmolLM2-135M-Instruct"
-MAX_MODEL_LEN = SERVER_ENGINE["max_model_len"]
+MAX_MODEL_LEN = SMALL_ENGINE["max_model_len"]
 GPU_MEMORY_UTILIZATION = 0.5  # no effect on the CPU, but the allocator fraction is still reported
 
 pytestmark = pytest.mark.slow
@@ -33,7 +33,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def server():
-    srv = Server(*SERVER_ENGINE_FLAGS, "--api-key", API_KEY,
+    srv = Server(*SMALL_ENGINE_FLAGS, "--api-key", API_KEY,
                  "--gpu-memory-utilization", str(GPU_MEMORY_UTILIZATION))
     yield srv
     srv.stop()

@@ -130,11 +130,13 @@ class EngineCore:
         dtype = jnp.dtype(config.dtype)
         t1 = time.perf_counter()
         self.model_config, params = build_params(ckpt.hf_config, ckpt.weights, dtype, config.seed,
-                                                 mesh)
+                                                 mesh, config.quantization)
         del ckpt
         mc = self.model_config
         t2 = time.perf_counter()
-        log(f"loaded {self.model_name} ({mc.architecture}, {np.dtype(dtype).name}) in "
+        weights = np.dtype(dtype).name + (f", {config.quantization} linear layers"
+                                          if config.quantization else "")
+        log(f"loaded {self.model_name} ({mc.architecture}, {weights}) in "
             f"{t2 - t0:.1f}s (checkpoint {t1 - t0:.1f}s, parameters on the device {t2 - t1:.1f}s)"
             + ("" if mesh is None else f"; split over {mesh.size} devices (tensor parallel)"))
         log(f"scheduler: max_num_seqs {config.max_num_seqs}, max_num_batched_tokens "
@@ -150,6 +152,7 @@ class EngineCore:
             attention_fn=get_attention_fn(config.attention_backend, platform.interpret_pallas),
             mesh=mesh,
             executable_cache=ExecutableCache(cache_dir() / "executables"),
+            quantization=config.quantization,
         )
         del params
         per_page = kv_bytes_per_page(mc, self.runner.layout, config.page_size, kv_dtype)

@@ -26,6 +26,7 @@ from jax.sharding import Mesh
 
 from jaxserve.config import ModelConfig
 from jaxserve.models import sharding
+from jaxserve.models.linear import linear, quantize_linears
 from jaxserve.models.rope import rope_inv_freq
 from pallas_kernels import kv_quant
 
@@ -125,7 +126,7 @@ def _decoder_layer(hidden: jax.Array, p: dict, k_pages: jax.Array, v_pages: jax.
     H, KV = num_heads, k_pages.shape[0]  # the pool's KV heads (replicated past the model's)
     num_tokens, D = hidden.shape[0], k_pages.shape[-1]
     x = _rms_norm(hidden, p["input_layernorm"], eps)
-    qkv = x @ p["qkv_proj"]
+    qkv = linear(x, p["qkv_proj"])
     if "qkv_bias" in p:
         qkv = qkv + p["qkv_bias"]
     # Columns shard by shard: [q heads | k heads | v heads] of each of the n shards.
@@ -142,11 +143,11 @@ def _decoder_layer(hidden: jax.Array, p: dict, k_pages: jax.Array, v_pages: jax.
     if mesh is not None:
         attend = sharding.per_shard_attention(attend, mesh)
     attn, k_pages, v_pages = attend(q, k, v, k_pages, v_pages, md)
-    hidden = hidden + attn.reshape(num_tokens, H * D) @ p["o_proj"]
+    hidden = hidden + linear(attn.reshape(num_tokens, H * D), p["o_proj"])
     x = _rms_norm(hidden, p["post_attention_layernorm"], eps)
-    gate_up = (x @ p["gate_up_proj"]).reshape(num_tokens, n, 2, -1)  # [gate | up] per shard
+    gate_up = linear(x, p["gate_up_proj"]).reshape(num_tokens, n, 2, -1)  # [gate | up] per shard
     gate, up = gate_up[:, :, 0].reshape(num_tokens, -1), gate_up[:, :, 1].reshape(num_tokens, -1)
-    return hidden + (jax.nn.silu(gate) * up) @ p["down_proj"], k_pages, v_pages
+    return hidden + linear(jax.nn.silu(gate) * up, p["down_proj"]), k_pages, v_pages
 
 
 def matmul_precision(dtype):
@@ -310,10 +311,12 @@ def _repeat_kv_heads(w: jax.Array, layout: sharding.Layout) -> jax.Array:
     return jnp.repeat(heads, layout.kv_replicas, axis=0).reshape(-1, *w.shape[1:])
 
 
-@partial(jax.jit, static_argnames=("dtype", "layout", "mesh"))
-def _outer_from_hf(t: dict, dtype, layout: sharding.Layout, mesh: Mesh | None) -> dict:
+@partial(jax.jit, static_argnames=("dtype", "layout", "mesh", "quantization"))
+def _outer_from_hf(t: dict, dtype, layout: sharding.Layout, mesh: Mesh | None,
+                   quantization: str | None = None) -> dict:
     """Embedding [V, E], final norm [E] and untied lm_head [V, E] (HF names) -> params in dtype,
-    the vocabulary rows padded with zeros to ``layout.vocab_size``."""
+    the vocabulary rows padded with zeros to ``layout.vocab_size``. They stay in dtype whatever
+    the ``quantization`` (as vLLM keeps them)."""
     p = {}
     for name, w in t.items():
         if w.ndim == 2 and w.shape[0] < layout.vocab_size:
@@ -322,10 +325,16 @@ def _outer_from_hf(t: dict, dtype, layout: sharding.Layout, mesh: Mesh | None) -
     return _constrain(p, mesh)
 
 
-@partial(jax.jit, static_argnames=("dtype", "layout", "mesh"))
-def _layer_from_hf(t: dict, dtype, layout: sharding.Layout, mesh: Mesh | None) -> dict:
+# The decoder layer's linear projections: the weights ``--quantization`` stores in its format.
+LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+@partial(jax.jit, static_argnames=("dtype", "layout", "mesh", "quantization"))
+def _layer_from_hf(t: dict, dtype, layout: sharding.Layout, mesh: Mesh | None,
+                   quantization: str | None = None) -> dict:
     """One decoder layer's HF tensors (names under ``model.layers.N.``) -> its params in dtype,
-    split over ``mesh`` (``sharding``).
+    split over ``mesh`` (``sharding``); with ``quantization`` "fp8", the ``LINEARS`` as
+    ``linear.Fp8Weight`` (quantized from their values in dtype).
 
     Shapes (E hidden, H heads, KV the layout's KV heads, D head_dim, I intermediate, n the mesh
     size): input_layernorm, post_attention_layernorm [E]; qkv_proj [E, (H + 2 KV) D] and
@@ -351,12 +360,17 @@ def _layer_from_hf(t: dict, dtype, layout: sharding.Layout, mesh: Mesh | None) -
         p["qkv_bias"] = _columns_by_shard(qkv("bias"), n)
     if "self_attn.q_norm.weight" in t:
         p["q_norm"], p["k_norm"] = attn("q_norm.weight"), attn("k_norm.weight")
-    return _constrain({name: w.astype(dtype) for name, w in p.items()}, mesh)
+    p = {name: w.astype(dtype) for name, w in p.items()}
+    if quantization == "fp8":
+        p = quantize_linears(p, LINEARS)
+    return _constrain(p, mesh)
 
 
-def params_from_hf(config: ModelConfig, weights: dict, dtype, mesh: Mesh | None = None) -> dict:
+def params_from_hf(config: ModelConfig, weights: dict, dtype, mesh: Mesh | None = None,
+                   quantization: str | None = None) -> dict:
     """HF-named tensors (torch layouts; host arrays, or device arrays as orbax restores them) ->
-    params of device arrays in ``dtype``, split over ``mesh`` (``sharding``) if given.
+    params of device arrays in ``dtype``, split over ``mesh`` (``sharding``) if given; with
+    ``quantization`` "fp8" the layers' linear projections in FP8 (``_layer_from_hf``).
 
     Built one layer at a time, so a device holds at most its part of the params built so far
     plus one layer's tensors as read (in the checkpoint's dtype; on a mesh only its slice of
@@ -384,12 +398,13 @@ def params_from_hf(config: ModelConfig, weights: dict, dtype, mesh: Mesh | None 
     outer, layer = hf_tensor_shapes(config)
     # The embedding first: its two copies (as read, as built) then meet no layer on the device.
     params = _outer_from_hf(read(outer), dtype, layout, mesh)
-    params["layers"] = [_layer_from_hf(read(layer, f"model.layers.{i}."), dtype, layout, mesh)
-                        for i in range(config.num_layers)]
+    params["layers"] = [_layer_from_hf(read(layer, f"model.layers.{i}."), dtype, layout, mesh,
+                                       quantization) for i in range(config.num_layers)]
     return params
 
 
-def random_params(config: ModelConfig, dtype, seed: int = 0, mesh: Mesh | None = None) -> dict:
+def random_params(config: ModelConfig, dtype, seed: int = 0, mesh: Mesh | None = None,
+                  quantization: str | None = None) -> dict:
     """Random params of the model's shapes (``--load-format dummy``), drawn on the device(s) in
     ``dtype`` one layer at a time (nothing on the host, no float32 copy; on a mesh each device
     draws only its slice, the same values at every mesh size): the HF tensors are normal(0,
@@ -403,14 +418,14 @@ def random_params(config: ModelConfig, dtype, seed: int = 0, mesh: Mesh | None =
     keys = jax.random.split(jax.random.key(seed), config.num_layers + 1)
     params = _random_from_hf(keys[0], tuple(outer.items()), dtype, _outer_from_hf, layout, mesh)
     params["layers"] = [
-        _random_from_hf(k, tuple(layer.items()), dtype, _layer_from_hf, layout, mesh)
+        _random_from_hf(k, tuple(layer.items()), dtype, _layer_from_hf, layout, mesh, quantization)
         for k in keys[1:]]
     return params
 
 
-@partial(jax.jit, static_argnums=(1, 2, 3, 4, 5))
+@partial(jax.jit, static_argnums=(1, 2, 3, 4, 5, 6))
 def _random_from_hf(key, shapes: tuple, dtype, build: Callable, layout: sharding.Layout,
-                    mesh: Mesh | None) -> dict:
+                    mesh: Mesh | None, quantization: str | None = None) -> dict:
     """``build`` (``_outer_from_hf`` or ``_layer_from_hf``) of random HF tensors of ``shapes``
     (((name, shape), ...)), in one executable."""
     t = {}
@@ -421,4 +436,4 @@ def _random_from_hf(key, shapes: tuple, dtype, build: Callable, layout: sharding
             t[name] = jnp.zeros(shape, dtype)
         else:
             t[name] = 0.02 * jax.random.normal(k, shape, dtype)
-    return build(t, dtype, layout, mesh)
+    return build(t, dtype, layout, mesh, quantization)

@@ -10,10 +10,12 @@ from pallas_kernels import kv_quant
 
 
 def build_params(hf_config: dict, weights: dict | None, dtype, seed: int = 0,
-                 mesh: Mesh | None = None) -> tuple[ModelConfig, dict]:
+                 mesh: Mesh | None = None,
+                 quantization: str | None = None) -> tuple[ModelConfig, dict]:
     """Model config and params (``jaxserve.models.llama``) of device arrays in ``dtype``, built
-    one layer at a time and split over ``mesh`` (``jaxserve.models.sharding``) if given;
-    returns once they are on the device(s), so a caller's timing covers it.
+    one layer at a time and split over ``mesh`` (``jaxserve.models.sharding``) if given, the
+    layers' linear projections in ``quantization``'s format ("fp8": ``linear.Fp8Weight``) if
+    given; returns once they are on the device(s), so a caller's timing covers it.
 
     ``weights`` None gives random weights of the real shapes (``--load-format dummy``, drawn
     from ``seed``).
@@ -24,9 +26,9 @@ def build_params(hf_config: dict, weights: dict | None, dtype, seed: int = 0,
     """
     config = ModelConfig.from_hf_config(hf_config)
     if weights is None:
-        params = random_params(config, dtype, seed, mesh)
+        params = random_params(config, dtype, seed, mesh, quantization)
     else:
-        params = params_from_hf(config, weights, dtype, mesh)
+        params = params_from_hf(config, weights, dtype, mesh, quantization)
     return config, jax.block_until_ready(params)
 
 

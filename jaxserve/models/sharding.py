@@ -122,11 +122,24 @@ _SPECS = {
 }
 
 
+def _spec(path) -> P:
+    """The spec of the param leaf at ``path``: by its name, and for the fields of an FP8 weight
+    (``linear.Fp8Weight``: ``[out, in]`` weight, ``[out]`` scale) the plain ``[in, out]``
+    weight's spec turned to that layout (a column-parallel weight's scales split with its
+    columns, a row-parallel one's replicated)."""
+    name = next(k.key for k in reversed(path) if isinstance(k, jax.tree_util.DictKey))
+    spec = _SPECS[name]
+    if isinstance(path[-1], jax.tree_util.GetAttrKey):
+        rows, cols = spec  # of the [in, out] weight
+        spec = P(cols, rows) if path[-1].name == "weight" else P(cols)
+    return spec
+
+
 def param_shardings(params_like, mesh: Mesh):
     """NamedShardings of params (``jaxserve.models.llama``'s dict, one layer's dict, or the same
     of shapes), by each leaf's name."""
     return jax.tree_util.tree_map_with_path(
-        lambda path, _: NamedSharding(mesh, _SPECS[path[-1].key]), params_like)
+        lambda path, _: NamedSharding(mesh, _spec(path)), params_like)
 
 
 def hf_sharding(name: str, shape: tuple, mesh: Mesh) -> NamedSharding:

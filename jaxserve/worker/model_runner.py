@@ -126,6 +126,8 @@ class ModelRunner:
         replicated. None: one device, the default.
       executable_cache: where compiled programs are loaded from and saved to
         (``executable_cache.py``); None: compiled at every start.
+      quantization: the format of the params' linear weights (``--quantization``; "fp8":
+        ``linear.Fp8Weight``), for the step's compiler options; None: plain weights.
     """
 
     def __init__(
@@ -142,8 +144,10 @@ class ModelRunner:
         branch_free: bool | None = None,
         mesh: Mesh | None = None,
         executable_cache: ExecutableCache | None = None,
+        quantization: str | None = None,
     ):
         self.config = config
+        self.quantization = quantization
         self.executables = executable_cache or ExecutableCache(None)
         self.mesh = mesh
         self.layout = sharding.Layout.of(config, sharding.mesh_size(mesh))
@@ -287,11 +291,13 @@ class ModelRunner:
         host time before the first kernel, hidden behind the step in flight while the engine is
         busy but paid in full by a prompt that arrives at an idle engine (its TTFT). Steps of
         prefill size run long enough that launching their kernels one by one costs nothing, so
-        they go without; decode-size steps keep the graphs (docs/performance.md)."""
+        they go without; decode-size steps keep the graphs (docs/performance.md). With FP8
+        linear weights, the platform's ``fp8_step_options`` too."""
+        options = dict(self.platform.fp8_step_options) if self.quantization == "fp8" else {}
         min_tokens = self.platform.op_by_op_min_tokens
-        if min_tokens is None or tokens < min_tokens:
-            return None
-        return {"xla_gpu_enable_command_buffer": ""}
+        if min_tokens is not None and tokens >= min_tokens:
+            options["xla_gpu_enable_command_buffer"] = ""
+        return options or None
 
     def compile_buckets(self, num_pages: int, log: Callable[[str], None] = print) -> None:
         """Compile every program (``compilation.compile_programs``: the step of every token

@@ -1,0 +1,84 @@
+"""Linear projections and the weight formats they take (``linear``): a plain weight in the
+model's dtype, or FP8 (W8A8, ``--quantization fp8``).
+
+A plain weight is ``[in, out]`` and the projection is ``x @ w``. An FP8 weight (``Fp8Weight``)
+is ``[out, in]`` float8_e4m3fn with one float32 scale per output channel (row); at run time each
+token's activations are quantized to float8_e4m3fn with a scale of its own (dynamic, per
+token), the two FP8 operands meet in one ``dot_general`` that accumulates in float32 (on Hopper,
+XLA runs it as a cuBLASLt FP8 GEMM; the ``[out, in]`` layout is the one that GEMM reads without
+a transpose), and the product is scaled back by the token's and the channel's scales.
+
+Source: the e4m3 format (Micikevicius et al. 2022, "FP8 Formats for Deep Learning": largest
+finite value 448, no infinities); vLLM's ``Fp8LinearMethod`` (dynamic quantization of a 16-bit
+checkpoint at load, per-token activation scales). vLLM's online mode keeps one scale per weight
+tensor; one per output channel is the more accurate choice (a channel of large weights no longer
+coarsens every other channel's steps) and costs nothing in the GEMM's epilogue.
+"""
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+FP8_DTYPE = jnp.float8_e4m3fn
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+# The smallest scale: an all-zero row (or channel) quantizes to zeros, not to 0 / 0.
+_MIN_SCALE = 1e-12
+
+
+@dataclass(frozen=True)
+class Fp8Weight:
+    """A linear weight in FP8: ``w[in, out] ~= (weight * scale[:, None]).T``.
+
+    Attributes:
+      weight: [out, in] float8_e4m3fn.
+      scale: [out] float32, one per output channel.
+    """
+
+    weight: jax.Array
+    scale: jax.Array
+
+
+jax.tree_util.register_dataclass(Fp8Weight, data_fields=["weight", "scale"], meta_fields=[])
+
+
+def _saturating_fp8(x: jax.Array) -> jax.Array:
+    """x (already divided by its scale) to float8_e4m3fn, clipped to +-448 first: a value past
+    the largest finite one would otherwise become NaN (the format has no infinity)."""
+    return jnp.clip(x, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
+
+
+def quantize_weight(w: jax.Array) -> Fp8Weight:
+    """A plain ``[in, out]`` weight -> its ``Fp8Weight`` (per-output-channel scales: each
+    channel's largest magnitude maps to 448)."""
+    wt = w.astype(jnp.float32).T  # [out, in]
+    scale = jnp.maximum(jnp.max(jnp.abs(wt), axis=1), _MIN_SCALE) / FP8_MAX
+    return Fp8Weight(_saturating_fp8(wt / scale[:, None]), scale)
+
+
+def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Dynamic per-token quantization: x [M, K] -> (x_q [M, K] float8_e4m3fn, scale [M]
+    float32) with ``x ~= x_q * scale[:, None]``."""
+    xf = x.astype(jnp.float32)
+    scale = jnp.maximum(jnp.max(jnp.abs(xf), axis=-1), _MIN_SCALE) / FP8_MAX
+    return _saturating_fp8(xf / scale[:, None]), scale
+
+
+def linear(x: jax.Array, w) -> jax.Array:
+    """x [M, in] times a weight of ``in -> out`` -> [M, out] in x's dtype.
+
+    Args:
+      x: activations [M, in].
+      w: a plain ``[in, out]`` array (``x @ w``) or an ``Fp8Weight``.
+    """
+    if not isinstance(w, Fp8Weight):
+        return x @ w
+    xq, xs = quantize_rows(x)
+    y = jax.lax.dot_general(xq, w.weight, (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32)
+    return (y * xs[:, None] * w.scale[None, :]).astype(x.dtype)
+
+
+def quantize_linears(params: dict, names: tuple[str, ...]) -> dict:
+    """``params`` with the weights under ``names`` as ``Fp8Weight``; the rest as they are."""
+    return {k: quantize_weight(v) if k in names else v for k, v in params.items()}

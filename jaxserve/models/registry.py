@@ -21,9 +21,12 @@ def build_params(hf_config: dict, weights: dict | None, dtype, seed: int = 0,
     from ``seed``).
 
     Raises:
-      ValueError: unsupported architecture, a missing tensor, a tensor of the wrong shape, or a
-        mesh size that does not divide the model (naming --tensor-parallel-size).
+      ValueError: unsupported architecture or quantization (naming --quantization), a missing
+        tensor, a tensor of the wrong shape, or a mesh size that does not divide the model
+        (naming --tensor-parallel-size).
     """
+    if quantization not in (None, "fp8"):
+        raise ValueError(f"unsupported --quantization {quantization!r} (fp8)")
     config = ModelConfig.from_hf_config(hf_config)
     if weights is None:
         params = random_params(config, dtype, seed, mesh, quantization)

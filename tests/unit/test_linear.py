@@ -70,6 +70,14 @@ def test_fp8_weight_specs_follow_the_plain_weights():
     assert specs["input_layernorm"].spec == P()
 
 
+def test_an_unknown_quantization_is_refused():
+    from jaxserve.models.registry import build_params
+
+    with pytest.raises(ValueError, match="unsupported --quantization 'int4'"):
+        build_params({"architectures": ["LlamaForCausalLM"]}, None, jnp.float32,
+                     quantization="int4")
+
+
 CODE = """
 import json
 import jax, jax.numpy as jnp, numpy as np

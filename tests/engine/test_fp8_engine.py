@@ -30,7 +30,7 @@ def answer_nll(llm, conversations) -> float:
                                          return_dict=False)
         full = tok.apply_chat_template([{"role": "user", "content": user},
                                         {"role": "assistant", "content": answer}],
-                                       tokenize=True, return_dict=False)[:256]
+                                       tokenize=True, return_dict=False)[:192]
         seqs.append((full, len(prompt)))
     outs = llm.generate([ids for ids, _ in seqs], SamplingParams(max_tokens=1, prompt_logprobs=0),
                         use_tqdm=False)
@@ -59,7 +59,7 @@ def test_fp8_weights_and_kv_cache_in_the_engine(smollm_llm):
     # tenths: greedy tokens part at ties far wider than float rounding's): FP8's extra over
     # float32 is small (the accuracy script measures it on 100 conversations,
     # docs/performance.md).
-    conversations = prompt_answer_pairs()[:4]
+    conversations = prompt_answer_pairs()[:3]
     extra = answer_nll(llm8, conversations) - answer_nll(smollm_llm, conversations)
     assert abs(extra) < 0.1, extra
 
@@ -67,14 +67,10 @@ def test_fp8_weights_and_kv_cache_in_the_engine(smollm_llm):
 def test_fp8_accuracy_script(tmp_path):
     out = tmp_path / "fp8.json"
     script = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "fp8_accuracy.py"
-    subprocess.run([sys.executable, str(script), "--num-conversations", "2", "--max-len", "96",
-                    "--variants", "float32,bfloat16,fp8-weights", "--json", str(out)],
-                   check=True, timeout=600)
+    subprocess.run([sys.executable, str(script), "--num-conversations", "2", "--max-len", "80",
+                    "--variants", "float32,fp8-kv", "--json", str(out)], check=True, timeout=600)
     rows = json.loads(out.read_text())["variants"]
-    assert set(rows) == {"float32", "bfloat16", "fp8-weights"}
+    assert set(rows) == {"float32", "fp8-kv"}
     assert all(r["conversations"] == 2 and r["tokens"] > 0 for r in rows.values())
     assert 0.5 < rows["float32"]["nll"] < 6
-    assert abs(rows["bfloat16"]["extra_nll"]) < 0.05
-    assert rows["fp8-weights"]["within_bound"] == (
-        rows["fp8-weights"]["extra_nll"] <= max(0.05, 3 * rows["bfloat16"]["extra_nll"]))
-    assert abs(rows["fp8-weights"]["extra_nll"]) < 0.1
+    assert abs(rows["fp8-kv"]["extra_nll"]) < 0.1

@@ -62,7 +62,8 @@ class Run:
         sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos)
         self.ids = []
         for p in prompts:
-            rid = f"r{Run._next}"
+            # ids of this module's own: the engine is shared, and other tests' ids are "r0"...
+            rid = f"scheduler-{Run._next}"
             Run._next += 1
             engine.add_request(EngineCoreRequest(rid, p, sp))
             self.ids.append(rid)

@@ -3,7 +3,7 @@ and preemption give the same greedy outputs (docs/architecture.md, "Testing nume
 HF transformers' own model over the same tokens), and the scheduler does what it claims along the
 way.
 
-The engine is the engine tests' shared one (``smollm_llm``, SMALL_ENGINE's limits: a 128-token
+The engine has SMALL_ENGINE's limits (those of the engine tests' shared one: a 128-token
 budget, 1,024-token sequences, a pool of 362 usable pages of 16 tokens). The scheduler's token
 budget and the prefix-caching switch are runtime settings, so the 64-vs-128 and on-vs-off
 comparisons run on the same compiled buckets, and each test puts them back; the preemption test
@@ -17,15 +17,20 @@ import pytest
 
 from jaxserve.engine import EngineCoreRequest
 from jaxserve.sampling_params import SamplingParams
-from tests.conftest import sharegpt_prompts
+from tests.conftest import SMALL_ENGINE, sharegpt_prompts
 from tests.greedy import compare_greedy, hf_greedy_margins, hf_greedy_tokens
 
 MAX_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
-def engine(smollm_llm):
-    return smollm_llm.engine
+def engine():
+    """An engine of its own (the tests step its scheduler by hand, from a fresh state), with the
+    shared engine's limits, so its programs come from the executable cache."""
+    from jaxserve.config import EngineConfig
+    from jaxserve.engine.core import EngineCore
+
+    return EngineCore(EngineConfig(**SMALL_ENGINE), log=lambda s: None)
 
 
 def long_token_prompt(tokenizer, n_tokens: int, skip: int) -> list[int]:
@@ -62,7 +67,6 @@ class Run:
         sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos)
         self.ids = []
         for p in prompts:
-            # ids of this module's own: the engine is shared, and other tests' ids are "r0"...
             rid = f"scheduler-{Run._next}"
             Run._next += 1
             engine.add_request(EngineCoreRequest(rid, p, sp))

@@ -114,10 +114,14 @@ class EngineConfig:
     dtype: Literal["auto", "bfloat16", "float32"] = field(default="auto", metadata={
         "help": "weights dtype (and the KV cache's with --kv-cache-dtype auto); auto: "
                 f"{GPU.dtype} on GPU, {CPU.dtype} on CPU", "resolved": True})
-    quantization: Literal["fp8"] | None = field(default=None, metadata={"help": (
-        "weight format of the decoder layers' linear projections; fp8: float8_e4m3fn weights "
-        "quantized at load with a scale per output channel, activations quantized per token "
-        "at run time (W8A8; embeddings, norms and the LM head stay in --dtype); None: --dtype")})
+    quantization: Literal["fp8", "compressed-tensors", "modelopt", "fbgemm_fp8"] | None = field(
+        default=None, metadata={"help": (
+            "weight format of the decoder layers' linear projections; fp8: float8_e4m3fn "
+            "weights quantized at load with a scale per output channel, activations quantized "
+            "per token at run time (W8A8; embeddings, norms and the LM head stay in --dtype); "
+            "compressed-tensors, modelopt, fbgemm_fp8: an FP8 checkpoint of that method (read "
+            "from its quantization_config without the flag; a flag naming another method is an "
+            "error); None: the checkpoint's method, or --dtype")})
     kv_cache_dtype: Literal["auto", "bfloat16", "float32", "fp8"] = field(
         default="auto", metadata={"help": (
             "KV cache dtype; auto: the weights' dtype; fp8: float8_e4m3fn with a float32 scale "

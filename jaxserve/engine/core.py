@@ -36,6 +36,7 @@ from jaxserve.model_loader import (
 )
 from jaxserve.model_loader.default_model import cache_dir
 from jaxserve.models import sharding
+from jaxserve.models.fp8_checkpoint import resolve_method
 from jaxserve.models.registry import build_params, resolve_kv_cache_dtype
 from jaxserve.platforms import current_platform
 from jaxserve.structured_output.manager import StructuredOutputManager
@@ -129,13 +130,14 @@ class EngineCore:
         config = self.config = resolve_config(config, platform, max_position_embeddings)
         dtype = jnp.dtype(config.dtype)
         t1 = time.perf_counter()
+        quantization = resolve_method(ckpt.hf_config, config.quantization)
         self.model_config, params = build_params(ckpt.hf_config, ckpt.weights, dtype, config.seed,
-                                                 mesh, config.quantization)
+                                                 mesh, quantization)
         del ckpt
         mc = self.model_config
         t2 = time.perf_counter()
-        weights = np.dtype(dtype).name + (f", {config.quantization} linear layers"
-                                          if config.quantization else "")
+        weights = np.dtype(dtype).name + (f", {quantization} linear layers"
+                                          if quantization else "")
         log(f"loaded {self.model_name} ({mc.architecture}, {weights}) in "
             f"{t2 - t0:.1f}s (checkpoint {t1 - t0:.1f}s, parameters on the device {t2 - t1:.1f}s)"
             + ("" if mesh is None else f"; split over {mesh.size} devices (tensor parallel)"))
@@ -152,7 +154,7 @@ class EngineCore:
             attention_fn=get_attention_fn(config.attention_backend, platform.interpret_pallas),
             mesh=mesh,
             executable_cache=ExecutableCache(cache_dir() / "executables"),
-            quantization=config.quantization,
+            quantization=quantization,
         )
         del params
         per_page = kv_bytes_per_page(mc, self.runner.layout, config.page_size, kv_dtype)

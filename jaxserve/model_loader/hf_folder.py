@@ -4,7 +4,10 @@ Source format: a ``save_pretrained`` folder: ``config.json``, weights in one ``m
 or shards listed by ``model.safetensors.index.json`` (``weight_map``) or any ``*.safetensors``,
 tokenizer files (``tokenizer.json`` + ``tokenizer_config.json``, read by
 ``jaxserve.tokenizer_io.load_tokenizer``, local files only). Arrays keep the file's dtype
-(float32/float16, bf16 as ``ml_dtypes.bfloat16``) and torch layouts.
+(float32/float16, bf16 as ``ml_dtypes.bfloat16``, F8_E4M3 as ``ml_dtypes.float8_e4m3fn``) and
+torch layouts. A ModelOpt export whose config.json has no ``quantization_config`` keeps it in
+``hf_quant_config.json``; that file's content becomes the ``quantization_config``
+(``jaxserve.models.fp8_checkpoint`` reads both forms).
 """
 
 from __future__ import annotations
@@ -46,6 +49,10 @@ def load_hf_folder(folder: str | pathlib.Path, *, with_tokenizer: bool = True,
 
     folder = pathlib.Path(folder)
     cfg = json.loads((folder / "config.json").read_text())
+    modelopt = folder / "hf_quant_config.json"
+    if "quantization_config" not in cfg and modelopt.is_file():
+        cfg["quantization_config"] = {"quant_method": "modelopt",
+                                      **json.loads(modelopt.read_text())}
     files = safetensors_files(folder)
     if not files:
         raise ValueError(f"{folder}: no *.safetensors files (expected an HF folder with config.json + *.safetensors)")
@@ -55,8 +62,11 @@ def load_hf_folder(folder: str | pathlib.Path, *, with_tokenizer: bool = True,
         with safe_open(str(f), framework="np") as sf:
             for k in sf.keys():
                 sl = sf.get_slice(k)
-                weights[k] = LazyTensor(sl.get_shape(), _dtype_of(sl.get_dtype()),
-                                        partial(_read_slice, str(f), k))
+                dtype = _dtype_of(sl.get_dtype())
+                # safetensors' numpy reader has no float8 dtypes: those read from the bytes.
+                read = (_read_slice if sl.get_dtype() != "F8_E4M3" else
+                        partial(_read_raw_slice, dtype, sl.get_shape()))
+                weights[k] = LazyTensor(sl.get_shape(), dtype, partial(read, str(f), k))
     if not lazy:
         weights = {k: np.asarray(w) for k, w in weights.items()}
     return Checkpoint(name=folder.resolve().name, hf_config=cfg, weights=weights,
@@ -68,7 +78,8 @@ def _dtype_of(safetensors_dtype: str) -> np.dtype:
     import ml_dtypes
 
     names = {"F64": np.float64, "F32": np.float32, "F16": np.float16,
-             "BF16": ml_dtypes.bfloat16, "I64": np.int64, "I32": np.int32}
+             "BF16": ml_dtypes.bfloat16, "F8_E4M3": ml_dtypes.float8_e4m3fn,
+             "I64": np.int64, "I32": np.int32}
     return np.dtype(names[safetensors_dtype])
 
 
@@ -77,6 +88,18 @@ def _read_slice(file: str, name: str, index: tuple) -> np.ndarray:
 
     with safe_open(file, framework="np") as sf:
         return sf.get_slice(name)[index]
+
+
+def _read_raw_slice(dtype: np.dtype, shape: list, file: str, name: str,
+                    index: tuple) -> np.ndarray:
+    """A slice of a tensor read from its bytes: the file's 8-byte little-endian header size,
+    its JSON header (``data_offsets`` from the end of the header), then the data (safetensors'
+    layout, row-major)."""
+    with open(file, "rb") as fh:
+        size = int.from_bytes(fh.read(8), "little")
+        start = json.loads(fh.read(size))[name]["data_offsets"][0]
+    data = np.memmap(file, dtype=dtype, mode="r", offset=8 + size + start, shape=tuple(shape))
+    return np.array(data[index])
 
 
 def save_hf_folder(folder: str | pathlib.Path, ckpt: Checkpoint) -> pathlib.Path:

@@ -1,12 +1,14 @@
 """Linear projections and the weight formats they take (``linear``): a plain weight in the
-model's dtype, or FP8 (W8A8, ``--quantization fp8``).
+model's dtype, or FP8 (W8A8: ``--quantization fp8``, or an FP8 checkpoint, ``fp8_checkpoint``).
 
 A plain weight is ``[in, out]`` and the projection is ``x @ w``. An FP8 weight (``Fp8Weight``)
-is ``[out, in]`` float8_e4m3fn with one float32 scale per output channel (row); at run time each
-token's activations are quantized to float8_e4m3fn with a scale of its own (dynamic, per
-token), the two FP8 operands meet in one ``dot_general`` that accumulates in float32 (on Hopper,
-XLA runs it as a cuBLASLt FP8 GEMM; the ``[out, in]`` layout is the one that GEMM reads without
-a transpose), and the product is scaled back by the token's and the channel's scales.
+is ``[out, in]`` float8_e4m3fn with one float32 scale per output channel (row); at run time the
+activations are quantized to float8_e4m3fn, each token with a scale of its own (dynamic, per
+token; its largest magnitude capped at ``input_scale_ub`` if set) or all with the weight's
+static ``input_scale``, the two FP8 operands meet in one ``dot_general`` that accumulates in
+float32 (on Hopper, XLA runs it as a cuBLASLt FP8 GEMM; the ``[out, in]`` layout is the one that
+GEMM reads without a transpose), and the product is scaled back by the activations' and the
+channel's scales.
 
 Source: the e4m3 format (Micikevicius et al. 2022, "FP8 Formats for Deep Learning": largest
 finite value 448, no infinities); vLLM's ``Fp8LinearMethod`` (dynamic quantization of a 16-bit
@@ -33,13 +35,20 @@ class Fp8Weight:
     Attributes:
       weight: [out, in] float8_e4m3fn.
       scale: [out] float32, one per output channel.
+      input_scale: [] float32, the static scale of the activations (``x ~= x_q * input_scale``);
+        None: dynamic, one scale per token.
+      input_scale_ub: with dynamic scales, the largest token magnitude a scale covers (larger
+        values saturate at +-448; fbgemm's ``activation_scale_ub``); None: no cap.
     """
 
     weight: jax.Array
     scale: jax.Array
+    input_scale: jax.Array | None = None
+    input_scale_ub: float | None = None
 
 
-jax.tree_util.register_dataclass(Fp8Weight, data_fields=["weight", "scale"], meta_fields=[])
+jax.tree_util.register_dataclass(Fp8Weight, data_fields=["weight", "scale", "input_scale"],
+                                 meta_fields=["input_scale_ub"])
 
 
 def _saturating_fp8(x: jax.Array) -> jax.Array:
@@ -56,12 +65,24 @@ def quantize_weight(w: jax.Array) -> Fp8Weight:
     return Fp8Weight(_saturating_fp8(wt / scale[:, None]), scale)
 
 
-def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+def quantize_rows(x: jax.Array, ub: float | None = None) -> tuple[jax.Array, jax.Array]:
     """Dynamic per-token quantization: x [M, K] -> (x_q [M, K] float8_e4m3fn, scale [M]
-    float32) with ``x ~= x_q * scale[:, None]``."""
+    float32) with ``x ~= x_q * scale[:, None]``; each row's largest magnitude (capped at ``ub``
+    if given) maps to 448."""
     xf = x.astype(jnp.float32)
-    scale = jnp.maximum(jnp.max(jnp.abs(xf), axis=-1), _MIN_SCALE) / FP8_MAX
+    amax = jnp.max(jnp.abs(xf), axis=-1)
+    if ub is not None:
+        amax = jnp.minimum(amax, ub)
+    scale = jnp.maximum(amax, _MIN_SCALE) / FP8_MAX
     return _saturating_fp8(xf / scale[:, None]), scale
+
+
+def _quantize_input(x: jax.Array, w: Fp8Weight) -> tuple[jax.Array, jax.Array]:
+    """x [M, K] as ``w`` takes it: (x_q [M, K] float8_e4m3fn, scale [M] or [1] float32)."""
+    if w.input_scale is None:
+        return quantize_rows(x, w.input_scale_ub)
+    scale = w.input_scale.reshape(1)
+    return _saturating_fp8(x.astype(jnp.float32) / scale), scale
 
 
 def linear(x: jax.Array, w) -> jax.Array:
@@ -73,7 +94,7 @@ def linear(x: jax.Array, w) -> jax.Array:
     """
     if not isinstance(w, Fp8Weight):
         return x @ w
-    xq, xs = quantize_rows(x)
+    xq, xs = _quantize_input(x, w)
     y = jax.lax.dot_general(xq, w.weight, (((1,), (1,)), ((), ())),
                             preferred_element_type=jnp.float32)
     return (y * xs[:, None] * w.scale[None, :]).astype(x.dtype)

@@ -15,9 +15,10 @@ the KV write and attention per device (``jaxserve.models.sharding``, docs/parall
 """
 
 import contextlib
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
+from functools import partial, reduce
 
 import jax
 import jax.numpy as jnp
@@ -25,8 +26,8 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxserve.config import ModelConfig
-from jaxserve.models import sharding
-from jaxserve.models.linear import linear, quantize_linears
+from jaxserve.models import fp8_checkpoint, sharding
+from jaxserve.models.linear import Fp8Weight, linear, quantize_linears
 from jaxserve.models.rope import rope_inv_freq
 from pallas_kernels import kv_quant
 
@@ -302,13 +303,31 @@ def _columns_by_shard(blocks: list, n: int) -> jax.Array:
     return jnp.concatenate([w.reshape(*lead, n, -1) for w in blocks], axis=-1).reshape(*lead, -1)
 
 
-def _repeat_kv_heads(w: jax.Array, layout: sharding.Layout) -> jax.Array:
-    """HF k/v projection rows (or bias) ``[KV D, ...]`` -> ``[KV r D, ...]``: each KV head's rows
-    r = ``layout.kv_replicas`` times in a row (vLLM replicates KV heads past the mesh size so)."""
+def _repeat_kv_heads(w, layout: sharding.Layout):
+    """HF k/v projection rows (or bias) ``[KV D, ...]``, or an ``Fp8Weight``'s rows and scales,
+    -> ``[KV r D, ...]``: each KV head's rows r = ``layout.kv_replicas`` times in a row (vLLM
+    replicates KV heads past the mesh size so)."""
     if layout.kv_replicas == 1:
         return w
+    if isinstance(w, Fp8Weight):
+        return dataclasses.replace(w, weight=_repeat_kv_heads(w.weight, layout),
+                                   scale=_repeat_kv_heads(w.scale, layout))
     heads = w.reshape(layout.num_kv_heads // layout.kv_replicas, -1, *w.shape[1:])
     return jnp.repeat(heads, layout.kv_replicas, axis=0).reshape(-1, *w.shape[1:])
+
+
+def _fuse(parts: list, n: int):
+    """HF projections of one input (``[out_j, in]`` weights, or ``Fp8Weight``) -> one weight
+    whose output channels run shard by shard (``_columns_by_shard``): ``[in, sum out_j]``, or an
+    ``Fp8Weight`` of ``[sum out_j, in]`` with its scales in the same order and the largest of
+    the parts' input scales (they quantize the same activations)."""
+    if not isinstance(parts[0], Fp8Weight):
+        return _columns_by_shard([w.T for w in parts], n)
+    input_scale = (None if parts[0].input_scale is None else
+                   reduce(jnp.maximum, [w.input_scale for w in parts]))
+    return Fp8Weight(_columns_by_shard([w.weight.T for w in parts], n).T,
+                     _columns_by_shard([w.scale for w in parts], n), input_scale,
+                     parts[0].input_scale_ub)
 
 
 @partial(jax.jit, static_argnames=("dtype", "layout", "mesh", "quantization"))
@@ -331,59 +350,67 @@ LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 @partial(jax.jit, static_argnames=("dtype", "layout", "mesh", "quantization"))
 def _layer_from_hf(t: dict, dtype, layout: sharding.Layout, mesh: Mesh | None,
-                   quantization: str | None = None) -> dict:
+                   quantization: "str | fp8_checkpoint.Fp8Checkpoint | None" = None) -> dict:
     """One decoder layer's HF tensors (names under ``model.layers.N.``) -> its params in dtype,
-    split over ``mesh`` (``sharding``); with ``quantization`` "fp8", the ``LINEARS`` as
-    ``linear.Fp8Weight`` (quantized from their values in dtype).
+    split over ``mesh`` (``sharding``); the ``LINEARS`` as ``linear.Fp8Weight`` with
+    ``quantization`` "fp8" (quantized from their values in dtype) or an
+    ``fp8_checkpoint.Fp8Checkpoint`` (the checkpoint's FP8 values and scales as stored).
 
     Shapes (E hidden, H heads, KV the layout's KV heads, D head_dim, I intermediate, n the mesh
     size): input_layernorm, post_attention_layernorm [E]; qkv_proj [E, (H + 2 KV) D] and
     qkv_bias [(H + 2 KV) D] (Qwen2), columns [q | k | v] of each shard in turn; q_norm, k_norm
     [D] (Qwen3); o_proj [H D, E]; gate_up_proj [E, 2 I], columns [gate | up] of each shard in
-    turn; down_proj [I, E]. With n = 1: [q | k | v] and [gate | up].
+    turn; down_proj [I, E]. With n = 1: [q | k | v] and [gate | up]. An ``Fp8Weight`` holds the
+    same channels as rows (``[out, in]``).
     """
     n = layout.size
-    attn = lambda name: t["self_attn." + name]  # noqa: E731
-    qkv = lambda kind: [attn(f"q_proj.{kind}"), *(  # noqa: E731
-        _repeat_kv_heads(attn(f"{x}_proj.{kind}"), layout) for x in "kv")]
-    # Linear weights [out, in] become [in, out]: the step computes x @ w.
+    if isinstance(quantization, fp8_checkpoint.Fp8Checkpoint):
+        proj = partial(fp8_checkpoint.fp8_weight, quantization, t)
+    else:
+        proj = lambda name: t[name + ".weight"]  # noqa: E731
+    qkv = [proj("self_attn.q_proj"),
+           *(_repeat_kv_heads(proj(f"self_attn.{x}_proj"), layout) for x in "kv")]
+    # Linear weights [out, in] become [in, out] (the step computes x @ w); FP8 ones stay.
     p = {
         "input_layernorm": t["input_layernorm.weight"],
         "post_attention_layernorm": t["post_attention_layernorm.weight"],
-        "qkv_proj": _columns_by_shard([w.T for w in qkv("weight")], n),
-        "o_proj": attn("o_proj.weight").T,
-        "gate_up_proj": _columns_by_shard(
-            [t["mlp.gate_proj.weight"].T, t["mlp.up_proj.weight"].T], n),
-        "down_proj": t["mlp.down_proj.weight"].T,
+        "qkv_proj": _fuse(qkv, n),
+        "o_proj": _fuse([proj("self_attn.o_proj")], n),
+        "gate_up_proj": _fuse([proj("mlp.gate_proj"), proj("mlp.up_proj")], n),
+        "down_proj": _fuse([proj("mlp.down_proj")], n),
     }
     if "self_attn.q_proj.bias" in t:
-        p["qkv_bias"] = _columns_by_shard(qkv("bias"), n)
+        p["qkv_bias"] = _columns_by_shard(
+            [t["self_attn.q_proj.bias"],
+             *(_repeat_kv_heads(t[f"self_attn.{x}_proj.bias"], layout) for x in "kv")], n)
     if "self_attn.q_norm.weight" in t:
-        p["q_norm"], p["k_norm"] = attn("q_norm.weight"), attn("k_norm.weight")
-    p = {name: w.astype(dtype) for name, w in p.items()}
+        p["q_norm"], p["k_norm"] = t["self_attn.q_norm.weight"], t["self_attn.k_norm.weight"]
+    p = {name: w if isinstance(w, Fp8Weight) else w.astype(dtype) for name, w in p.items()}
     if quantization == "fp8":
         p = quantize_linears(p, LINEARS)
     return _constrain(p, mesh)
 
 
 def params_from_hf(config: ModelConfig, weights: dict, dtype, mesh: Mesh | None = None,
-                   quantization: str | None = None) -> dict:
+                   quantization: "str | fp8_checkpoint.Fp8Checkpoint | None" = None) -> dict:
     """HF-named tensors (torch layouts; host arrays, or device arrays as orbax restores them) ->
-    params of device arrays in ``dtype``, split over ``mesh`` (``sharding``) if given; with
-    ``quantization`` "fp8" the layers' linear projections in FP8 (``_layer_from_hf``).
+    params of device arrays in ``dtype``, split over ``mesh`` (``sharding``) if given; the
+    layers' linear projections in FP8 with ``quantization`` "fp8" or the checkpoint's
+    ``fp8_checkpoint.Fp8Checkpoint`` (``_layer_from_hf``).
 
     Built one layer at a time, so a device holds at most its part of the params built so far
     plus one layer's tensors as read (in the checkpoint's dtype; on a mesh only its slice of
     each, but the whole of a tensor that does not split evenly) and as built. Values are those
     of the tensors cast to ``dtype`` (transposes, concatenations, padding and KV-head copies
-    are exact).
+    are exact); FP8 checkpoint values as stored.
 
     Raises:
-      ValueError: naming the first missing tensor or the first one of the wrong shape, or a
-        mesh size the model does not split into (``sharding.check_tensor_parallel``).
+      ValueError: naming the first missing tensor or the first one of the wrong shape (or, of
+        FP8 data, dtype: ``fp8_checkpoint.check_tensors``), or a mesh size the model does not
+        split into (``sharding.check_tensor_parallel``).
     """
 
-    def read(shapes: dict, prefix: str = "") -> dict:
+    def read(shapes: dict, prefix: str = "", extra: tuple = ()) -> dict:
         out = {}
         for name, shape in shapes.items():
             w = weights.get(prefix + name)
@@ -392,14 +419,17 @@ def params_from_hf(config: ModelConfig, weights: dict, dtype, mesh: Mesh | None 
             if tuple(w.shape) != shape:
                 raise ValueError(f"tensor {prefix + name} has shape {tuple(w.shape)}, expected {shape}")
             out[name] = w
-        return _place(out, mesh)
+        return _place(out | {name: weights[prefix + name] for name in extra}, mesh)
 
     layout = sharding.Layout.of(config, sharding.mesh_size(mesh))
     outer, layer = hf_tensor_shapes(config)
+    fp8_checkpoint.check_tensors(weights, quantization, layer, config.num_layers)
+    scales = (tuple(fp8_checkpoint.scale_tensors(quantization, layer))
+              if isinstance(quantization, fp8_checkpoint.Fp8Checkpoint) else ())
     # The embedding first: its two copies (as read, as built) then meet no layer on the device.
     params = _outer_from_hf(read(outer), dtype, layout, mesh)
-    params["layers"] = [_layer_from_hf(read(layer, f"model.layers.{i}."), dtype, layout, mesh,
-                                       quantization) for i in range(config.num_layers)]
+    params["layers"] = [_layer_from_hf(read(layer, f"model.layers.{i}.", scales), dtype, layout,
+                                       mesh, quantization) for i in range(config.num_layers)]
     return params
 
 

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxserve.config import ModelConfig
+from jaxserve.models import fp8_checkpoint
 from jaxserve.models.llama import params_from_hf, random_params
 from pallas_kernels import kv_quant
 
@@ -14,24 +15,28 @@ def build_params(hf_config: dict, weights: dict | None, dtype, seed: int = 0,
                  quantization: str | None = None) -> tuple[ModelConfig, dict]:
     """Model config and params (``jaxserve.models.llama``) of device arrays in ``dtype``, built
     one layer at a time and split over ``mesh`` (``jaxserve.models.sharding``) if given, the
-    layers' linear projections in ``quantization``'s format ("fp8": ``linear.Fp8Weight``) if
-    given; returns once they are on the device(s), so a caller's timing covers it.
+    layers' linear projections as ``linear.Fp8Weight`` where ``quantization``
+    (``--quantization``) or the checkpoint's ``quantization_config`` says so
+    (``fp8_checkpoint.weight_format``); returns once they are on the device(s), so a caller's
+    timing covers it.
 
     ``weights`` None gives random weights of the real shapes (``--load-format dummy``, drawn
-    from ``seed``).
+    from ``seed``); for an FP8 checkpoint's config, quantized as ``--quantization fp8`` does.
 
     Raises:
-      ValueError: unsupported architecture or quantization (naming --quantization), a missing
-        tensor, a tensor of the wrong shape, or a mesh size that does not divide the model
-        (naming --tensor-parallel-size).
+      ValueError: unsupported architecture or quantization (naming --quantization or the
+        ``quantization_config`` field), a missing tensor, a tensor of the wrong shape or dtype,
+        or a mesh size that does not divide the model (naming --tensor-parallel-size).
     """
-    if quantization not in (None, "fp8"):
-        raise ValueError(f"unsupported --quantization {quantization!r} (fp8)")
+    if quantization not in (None, "fp8", *fp8_checkpoint.METHODS):
+        raise ValueError(f"unsupported {fp8_checkpoint.FLAG} {quantization!r} "
+                         f"(fp8, {', '.join(fp8_checkpoint.METHODS)})")
+    fmt = fp8_checkpoint.weight_format(hf_config, quantization)
     config = ModelConfig.from_hf_config(hf_config)
     if weights is None:
-        params = random_params(config, dtype, seed, mesh, quantization)
+        params = random_params(config, dtype, seed, mesh, None if fmt is None else "fp8")
     else:
-        params = params_from_hf(config, weights, dtype, mesh, quantization)
+        params = params_from_hf(config, weights, dtype, mesh, fmt)
     return config, jax.block_until_ready(params)
 
 

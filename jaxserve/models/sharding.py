@@ -124,14 +124,14 @@ _SPECS = {
 
 def _spec(path) -> P:
     """The spec of the param leaf at ``path``: by its name, and for the fields of an FP8 weight
-    (``linear.Fp8Weight``: ``[out, in]`` weight, ``[out]`` scale) the plain ``[in, out]``
-    weight's spec turned to that layout (a column-parallel weight's scales split with its
-    columns, a row-parallel one's replicated)."""
+    (``linear.Fp8Weight``: ``[out, in]`` weight, ``[out]`` scale, scalar input scale) the plain
+    ``[in, out]`` weight's spec turned to that layout (a column-parallel weight's scales split
+    with its columns, a row-parallel one's replicated; the input scale replicated)."""
     name = next(k.key for k in reversed(path) if isinstance(k, jax.tree_util.DictKey))
     spec = _SPECS[name]
     if isinstance(path[-1], jax.tree_util.GetAttrKey):
         rows, cols = spec  # of the [in, out] weight
-        spec = P(cols, rows) if path[-1].name == "weight" else P(cols)
+        spec = {"weight": P(cols, rows), "scale": P(cols)}.get(path[-1].name, P())
     return spec
 
 

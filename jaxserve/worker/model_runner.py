@@ -126,8 +126,9 @@ class ModelRunner:
         replicated. None: one device, the default.
       executable_cache: where compiled programs are loaded from and saved to
         (``executable_cache.py``); None: compiled at every start.
-      quantization: the format of the params' linear weights (``--quantization``; "fp8":
-        ``linear.Fp8Weight``), for the step's compiler options; None: plain weights.
+      quantization: the method of the params' linear weights (``--quantization`` or the
+        checkpoint's, ``fp8_checkpoint.resolve_method``: all ``linear.Fp8Weight``), for the
+        step's compiler options; None: plain weights.
     """
 
     def __init__(
@@ -293,7 +294,7 @@ class ModelRunner:
         prefill size run long enough that launching their kernels one by one costs nothing, so
         they go without; decode-size steps keep the graphs (docs/performance.md). With FP8
         linear weights, the platform's ``fp8_step_options`` too."""
-        options = dict(self.platform.fp8_step_options) if self.quantization == "fp8" else {}
+        options = dict(self.platform.fp8_step_options) if self.quantization else {}
         min_tokens = self.platform.op_by_op_min_tokens
         if min_tokens is not None and tokens >= min_tokens:
             options["xla_gpu_enable_command_buffer"] = ""

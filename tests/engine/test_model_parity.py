@@ -11,7 +11,7 @@ import torch
 import transformers
 
 from jaxserve.config import ModelConfig
-from jaxserve.models import llama
+from jaxserve.models import llama, sharding
 from jaxserve.sampling_params import SamplingParams
 from pallas_kernels.reference import attention
 from tests.conftest import sharegpt_prompts
@@ -24,7 +24,11 @@ def our_prompt_logits(hf_config: dict, weights: dict, ids: list[int]) -> np.ndar
     """[len(ids), V] logits of one prompt through our model (reference attention), written into
     a paged pool with a scrambled block table."""
     config = ModelConfig.from_hf_config(hf_config)
-    params = llama.params_from_hf(config, weights, jnp.float32)
+    return prompt_logits(config, llama.params_from_hf(config, weights, jnp.float32), ids)
+
+
+def prompt_logits(config: ModelConfig, params: dict, ids: list[int], mesh=None) -> np.ndarray:
+    """``our_prompt_logits`` of built params, split over ``mesh`` if given (``sharding``)."""
     n = len(ids)
     pages = -(-n // PAGE)
     rng = np.random.default_rng(0)
@@ -37,9 +41,14 @@ def our_prompt_logits(hf_config: dict, weights: dict, ids: list[int]) -> np.ndar
         seq_lens=np.array([n], np.int32),
         block_tables=block_table[None],
     )
-    pool = [jnp.zeros((config.num_kv_heads, pages + 8, PAGE, config.head_dim))] * config.num_layers
+    kv_heads = sharding.Layout.of(config, sharding.mesh_size(mesh)).num_kv_heads
+    pool = jnp.zeros((kv_heads, pages + 8, PAGE, config.head_dim))
+    if mesh is not None:
+        pool = jax.device_put(pool, sharding.kv_sharding(mesh))
+    pool = [pool] * config.num_layers
     logits, _, _ = jax.jit(
-        lambda p, t, md, k, v, li: llama.forward(config, p, t, md, k, v, li, attention_fn=attention)
+        lambda p, t, md, k, v, li: llama.forward(config, p, t, md, k, v, li,
+                                                 attention_fn=attention, mesh=mesh)
     )(params, np.asarray(ids, np.int32), md, pool, pool, np.arange(n))
     return np.asarray(logits)
 

@@ -368,21 +368,18 @@ def _layer_from_hf(t: dict, dtype, layout: sharding.Layout, mesh: Mesh | None,
         proj = partial(fp8_checkpoint.fp8_weight, quantization, t)
     else:
         proj = lambda name: t[name + ".weight"]  # noqa: E731
-    qkv = [proj("self_attn.q_proj"),
-           *(_repeat_kv_heads(proj(f"self_attn.{x}_proj"), layout) for x in "kv")]
+    qkv = lambda get: [get("q"), *(_repeat_kv_heads(get(x), layout) for x in "kv")]  # noqa: E731
     # Linear weights [out, in] become [in, out] (the step computes x @ w); FP8 ones stay.
     p = {
         "input_layernorm": t["input_layernorm.weight"],
         "post_attention_layernorm": t["post_attention_layernorm.weight"],
-        "qkv_proj": _fuse(qkv, n),
+        "qkv_proj": _fuse(qkv(lambda x: proj(f"self_attn.{x}_proj")), n),
         "o_proj": _fuse([proj("self_attn.o_proj")], n),
         "gate_up_proj": _fuse([proj("mlp.gate_proj"), proj("mlp.up_proj")], n),
         "down_proj": _fuse([proj("mlp.down_proj")], n),
     }
     if "self_attn.q_proj.bias" in t:
-        p["qkv_bias"] = _columns_by_shard(
-            [t["self_attn.q_proj.bias"],
-             *(_repeat_kv_heads(t[f"self_attn.{x}_proj.bias"], layout) for x in "kv")], n)
+        p["qkv_bias"] = _columns_by_shard(qkv(lambda x: t[f"self_attn.{x}_proj.bias"]), n)
     if "self_attn.q_norm.weight" in t:
         p["q_norm"], p["k_norm"] = t["self_attn.q_norm.weight"], t["self_attn.k_norm.weight"]
     p = {name: w if isinstance(w, Fp8Weight) else w.astype(dtype) for name, w in p.items()}

@@ -98,19 +98,21 @@ def summarize(trace_dir: str, top: int = 15) -> str:
     return "\n".join(lines)
 
 
-ENGINE_FLAGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens")
+ENGINE_FLAGS = {"max_model_len": int, "max_num_seqs": int, "max_num_batched_tokens": int,
+                "quantization": str, "kv_cache_dtype": str}
 
 
 def add_engine_args(ap: argparse.ArgumentParser) -> None:
-    """--model, --load-format and the scheduler limits (unset: the engine's defaults)."""
+    """--model, --load-format, the scheduler limits and the number formats (unset: the
+    engine's defaults)."""
     ap.add_argument("--model", default=None)
     ap.add_argument("--load-format", default="auto")
-    for name in ENGINE_FLAGS:
-        ap.add_argument("--" + name.replace("_", "-"), type=int, default=None)
+    for name, kind in ENGINE_FLAGS.items():
+        ap.add_argument("--" + name.replace("_", "-"), type=kind, default=None)
 
 
 def engine_flags(args: argparse.Namespace) -> dict:
-    """The scheduler limits given on the command line, as LLM keyword arguments."""
+    """The engine flags given on the command line, as LLM keyword arguments."""
     return {k: getattr(args, k) for k in ENGINE_FLAGS if getattr(args, k) is not None}
 
 

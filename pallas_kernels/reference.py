@@ -145,45 +145,34 @@ def attention(
     width = -(-block_tables.shape[1] // _KV_CHUNK_PAGES) * _KV_CHUNK_PAGES
     tables = jnp.pad(block_tables, ((0, 0), (0, width - block_tables.shape[1])))
 
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    # Decodes (one query) all at once; a sequence of other length reads no keys there.
+    rows = query_start_loc[:-1]
+    o = _decode_all(q[jnp.minimum(rows, num_tokens - 1)], k_pages, v_pages, tables,
+                    jnp.where(q_lens == 1, seq_lens, 0), sm_scale)
+    rows = jnp.where(q_lens == 1, rows, num_tokens + block)
+    out = out.at[rows].set(o, mode="drop")
+
     def one_sequence(s, out):
         start = query_start_loc[s]
         q_len = query_start_loc[s + 1] - start
         ctx_len = seq_lens[s]
 
-        def decode(out):
-            q1 = jax.lax.dynamic_slice_in_dim(q_pad, start, 1)
-            o = _attend_block(q1, (ctx_len - 1)[None], k_pages, v_pages, tables[s], ctx_len, sm_scale)
-            return jax.lax.dynamic_update_slice_in_dim(out, o, start, axis=0)
+        def one_block(b, out):
+            offset = b * block
+            qb = jax.lax.dynamic_slice_in_dim(q_pad, start + offset, block)
+            idx = offset + jnp.arange(block)
+            q_pos = ctx_len - q_len + jnp.minimum(idx, q_len - 1)
+            o = _attend_block(qb, q_pos, k_pages, v_pages, tables[s], ctx_len, sm_scale)
+            # The last block may run into the next sequence's rows: keep those as they are.
+            old = jax.lax.dynamic_slice_in_dim(out, start + offset, block)
+            o = jnp.where((idx < q_len)[:, None, None], o, old)
+            return jax.lax.dynamic_update_slice_in_dim(out, o, start + offset, axis=0)
 
-        def prefill(out):
-            def one_block(b, out):
-                offset = b * block
-                qb = jax.lax.dynamic_slice_in_dim(q_pad, start + offset, block)
-                idx = offset + jnp.arange(block)
-                q_pos = ctx_len - q_len + jnp.minimum(idx, q_len - 1)
-                o = _attend_block(qb, q_pos, k_pages, v_pages, tables[s], ctx_len, sm_scale)
-                # The last block may run into the next sequence's rows: keep those as they are.
-                old = jax.lax.dynamic_slice_in_dim(out, start + offset, block)
-                o = jnp.where((idx < q_len)[:, None, None], o, old)
-                return jax.lax.dynamic_update_slice_in_dim(out, o, start + offset, axis=0)
+        n_blocks = jnp.where(q_len > 1, (q_len + block - 1) // block, 0)
+        return jax.lax.fori_loop(0, n_blocks, one_block, out)
 
-            return jax.lax.fori_loop(0, (q_len + block - 1) // block, one_block, out)
-
-        return jax.lax.cond(q_len == 1, decode, prefill, out)
-
-    def ragged(_):
-        return jax.lax.fori_loop(0, block_tables.shape[0], one_sequence, out)[:num_tokens]
-
-    def decodes_only(_):
-        # Sequence s's one query is row query_start_loc[s]; sequences without one write nowhere.
-        rows = query_start_loc[:-1]
-        o = _decode_all(q[jnp.minimum(rows, num_tokens - 1)], k_pages, v_pages, tables,
-                        seq_lens, sm_scale)
-        rows = jnp.where(query_start_loc[1:] - rows == 1, rows, num_tokens)
-        return jnp.zeros((num_tokens, num_heads, head_dim), jnp.float32).at[rows].set(o, mode="drop")
-
-    q_lens = query_start_loc[1:] - query_start_loc[:-1]
-    out = jax.lax.cond(jnp.all(q_lens <= 1), decodes_only, ragged, None)
+    out = jax.lax.fori_loop(0, block_tables.shape[0], one_sequence, out)[:num_tokens]
     return out.astype(q.dtype)
 
 

@@ -22,6 +22,9 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
 )
 
 
@@ -45,10 +48,18 @@ class ModelConfig:
     qk_norm: bool  # RMSNorm on q and k per head before RoPE (Qwen3)
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...]
+    # Mixture of experts (jaxserve.models.moe); num_experts 0 for a dense model.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # each expert's
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's gated shared expert; 0: none
+    norm_topk_prob: bool = False  # the chosen experts' weights renormalized to sum to 1
+    sparse_layers: tuple[bool, ...] = ()  # per layer: an MoE block (else the dense MLP)
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> "ModelConfig":
-        """Raises ValueError for an architecture this engine does not implement."""
+        """Raises ValueError for an architecture this engine does not implement, or a config
+        option of a supported one that it does not (naming the option)."""
         arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
@@ -75,11 +86,55 @@ class ModelConfig:
             rope_theta=cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0,
             rope_scaling=rope_scaling,
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            attention_bias=arch == "Qwen2ForCausalLM" or cfg.get("attention_bias", False),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            attention_bias=(arch == "Qwen2ForCausalLM" or cfg.get("attention_bias", False)
+                            or (arch == "Qwen2MoeForCausalLM" and cfg.get("qkv_bias", True))),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             eos_token_ids=eos,
+            **_moe_fields(arch, cfg),
         )
+
+
+def _moe_fields(arch: str, cfg: dict) -> dict:
+    """ModelConfig's mixture-of-experts fields of an MoE family's HF config (HF's defaults for
+    the keys it leaves out); none for a dense one.
+
+    Raises:
+      ValueError: a sliding window (``use_sliding_window`` / ``sliding_window``), which the
+        MoE families do not implement, or an expert count below the experts per token.
+    """
+    if arch == "MixtralForCausalLM":
+        if cfg.get("sliding_window"):
+            raise ValueError(f"unsupported config option sliding_window={cfg['sliding_window']} "
+                             f"of {arch} (sliding-window attention is not implemented)")
+        fields = dict(num_experts=cfg.get("num_local_experts", 8),
+                      num_experts_per_tok=cfg.get("num_experts_per_tok", 2),
+                      moe_intermediate_size=cfg["intermediate_size"], norm_topk_prob=True,
+                      sparse_layers=(True,) * cfg["num_hidden_layers"])
+    elif arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+        if cfg.get("use_sliding_window"):
+            raise ValueError(f"unsupported config option use_sliding_window of {arch} "
+                             f"(sliding-window attention is not implemented)")
+        qwen2 = arch == "Qwen2MoeForCausalLM"
+        # Hub configs say num_experts; transformers 5 writes num_local_experts.
+        num_experts = cfg.get("num_experts", cfg.get("num_local_experts", 60 if qwen2 else 128))
+        step = cfg.get("decoder_sparse_step", 1)
+        dense = set(cfg.get("mlp_only_layers") or ())
+        fields = dict(
+            num_experts=num_experts, num_experts_per_tok=cfg.get("num_experts_per_tok", 4 if qwen2 else 8),
+            moe_intermediate_size=cfg.get("moe_intermediate_size", 1408 if qwen2 else 768),
+            shared_expert_intermediate_size=(cfg.get("shared_expert_intermediate_size", 5632)
+                                             if qwen2 else 0),
+            norm_topk_prob=cfg.get("norm_topk_prob", False),
+            # HF's rule (Qwen2MoeDecoderLayer, Qwen3MoeDecoderLayer).
+            sparse_layers=tuple(i not in dense and num_experts > 0 and (i + 1) % step == 0
+                                for i in range(cfg["num_hidden_layers"])))
+    else:
+        return {}
+    if 0 < fields["num_experts"] < fields["num_experts_per_tok"]:
+        raise ValueError(f"num_experts_per_tok {fields['num_experts_per_tok']} exceeds the "
+                         f"{fields['num_experts']} experts of {arch}")
+    return fields
 
 
 class Valid(NamedTuple):

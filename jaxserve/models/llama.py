@@ -1,8 +1,9 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3): plain functions over a params dict
-and a paged KV pool.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, and the mixture-of-experts Mixtral,
+Qwen2-MoE and Qwen3-MoE): plain functions over a params dict and a paged KV pool.
 
 Source: HF transformers' modeling_llama / modeling_qwen2 / modeling_qwen3 (pre-norm RMSNorm,
-rotate-half RoPE, SwiGLU MLP, grouped-query attention).
+rotate-half RoPE, SwiGLU MLP, grouped-query attention); the MoE families' sparse MLP blocks
+are ``jaxserve.models.moe``.
 
 Params: ``{"embed_tokens", "norm", "lm_head" (absent when tied), "layers": [one dict per
 layer]}`` of device arrays (shapes: ``_layer_from_hf``), built once, one layer at a time, in the
@@ -26,7 +27,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxserve.config import ModelConfig
-from jaxserve.models import fp8_checkpoint, sharding
+from jaxserve.models import fp8_checkpoint, moe, sharding
 from jaxserve.models.linear import Fp8Weight, linear, quantize_linears
 from jaxserve.models.rope import rope_inv_freq
 from pallas_kernels import kv_quant
@@ -110,10 +111,11 @@ def _write_and_attend(attention_fn: Callable, q, k, v, k_pages, v_pages, md: Att
     return out, k_pages, v_pages
 
 
-@partial(jax.jit, static_argnames=("num_heads", "eps", "attention_fn", "mesh"))
+@partial(jax.jit, static_argnames=("num_heads", "eps", "attention_fn", "mesh", "routing"))
 def _decoder_layer(hidden: jax.Array, p: dict, k_pages: jax.Array, v_pages: jax.Array,
                    cos: jax.Array, sin: jax.Array, md: AttentionMetadata, *, num_heads: int,
-                   eps: float, attention_fn: Callable, mesh: Mesh | None):
+                   eps: float, attention_fn: Callable, mesh: Mesh | None,
+                   routing: tuple[int, bool] = (0, False)):
     """One decoder layer: hidden [T, E] -> (hidden, k_pages, v_pages with this step's K/V).
 
     A jitted function of its own so that the step traces and lowers one layer, not L: every
@@ -121,7 +123,9 @@ def _decoder_layer(hidden: jax.Array, p: dict, k_pages: jax.Array, v_pages: jax.
     XLA inlines the calls (same program, far less start-up time; docs/architecture.md, "The layer
     loop").
     With a mesh, the fused projections hold their columns shard by shard (``sharding``), and
-    the KV write and attention run per shard.
+    the KV write and attention run per shard. A layer whose params hold a ``router`` runs the
+    MoE block (``moe.sparse_mlp``) with ``routing`` = (experts per token, norm_topk_prob)
+    instead of the dense MLP.
     """
     n = sharding.mesh_size(mesh)
     H, KV = num_heads, k_pages.shape[0]  # the pool's KV heads (replicated past the model's)
@@ -146,6 +150,8 @@ def _decoder_layer(hidden: jax.Array, p: dict, k_pages: jax.Array, v_pages: jax.
     attn, k_pages, v_pages = attend(q, k, v, k_pages, v_pages, md)
     hidden = hidden + linear(attn.reshape(num_tokens, H * D), p["o_proj"])
     x = _rms_norm(hidden, p["post_attention_layernorm"], eps)
+    if "router" in p:
+        return hidden + moe.sparse_mlp(x, p, *routing, n), k_pages, v_pages
     gate_up = linear(x, p["gate_up_proj"]).reshape(num_tokens, n, 2, -1)  # [gate | up] per shard
     gate, up = gate_up[:, :, 0].reshape(num_tokens, -1), gate_up[:, :, 1].reshape(num_tokens, -1)
     return hidden + linear(jax.nn.silu(gate) * up, p["down_proj"]), k_pages, v_pages
@@ -217,7 +223,8 @@ def _forward(c: ModelConfig, params, token_ids, md, k_cache, v_cache, logits_ind
     for i, p in enumerate(params["layers"]):
         hidden, k_cache[i], v_cache[i] = _decoder_layer(
             hidden, p, k_cache[i], v_cache[i], cos, sin, md, num_heads=c.num_heads,
-            eps=c.rms_norm_eps, attention_fn=attention_fn, mesh=mesh)
+            eps=c.rms_norm_eps, attention_fn=attention_fn, mesh=mesh,
+            routing=(c.num_experts_per_tok, c.norm_topk_prob))
 
     logits = compute_logits(c, params, hidden[logits_indices], mesh)
     if hidden_indices is None:
@@ -245,11 +252,12 @@ _OUTER_NAMES = {"model.embed_tokens.weight": "embed_tokens", "model.norm.weight"
             "lm_head.weight": "lm_head"}
 
 
-def hf_tensor_shapes(config: ModelConfig) -> tuple[dict, dict]:
+def hf_tensor_shapes(config: ModelConfig, layer: int = 0) -> tuple[dict, dict]:
     """Shapes of the HF tensors the model reads, in torch layouts (Linear weight [out, in]).
 
     Returns:
-      ({HF name: shape} outside the layers, {name under ``model.layers.N.``: shape} of a layer).
+      ({HF name: shape} outside the layers, {name under ``model.layers.N.``: shape} of layer
+      ``layer``: its MLP block's as ``moe.hf_layer_shapes`` where the layer is sparse).
     """
     c = config
     E, D, I = c.hidden_size, c.head_dim, c.intermediate_size
@@ -257,19 +265,22 @@ def hf_tensor_shapes(config: ModelConfig) -> tuple[dict, dict]:
     outer = {"model.embed_tokens.weight": (c.vocab_size, E), "model.norm.weight": (E,)}
     if not c.tie_word_embeddings:
         outer["lm_head.weight"] = (c.vocab_size, E)
-    layer = {
+    shapes = {
         "input_layernorm.weight": (E,), "post_attention_layernorm.weight": (E,),
         "self_attn.q_proj.weight": (q, E), "self_attn.k_proj.weight": (kv, E),
         "self_attn.v_proj.weight": (kv, E), "self_attn.o_proj.weight": (E, q),
-        "mlp.gate_proj.weight": (I, E), "mlp.up_proj.weight": (I, E),
-        "mlp.down_proj.weight": (E, I),
     }
+    if c.sparse_layers and c.sparse_layers[layer]:
+        shapes |= moe.hf_layer_shapes(c)
+    else:
+        shapes |= {"mlp.gate_proj.weight": (I, E), "mlp.up_proj.weight": (I, E),
+                   "mlp.down_proj.weight": (E, I)}
     if c.attention_bias:
-        layer |= {"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
-                  "self_attn.v_proj.bias": (kv,)}
+        shapes |= {"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
+                   "self_attn.v_proj.bias": (kv,)}
     if c.qk_norm:
-        layer |= {"self_attn.q_norm.weight": (D,), "self_attn.k_norm.weight": (D,)}
-    return outer, layer
+        shapes |= {"self_attn.q_norm.weight": (D,), "self_attn.k_norm.weight": (D,)}
+    return outer, shapes
 
 
 def _place(t: dict, mesh: Mesh | None) -> dict:
@@ -361,7 +372,8 @@ def _layer_from_hf(t: dict, dtype, layout: sharding.Layout, mesh: Mesh | None,
     qkv_bias [(H + 2 KV) D] (Qwen2), columns [q | k | v] of each shard in turn; q_norm, k_norm
     [D] (Qwen3); o_proj [H D, E]; gate_up_proj [E, 2 I], columns [gate | up] of each shard in
     turn; down_proj [I, E]. With n = 1: [q | k | v] and [gate | up]. An ``Fp8Weight`` holds the
-    same channels as rows (``[out, in]``).
+    same channels as rows (``[out, in]``). A sparse layer (``moe.is_sparse``) holds the MoE
+    block's params (``moe``) instead of gate_up_proj and down_proj.
     """
     n = layout.size
     if isinstance(quantization, fp8_checkpoint.Fp8Checkpoint):
@@ -375,9 +387,12 @@ def _layer_from_hf(t: dict, dtype, layout: sharding.Layout, mesh: Mesh | None,
         "post_attention_layernorm": t["post_attention_layernorm.weight"],
         "qkv_proj": _fuse(qkv(lambda x: proj(f"self_attn.{x}_proj")), n),
         "o_proj": _fuse([proj("self_attn.o_proj")], n),
-        "gate_up_proj": _fuse([proj("mlp.gate_proj"), proj("mlp.up_proj")], n),
-        "down_proj": _fuse([proj("mlp.down_proj")], n),
     }
+    if moe.is_sparse(t):
+        p |= moe.params_from_hf(t, _columns_by_shard, n)
+    else:
+        p |= {"gate_up_proj": _fuse([proj("mlp.gate_proj"), proj("mlp.up_proj")], n),
+              "down_proj": _fuse([proj("mlp.down_proj")], n)}
     if "self_attn.q_proj.bias" in t:
         p["qkv_bias"] = _columns_by_shard(qkv(lambda x: t[f"self_attn.{x}_proj.bias"]), n)
     if "self_attn.q_norm.weight" in t:
@@ -425,8 +440,9 @@ def params_from_hf(config: ModelConfig, weights: dict, dtype, mesh: Mesh | None 
               if isinstance(quantization, fp8_checkpoint.Fp8Checkpoint) else ())
     # The embedding first: its two copies (as read, as built) then meet no layer on the device.
     params = _outer_from_hf(read(outer), dtype, layout, mesh)
-    params["layers"] = [_layer_from_hf(read(layer, f"model.layers.{i}.", scales), dtype, layout,
-                                       mesh, quantization) for i in range(config.num_layers)]
+    params["layers"] = [_layer_from_hf(read(hf_tensor_shapes(config, i)[1], f"model.layers.{i}.",
+                                            scales), dtype, layout, mesh, quantization)
+                        for i in range(config.num_layers)]
     return params
 
 
@@ -441,12 +457,13 @@ def random_params(config: ModelConfig, dtype, seed: int = 0, mesh: Mesh | None =
       ValueError: as ``sharding.check_tensor_parallel``.
     """
     layout = sharding.Layout.of(config, sharding.mesh_size(mesh))
-    outer, layer = hf_tensor_shapes(config)
+    outer, _ = hf_tensor_shapes(config)
     keys = jax.random.split(jax.random.key(seed), config.num_layers + 1)
     params = _random_from_hf(keys[0], tuple(outer.items()), dtype, _outer_from_hf, layout, mesh)
     params["layers"] = [
-        _random_from_hf(k, tuple(layer.items()), dtype, _layer_from_hf, layout, mesh, quantization)
-        for k in keys[1:]]
+        _random_from_hf(k, tuple(hf_tensor_shapes(config, i)[1].items()), dtype, _layer_from_hf,
+                        layout, mesh, quantization)
+        for i, k in enumerate(keys[1:])]
     return params
 
 

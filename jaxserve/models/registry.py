@@ -25,7 +25,7 @@ def build_params(hf_config: dict, weights: dict | None, dtype, seed: int = 0,
 
     Raises:
       ValueError: unsupported architecture or quantization (naming --quantization or the
-        ``quantization_config`` field), a missing tensor, a tensor of the wrong shape or dtype,
+        ``quantization_config`` field; FP8 weights of an MoE model), a missing tensor, a tensor of the wrong shape or dtype,
         or a mesh size that does not divide the model (naming --tensor-parallel-size).
     """
     if quantization not in (None, "fp8", *fp8_checkpoint.METHODS):
@@ -33,6 +33,9 @@ def build_params(hf_config: dict, weights: dict | None, dtype, seed: int = 0,
                          f"(fp8, {', '.join(fp8_checkpoint.METHODS)})")
     fmt = fp8_checkpoint.weight_format(hf_config, quantization)
     config = ModelConfig.from_hf_config(hf_config)
+    if fmt is not None and config.num_experts:
+        raise ValueError(f"{fp8_checkpoint.FLAG} {quantization or fmt.method}: FP8 weights of "
+                         f"mixture-of-experts models ({config.architecture}) are not supported")
     if weights is None:
         params = random_params(config, dtype, seed, mesh, None if fmt is None else "fp8")
     else:

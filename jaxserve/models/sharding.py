@@ -14,6 +14,8 @@ Over ``--tensor-parallel-size N`` (mesh axis ``"tp"``):
   laid out shard by shard (shard i holds its q heads, k heads, v heads; its gate and up
   columns), so each device's block of columns is its own slice of every projection;
 * O ``[H D, E]`` and down ``[I, E]`` are row-parallel (sharded on their input rows);
+* an MoE block's experts are each split as the dense MLP (``jaxserve.models.moe``): every
+  device holds a column slice of every expert's gate/up and a row slice of its down;
 * the embedding and an untied LM head ``[V, E]`` are sharded by vocabulary, padded to a
   multiple of N; the logits are gathered to the full vocabulary for the sampler;
 * the KV page pool ``[KV, pages, page_size, D]`` is sharded by KV head. When N exceeds the KV
@@ -71,6 +73,9 @@ def check_tensor_parallel(config: ModelConfig, tp: int) -> None:
         why = f"the model's {c.num_heads} attention heads"
     elif c.intermediate_size % tp:
         why = f"the model's intermediate size {c.intermediate_size}"
+    elif c.moe_intermediate_size % tp or c.shared_expert_intermediate_size % tp:
+        why = (f"the model's expert intermediate sizes ({c.moe_intermediate_size}, shared "
+               f"{c.shared_expert_intermediate_size})")
     elif c.num_kv_heads % tp and tp % c.num_kv_heads:
         why = (f"the model's {c.num_kv_heads} KV heads (and is not a multiple of them, which "
                f"would replicate them)")
@@ -81,6 +86,7 @@ def check_tensor_parallel(config: ModelConfig, tp: int) -> None:
 
 def _divides_model(c: ModelConfig, tp: int) -> bool:
     return (c.num_heads % tp == 0 and c.intermediate_size % tp == 0
+            and c.moe_intermediate_size % tp == 0 and c.shared_expert_intermediate_size % tp == 0
             and (c.num_kv_heads % tp == 0 or tp % c.num_kv_heads == 0))
 
 
@@ -119,6 +125,9 @@ _SPECS = {
     "qkv_proj": P(None, AXIS), "qkv_bias": P(AXIS), "gate_up_proj": P(None, AXIS),
     "o_proj": P(AXIS, None), "down_proj": P(AXIS, None),
     "embed_tokens": P(AXIS, None), "lm_head": P(AXIS, None), "norm": P(),
+    # MoE blocks (``jaxserve.models.moe``): each expert split by columns as the dense MLP.
+    "router": P(), "experts_gate_up": P(None, None, AXIS), "experts_down": P(None, AXIS, None),
+    "shared_gate_up": P(None, AXIS), "shared_down": P(AXIS, None), "shared_expert_gate": P(),
 }
 
 
@@ -152,9 +161,9 @@ def hf_sharding(name: str, shape: tuple, mesh: Mesh) -> NamedSharding:
     # weights split on in.
     if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight",
                       "up_proj.weight", "embed_tokens.weight", "lm_head.weight",
-                      "q_proj.bias", "k_proj.bias", "v_proj.bias")):
+                      "q_proj.bias", "k_proj.bias", "v_proj.bias", ".w1.weight", ".w3.weight")):
         spec = P(AXIS) if shape[0] % n == 0 else P()
-    elif name.endswith(("o_proj.weight", "down_proj.weight")):
+    elif name.endswith(("o_proj.weight", "down_proj.weight", ".w2.weight")):
         spec = P(None, AXIS)
     else:
         spec = P()

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from safetensors.numpy import load_file
 
 from jaxserve.config import ModelConfig
 from jaxserve.models import llama, sharding
@@ -110,10 +111,21 @@ TINY_CONFIGS = {
     "mistral": lambda: transformers.MistralConfig(**TINY, sliding_window=None),
     "qwen2": lambda: transformers.Qwen2Config(**TINY, tie_word_embeddings=True),
     "qwen3": lambda: transformers.Qwen3Config(**TINY),
+    # Mixture of experts: every layer sparse; a dense first layer (mlp_only_layers) and a
+    # gated shared expert; every other layer sparse (decoder_sparse_step).
+    "mixtral": lambda: transformers.MixtralConfig(**TINY, num_local_experts=4,
+                                                  num_experts_per_tok=2, sliding_window=None),
+    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
+        **TINY, moe_intermediate_size=64, shared_expert_intermediate_size=96, num_experts=6,
+        num_experts_per_tok=3, mlp_only_layers=[0]),
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+        **TINY, moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2,
+        norm_topk_prob=True, decoder_sparse_step=2),
 }
 HF_CLASSES = {
     "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+    "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 
 
@@ -134,15 +146,30 @@ def tiny_model(request, tmp_path_factory, smollm):
     return request.param, folder, model
 
 
+def router_margin(hf_model, ids: list[int], top_k: int) -> float:
+    """The smallest gap, over the prompt's tokens and the sparse layers, between a token's k-th
+    and (k+1)-th router probability in HF's float32 forward. Float32 rounding moves these
+    probabilities by ~1e-7: where every gap is 10x that, both implementations must pick the
+    same experts, and a mismatch is a bug, not a near-tie."""
+    with torch.no_grad():
+        out = hf_model(torch.tensor([ids]), output_router_logits=True)
+    gaps = [torch.topk(torch.softmax(r.float(), -1), top_k + 1).values for r in out.router_logits]
+    return min(float((g[:, top_k - 1] - g[:, top_k]).min()) for g in gaps)
+
+
 def test_tiny_models_match_hf(tiny_model):
     from jaxserve import LLM
 
     name, folder, hf_model = tiny_model
     hf_config = json.loads((folder / "config.json").read_text())
-    assert ModelConfig.from_hf_config(hf_config).architecture == HF_CLASSES[name]
-    weights = {k: v.detach().numpy() for k, v in hf_model.state_dict().items()}
+    config = ModelConfig.from_hf_config(hf_config)
+    assert config.architecture == HF_CLASSES[name]
+    # As the checkpoint stores them (transformers 5 holds MoE experts fused in memory).
+    weights = load_file(folder / "model.safetensors")
     rng = np.random.default_rng(1)
     ids = rng.integers(0, TINY["vocab_size"], size=200).tolist()
+    if config.num_experts:
+        assert any(config.sparse_layers) and router_margin(hf_model, ids, config.num_experts_per_tok) > 1e-6
     with torch.no_grad():
         ref = hf_model(torch.tensor([ids])).logits[0].numpy()
     assert_logits_close(our_prompt_logits(hf_config, weights, ids), ref)

@@ -111,3 +111,47 @@ def test_dummy_weights_are_drawn_per_device():
     assert 0 <= out4 - ((layer_bytes - norms) // 4 + norms) < 1024  # a quarter; norms replicated
     assert temp4 <= temp1 / 4 * 1.05, (temp1, temp4)  # no device draws the whole layer
     assert all(found["same"].values()), found["same"]  # the same values at every mesh size
+
+
+MOE_TP = """
+import json, tempfile
+import jax.numpy as jnp, numpy as np, torch, transformers
+from safetensors.numpy import load_file
+from jaxserve.config import ModelConfig
+from jaxserve.models import llama, sharding
+from tests.engine.test_model_parity import prompt_logits
+
+shape = dict(vocab_size=301, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2)
+configs = {
+    "mixtral": transformers.MixtralConfig(**shape, num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": transformers.Qwen2MoeConfig(**shape, moe_intermediate_size=32, num_experts=6,
+                                             shared_expert_intermediate_size=48,
+                                             num_experts_per_tok=3),
+}
+ids = np.random.default_rng(0).integers(0, 301, 48).tolist()
+out = {}
+for name, config in configs.items():
+    torch.manual_seed(0)
+    folder = tempfile.mkdtemp()
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    hf_config = json.load(open(folder + "/config.json"))
+    weights = load_file(folder + "/model.safetensors")
+    c = ModelConfig.from_hf_config(hf_config)
+    one = prompt_logits(c, llama.params_from_hf(c, weights, jnp.float32), ids)
+    mesh = sharding.make_mesh(2)
+    params = llama.params_from_hf(c, weights, jnp.float32, mesh)
+    experts = params["layers"][0]["experts_gate_up"]
+    two = prompt_logits(c, params, ids, mesh)
+    out[name] = {"rel": float(np.abs(two - one).max() / np.abs(one).max()),
+                 "expert_shard": list(experts.addressable_shards[0].data.shape)}
+print(json.dumps(out))
+"""
+
+
+def test_moe_logits_at_tp2_equal_tp1():
+    """Each expert split by columns over 2 fake devices: the same logits as one device."""
+    found = tp_utils.run_python(MOE_TP, devices=2)
+    assert found["mixtral"]["expert_shard"] == [4, 64, 96]  # 4 experts x [E, 2 I / 2]
+    assert found["qwen2_moe"]["expert_shard"] == [6, 64, 32]
+    assert all(r["rel"] < 1e-5 for r in found.values()), found

@@ -1,0 +1,128 @@
+"""Sparse mixture-of-experts MLP blocks: Mixtral, Qwen2-MoE (with its gated shared expert) and
+Qwen3-MoE.
+
+Source: HF transformers' ``MixtralSparseMoeBlock``, ``Qwen2MoeSparseMoeBlock`` and
+``Qwen3MoeSparseMoeBlock`` (Shazeer et al. 2017 top-k gating; Mixtral, Jiang et al. 2024). A
+token's router logits (``x @ router``) go through a float32 softmax over the experts, the k
+largest probabilities pick its experts (``lax.top_k``: ties go to the lower expert index, as
+``torch.topk`` on the CPU), and they are renormalized to sum to 1 where the family does so
+(Mixtral always, the Qwen families with ``norm_topk_prob``). The block's output is the
+probability-weighted sum of the chosen experts' SwiGLU MLPs, plus for Qwen2-MoE
+``sigmoid(x @ shared_expert_gate) * shared_expert(x)``.
+
+The experts run as two grouped GEMMs (``jax.lax.ragged_dot``): the T x k (token, expert) pairs
+are sorted by expert, each expert's rows multiply its own weights, and the results are weighted
+and summed back per token; no per-expert loop, and shapes fixed by the token bucket.
+
+Params of a sparse layer (X experts, E hidden, I ``moe_intermediate_size``, S
+``shared_expert_intermediate_size``): ``router`` [E, X]; ``experts_gate_up`` [X, E, 2 I], each
+expert's columns [gate | up] shard by shard (``llama._columns_by_shard``); ``experts_down``
+[X, I, E]; Qwen2-MoE adds ``shared_gate_up`` [E, 2 S], ``shared_down`` [S, E] and
+``shared_expert_gate`` [E, 1]. Under tensor parallelism each expert is split by columns as a
+dense MLP is (its gate/up columns and down rows over the devices; one all-reduce after the
+down projection): every device holds a slice of every expert, so the per-token routing needs no
+exchange of tokens between devices.
+"""
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.config import ModelConfig
+
+# HF's names of one expert's projections (under the block's ``experts.N.``), by family.
+_EXPERT_NAMES = {
+    "MixtralForCausalLM": ("block_sparse_moe", "w1", "w3", "w2"),
+    "Qwen2MoeForCausalLM": ("mlp", "gate_proj", "up_proj", "down_proj"),
+    "Qwen3MoeForCausalLM": ("mlp", "gate_proj", "up_proj", "down_proj"),
+}
+ARCHITECTURES = tuple(_EXPERT_NAMES)
+
+
+def hf_layer_shapes(config: ModelConfig) -> dict:
+    """The HF tensors of a sparse layer's MLP block (names under ``model.layers.N.``; torch
+    layouts, Linear weight [out, in])."""
+    c = config
+    E, I, S = c.hidden_size, c.moe_intermediate_size, c.shared_expert_intermediate_size
+    block, gate, up, down = _EXPERT_NAMES[c.architecture]
+    shapes = {f"{block}.gate.weight": (c.num_experts, E)}
+    for x in range(c.num_experts):
+        shapes |= {f"{block}.experts.{x}.{gate}.weight": (I, E),
+                   f"{block}.experts.{x}.{up}.weight": (I, E),
+                   f"{block}.experts.{x}.{down}.weight": (E, I)}
+    if S:
+        shapes |= {f"{block}.shared_expert.gate_proj.weight": (S, E),
+                   f"{block}.shared_expert.up_proj.weight": (S, E),
+                   f"{block}.shared_expert.down_proj.weight": (E, S),
+                   f"{block}.shared_expert_gate.weight": (1, E)}
+    return shapes
+
+
+def is_sparse(t: dict) -> bool:
+    """Whether a layer's HF tensors ``t`` (names under ``model.layers.N.``) hold an MoE block."""
+    return any(f"{block}.gate.weight" in t for block, *_ in _EXPERT_NAMES.values())
+
+
+def params_from_hf(t: dict, columns_by_shard, n: int) -> dict:
+    """A sparse layer's MLP params (module docstring) from its HF tensors ``t`` (in a jit; the
+    family and the expert count read from the names and the router's shape);
+    ``columns_by_shard(blocks, n)`` lays gate/up columns out for an n-device mesh."""
+    block, gate, up, down = next(names for names in _EXPERT_NAMES.values()
+                                 if f"{names[0]}.gate.weight" in t and
+                                 f"{names[0]}.experts.0.{names[1]}.weight" in t)
+    router = t[f"{block}.gate.weight"]
+    expert = lambda x, name: t[f"{block}.experts.{x}.{name}.weight"]  # noqa: E731
+    p = {
+        "router": router.T,
+        "experts_gate_up": jnp.stack([columns_by_shard([expert(x, gate).T, expert(x, up).T], n)
+                                      for x in range(router.shape[0])]),
+        "experts_down": jnp.stack([expert(x, down).T for x in range(router.shape[0])]),
+    }
+    if f"{block}.shared_expert_gate.weight" in t:
+        shared = lambda name: t[f"{block}.shared_expert.{name}.weight"].T  # noqa: E731
+        p |= {"shared_gate_up": columns_by_shard([shared("gate_proj"), shared("up_proj")], n),
+              "shared_down": shared("down_proj"),
+              "shared_expert_gate": t[f"{block}.shared_expert_gate.weight"].T}
+    return p
+
+
+def _swiglu(gate_up: jax.Array, n: int) -> jax.Array:
+    """[R, 2 I] columns [gate | up] of each of n shards -> silu(gate) * up, [R, I]."""
+    rows = gate_up.shape[0]
+    g = gate_up.reshape(rows, n, 2, -1)
+    return (jax.nn.silu(g[:, :, 0]) * g[:, :, 1]).reshape(rows, -1)
+
+
+def route(x: jax.Array, router: jax.Array, top_k: int,
+          norm_topk_prob: bool) -> tuple[jax.Array, jax.Array]:
+    """Each token's ``top_k`` experts and their weights: x [T, E], router [E, X] -> (weights
+    [T, k] float32, experts [T, k] int32), as the family's HF router computes them (module
+    docstring)."""
+    logits = jnp.dot(x, router.astype(x.dtype), preferred_element_type=jnp.float32)
+    probs = jax.nn.softmax(logits, axis=-1)
+    weights, experts = jax.lax.top_k(probs, top_k)
+    if norm_topk_prob:
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+    return weights, experts
+
+
+def sparse_mlp(x: jax.Array, p: dict, top_k: int, norm_topk_prob: bool, n: int) -> jax.Array:
+    """The sparse MLP block: x [T, E] -> [T, E] in x's dtype; p a sparse layer's params, its
+    gate/up columns laid out for an n-device mesh; ``top_k`` experts a token (``route``)."""
+    num_tokens, k = x.shape[0], top_k
+    num_experts = p["router"].shape[1]
+    weights, experts = route(x, p["router"], top_k, norm_topk_prob)
+    # The T k (token, expert) pairs, sorted by expert: each expert's rows are contiguous.
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    rows = x[order // k]
+    group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    h = jax.lax.ragged_dot(rows, p["experts_gate_up"], group_sizes)
+    y = jax.lax.ragged_dot(_swiglu(h, n), p["experts_down"], group_sizes)
+    y = y.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
+    out = jnp.zeros((num_tokens, x.shape[1]), jnp.float32).at[order // k].add(y)
+    if "shared_gate_up" in p:
+        shared = _swiglu(x @ p["shared_gate_up"], n) @ p["shared_down"]
+        gate = jax.nn.sigmoid(jnp.dot(x, p["shared_expert_gate"],
+                                      preferred_element_type=jnp.float32))
+        out = out + gate * shared.astype(jnp.float32)
+    return out.astype(x.dtype)

@@ -24,7 +24,7 @@ def tp_prompts() -> list[str]:
 
 @pytest.fixture(scope="session")
 def tiny_tp_folders(tmp_path_factory, smollm) -> dict:
-    """{"llama": HF folder, "qwen3": HF folder, "llama-orbax": the Llama as an orbax folder}
+    """{"llama": HF folder, "qwen3_moe": HF folder, "llama-orbax": the Llama as an orbax folder}
     (``tp_utils.TINY``)."""
     from jaxserve.model_loader import load_hf_folder, save_orbax
 
@@ -50,11 +50,11 @@ def tp_offline(tiny_tp_folders, tp_prompts, smollm_llm) -> dict:
     """Greedy outputs of the prompts (``prompt_ids``, ``output_ids``), keyed "NAME:TP": the
     default model (its GGUF) at TP 1 (the engine tests' ``smollm_llm``, in this process) and 3,
     each tiny model (HF folders) at TP 1 and 4, and the Llama's orbax folder at 2 with the
-    Pallas kernels (``LLM`` on fake devices; the Qwen3 at 2 is served in
+    Pallas kernels (``LLM`` on fake devices; the Qwen3-MoE at 2 is served in
     test_tensor_parallel_tiny_server.py); plus the tiny Llama step's collectives at 4."""
     from jaxserve import SamplingParams
 
-    sizes = {"default": (3,), "llama": (1, 4), "qwen3": (1, 4), "llama-orbax": (2,)}
+    sizes = {"default": (3,), "llama": (1, 4), "qwen3_moe": (1, 4), "llama-orbax": (2,)}
     paths = {"default": None, **{name: str(folder) for name, folder in tiny_tp_folders.items()}}
     runs = [{"model": paths[name], "tp": tp} for name in sizes for tp in sizes[name]]
     # The GPU's attention, the Pallas kernels (in interpret mode here), per shard.

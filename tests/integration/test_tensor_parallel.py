@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 # Each run loads its checkpoint per device part: the default model's GGUF and the HF folders
 # through lazy tensors, the orbax folder restored straight into its shardings. The orbax Llama at
 # TP=2 runs the Pallas kernels (interpret mode) per shard, the others the reference attention.
-@pytest.mark.parametrize("name,tp", [("default", 3), ("llama", 4), ("qwen3", 4),
+@pytest.mark.parametrize("name,tp", [("default", 3), ("llama", 4), ("qwen3_moe", 4),
                                      ("llama-orbax", 2)])
 def test_offline_greedy_matches_tp1(name, tp, tp_offline, hf_smollm, tiny_hf_models):
     ref, ours = tp_offline[f"{name.removesuffix('-orbax')}:1"], tp_offline[f"{name}:{tp}"]

@@ -1,5 +1,5 @@
-"""Tiny random Llama (TP=4: KV heads replicated, vocabulary padded) and Qwen3 (TP=2: q/k norm,
-tied embeddings) served on fake CPU devices give TP=1's greedy outputs (docs/architecture.md,
+"""Tiny random Llama (TP=4: KV heads replicated, vocabulary padded) and Qwen3-MoE (TP=2: q/k
+norm, tied embeddings, a dense and a sparse layer) served on fake CPU devices give TP=1's greedy outputs (docs/architecture.md,
 "Testing numerics"; the offline runs of every size are in test_tensor_parallel.py)."""
 
 import pytest
@@ -10,7 +10,7 @@ from tests.integration import tp_utils
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("name,tp", [("llama", 4), ("qwen3", 2)])
+@pytest.mark.parametrize("name,tp", [("llama", 4), ("qwen3_moe", 2)])
 def test_tiny_model_served_tensor_parallel_matches_tp1(name, tp, tiny_tp_folders, tp_offline,
                                                         tp_prompts, tiny_hf_models):
     server = Server("--model", str(tiny_tp_folders[name]), "--tensor-parallel-size", str(tp),

@@ -29,9 +29,11 @@ TINY = {
     "llama": ("LlamaConfig", "LlamaForCausalLM",
               dict(vocab_size=49153, num_attention_heads=4, num_key_value_heads=2,
                    tie_word_embeddings=False)),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM",
-              dict(vocab_size=49154, num_attention_heads=8, num_key_value_heads=2, head_dim=16,
-                   tie_word_embeddings=True)),
+    # A dense first layer and a sparse second one (each expert split by columns).
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(vocab_size=49154, num_attention_heads=8, num_key_value_heads=2, head_dim=16,
+                       tie_word_embeddings=True, num_experts=4, num_experts_per_tok=2,
+                       moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[0])),
 }
 
 

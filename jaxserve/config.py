@@ -55,6 +55,8 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's gated shared expert; 0: none
     norm_topk_prob: bool = False  # the chosen experts' weights renormalized to sum to 1
     sparse_layers: tuple[bool, ...] = ()  # per layer: an MoE block (else the dense MLP)
+    # per layer: the sliding window (keys a query sees, itself included), None for full attention
+    layer_windows: tuple[int | None, ...] = ()
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> "ModelConfig":
@@ -91,8 +93,37 @@ class ModelConfig:
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             eos_token_ids=eos,
+            layer_windows=_layer_windows(arch, cfg),
             **_moe_fields(arch, cfg),
         )
+
+
+def _layer_windows(arch: str, cfg: dict) -> tuple[int | None, ...]:
+    """Each layer's sliding window as HF's modeling code of ``arch`` applies it (None: full
+    attention): Mistral and Mixtral put ``sliding_window`` on every layer; the Qwen families
+    only with ``use_sliding_window``, on the layers ``layer_types`` (or HF's default rule for
+    it) marks "sliding_attention" (Qwen3-MoE: every layer).
+
+    Raises:
+      ValueError: a ``layer_types`` entry other than full_attention and sliding_attention.
+    """
+    n = cfg["num_hidden_layers"]
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
+        return (cfg.get("sliding_window") or None,) * n
+    if not arch.startswith("Qwen") or not cfg.get("use_sliding_window"):
+        return (None,) * n
+    window = cfg.get("sliding_window") or 4096
+    if arch == "Qwen3MoeForCausalLM":
+        return (window,) * n
+    last_full = cfg.get("max_window_layers", 28)
+    types = cfg.get("layer_types") or [
+        "sliding_attention" if (i >= last_full if arch != "Qwen2MoeForCausalLM"
+                                else (i + 1) % 2 and i < last_full) else "full_attention"
+        for i in range(n)]
+    unknown = set(types) - {"full_attention", "sliding_attention"}
+    if unknown:
+        raise ValueError(f"unsupported config option layer_types {sorted(unknown)} of {arch}")
+    return tuple(window if t == "sliding_attention" else None for t in types)
 
 
 def _moe_fields(arch: str, cfg: dict) -> dict:
@@ -100,21 +131,14 @@ def _moe_fields(arch: str, cfg: dict) -> dict:
     the keys it leaves out); none for a dense one.
 
     Raises:
-      ValueError: a sliding window (``use_sliding_window`` / ``sliding_window``), which the
-        MoE families do not implement, or an expert count below the experts per token.
+      ValueError: an expert count below the experts per token.
     """
     if arch == "MixtralForCausalLM":
-        if cfg.get("sliding_window"):
-            raise ValueError(f"unsupported config option sliding_window={cfg['sliding_window']} "
-                             f"of {arch} (sliding-window attention is not implemented)")
         fields = dict(num_experts=cfg.get("num_local_experts", 8),
                       num_experts_per_tok=cfg.get("num_experts_per_tok", 2),
                       moe_intermediate_size=cfg["intermediate_size"], norm_topk_prob=True,
                       sparse_layers=(True,) * cfg["num_hidden_layers"])
     elif arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
-        if cfg.get("use_sliding_window"):
-            raise ValueError(f"unsupported config option use_sliding_window of {arch} "
-                             f"(sliding-window attention is not implemented)")
         qwen2 = arch == "Qwen2MoeForCausalLM"
         # Hub configs say num_experts; transformers 5 writes num_local_experts.
         num_experts = cfg.get("num_experts", cfg.get("num_local_experts", 60 if qwen2 else 128))

@@ -116,6 +116,7 @@ def _prefill_kernel(
     num_blocks: int,
     num_slots: int,
     quantized: bool,
+    sliding_window: int | None,
 ):
     scale_refs, o_ref = (refs[:2], refs[2]) if quantized else ((), refs[0])
     # A program is one of num_slots slots of a query head; it walks the query blocks in use
@@ -158,11 +159,16 @@ def _prefill_kernel(
             s = plgpu.dot(q, k, trans_b=True) * (scale if k_scale is None else scale * k_scale)
             if masked:
                 visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < ctx_len)
+                if sliding_window is not None:
+                    visible &= k_pos[None, :] > q_pos[:, None] - sliding_window
                 s = jnp.where(visible, s, MASK_VALUE)
             return online_softmax_step(acc, m_prev, l_prev, s, v, v_scale)
 
         carry = online_softmax_init(block_q, head_dim, groups=2 if quantized else 1)
-        carry = lax.fori_loop(0, num_full, functools.partial(step, masked=False), carry)
+        if sliding_window is None:
+            carry = lax.fori_loop(0, num_full, functools.partial(step, masked=False), carry)
+        else:  # every block masked, from the one holding the first query's first key
+            num_full = lax.div(jnp.maximum(pos_start - sliding_window + 1, 0), block_k)
         acc, m, l = lax.fori_loop(
             num_full, num_kv_blocks, functools.partial(step, masked=True), carry)
 
@@ -237,11 +243,13 @@ def ragged_prefill(
     tuning: PrefillTuning | None = None,
     interpret: bool = False,
     min_q_len: int = 1,
+    sliding_window: int | None = None,
 ) -> jax.Array:
     """Ragged causal attention for the sequences where ``include`` [S] is True.
 
     ``min_q_len`` is a static lower bound on the query length of included sequences; it only
-    tightens the launch grid.
+    tightens the launch grid. With ``sliding_window`` W a query sees only the W keys up to its
+    own position.
 
     Returns [T, H, D] in q's dtype: rows of included sequences and padding rows (0) are written;
     rows of the other sequences are left undefined for the caller to fill.
@@ -270,6 +278,7 @@ def ragged_prefill(
         num_blocks=num_blocks,
         num_slots=num_slots,
         quantized=isinstance(k_pages, QuantizedPages),
+        sliding_window=sliding_window,
     )
     pool = flat_pool(k_pages, v_pages)
     return pl.pallas_call(
@@ -291,7 +300,8 @@ def ragged_prefill(
 
 @functools.partial(
     jax.jit,
-    static_argnames=("sm_scale", "interpret", "decode_tuning", "prefill_tuning", "split_decode"),
+    static_argnames=("sm_scale", "interpret", "decode_tuning", "prefill_tuning", "split_decode",
+                     "sliding_window"),
 )
 def attention(
     q: jax.Array,
@@ -306,6 +316,7 @@ def attention(
     decode_tuning: DecodeTuning | None = None,
     prefill_tuning: PrefillTuning | None = None,
     split_decode: bool = True,
+    sliding_window: int | None = None,
 ) -> jax.Array:
     """Causal attention for one flattened ragged batch of prefill chunks and decodes (Pallas).
 
@@ -323,10 +334,14 @@ def attention(
         decode_tuning, prefill_tuning: static tile/launch overrides; None picks from the shapes.
         split_decode: send one-token sequences to the flash-decoding kernel (True) or let the
             ragged kernel handle every sequence (False).
+        sliding_window: W keys a query sees at most (itself and the W - 1 before it; HF's
+            ``kv_idx > q_idx - W``); None: all before it. Blocks wholly before a query block's
+            window are not read.
 
     Returns:
         [T, H, D] in q's dtype. Query i of sequence s sits at position seq_lens[s] - q_len(s) + i
-        and sees keys at positions <= that (bottom-right aligned). Padding rows are 0.
+        and sees keys at positions <= that (bottom-right aligned), and with a window > that - W.
+        Padding rows are 0.
 
     Raises:
         ValueError: on inconsistent shapes.
@@ -359,6 +374,7 @@ def attention(
         tuning=prefill_tuning,
         interpret=interpret,
         min_q_len=2 if split_decode else 1,
+        sliding_window=sliding_window,
     )
     if split_decode:
         # Decode rows: gather each sequence's first query row, attend, scatter back in place.
@@ -373,6 +389,7 @@ def attention(
             sm_scale=sm_scale,
             tuning=decode_tuning,
             interpret=interpret,
+            sliding_window=sliding_window,
         )
         dec = dec[:, :, :group].reshape(-1, num_heads, head_dim)
         dst = jnp.where(is_decode, qsl[:-1], num_tokens)  # out of bounds: dropped

@@ -129,6 +129,7 @@ def _decode_kernel(
     page_size: int,
     tokens_per_split: int,
     quantized: bool,
+    sliding_window: int | None,
 ):
     scale_refs, (o_ref, *stat_refs) = (refs[:2], refs[2:]) if quantized else ((), refs)
     seq = pl.program_id(0)
@@ -137,7 +138,9 @@ def _decode_kernel(
 
     seq_len = seq_lens_ref[seq]
     split_start = split * tokens_per_split
-    split_end = jnp.minimum(seq_len, split_start + tokens_per_split)
+    if sliding_window is not None:  # the window's first key, within this split
+        split_start = jnp.maximum(split_start, seq_len - sliding_window)
+    split_end = jnp.minimum(seq_len, split * tokens_per_split + tokens_per_split)
     num_blocks = pl.cdiv(jnp.maximum(split_end - split_start, 0), block_k)
 
     q = q_ref[...]
@@ -175,6 +178,7 @@ def decode_grouped(
     sm_scale: float,
     tuning: DecodeTuning | None = None,
     interpret: bool = False,
+    sliding_window: int | None = None,
 ) -> jax.Array:
     """Decode attention on queries already grouped by KV head.
 
@@ -183,6 +187,7 @@ def decode_grouped(
         k_pages, v_pages: [KV, num_pages, page_size, D].
         block_tables: [S, P] int32.
         seq_lens: [S] int32; 0 gives zeros.
+        sliding_window: the query sees only the last W keys (itself included); None: all.
 
     Returns:
         [S, KV, Gp, D] in q's dtype.
@@ -209,6 +214,7 @@ def decode_grouped(
         page_size=page_size,
         tokens_per_split=pages_per_split * page_size,
         quantized=quantized,
+        sliding_window=sliding_window,
     )
     pool = flat_pool(k_pages, v_pages)
     in_specs = [

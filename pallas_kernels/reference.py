@@ -50,11 +50,18 @@ def _finish_softmax(carry, num_heads: int, head_dim: int):
     return out.reshape(-1, num_heads, head_dim)
 
 
-def _attend_block(q, q_pos, k_pages, v_pages, block_table, ctx_len, sm_scale):
+def _window_start(pos, sliding_window: int | None):
+    """The first key position a query at ``pos`` sees: 0, or with a sliding window of W keys
+    (HF's ``kv_idx > q_idx - W``) pos - W + 1."""
+    return 0 if sliding_window is None else jnp.maximum(pos - sliding_window + 1, 0)
+
+
+def _attend_block(q, q_pos, k_pages, v_pages, block_table, ctx_len, sm_scale, sliding_window):
     """Attention of one query block over one sequence's paged keys.
 
     Args:
-      q: [N, H, D] queries at positions q_pos [N]; a query sees keys at positions <= its own.
+      q: [N, H, D] queries at positions q_pos [N]; a query sees keys at positions <= its own
+        (and, with ``sliding_window`` W, > its own - W).
       k_pages, v_pages: [KV, num_pages, page_size, D].
       block_table: [P'] int32, P' a multiple of _KV_CHUNK_PAGES.
       ctx_len: keys at positions >= ctx_len are never read.
@@ -67,39 +74,47 @@ def _attend_block(q, q_pos, k_pages, v_pages, block_table, ctx_len, sm_scale):
     chunk = _KV_CHUNK_PAGES * page_size
     qg = q.reshape(n, kv_heads, -1, head_dim).astype(jnp.float32) * sm_scale
     last = jnp.minimum(jnp.max(q_pos) + 1, ctx_len)
+    first = _window_start(q_pos, sliding_window)
 
     def body(c, carry):
         pages = jax.lax.dynamic_slice_in_dim(block_table, c * _KV_CHUNK_PAGES, _KV_CHUNK_PAGES)
         k = read_pages(k_pages, pages).reshape(kv_heads, chunk, head_dim)
         v = read_pages(v_pages, pages).reshape(kv_heads, chunk, head_dim)
         key_pos = c * chunk + jnp.arange(chunk)
-        mask = (key_pos[None, :] <= q_pos[:, None]) & (key_pos[None, :] < ctx_len)
+        mask = ((key_pos[None, :] <= q_pos[:, None]) & (key_pos[None, :] < ctx_len)
+                & (key_pos[None, :] >= jnp.reshape(first, (-1, 1))))
         s = jnp.where(mask[:, None, None, :], jnp.einsum("nkgd,kld->nkgl", qg, k), -jnp.inf)
         return _softmax_step(carry, s, lambda p: jnp.einsum("nkgl,kld->nkgd", p, v))
 
     init = _init_softmax(n, kv_heads, num_heads // kv_heads, head_dim)
-    carry = jax.lax.fori_loop(0, (last + chunk - 1) // chunk, body, init)
+    carry = jax.lax.fori_loop(jnp.min(first) // chunk, (last + chunk - 1) // chunk, body, init)
     return _finish_softmax(carry, num_heads, head_dim)
 
 
-def _decode_all(q, k_pages, v_pages, tables, seq_lens, sm_scale):
+def _decode_all(q, k_pages, v_pages, tables, seq_lens, sm_scale, sliding_window):
     """Every sequence's one query [S, H, D] (at position seq_lens - 1) at once, key chunks read
-    for all sequences together up to the longest length. Returns [S, H, D] float32."""
+    for all sequences together up to the longest length (from the earliest window start).
+    Returns [S, H, D] float32."""
     num_seqs, num_heads, head_dim = q.shape
     kv_heads, _, page_size, _ = k_pages.shape
     chunk = _KV_CHUNK_PAGES * page_size
     qg = q.reshape(num_seqs, kv_heads, -1, head_dim).astype(jnp.float32) * sm_scale
+    first = _window_start(seq_lens - 1, sliding_window)
 
     def body(c, carry):
         pages = jax.lax.dynamic_slice_in_dim(tables, c * _KV_CHUNK_PAGES, _KV_CHUNK_PAGES, axis=1)
         k = read_pages(k_pages, pages).reshape(kv_heads, num_seqs, chunk, head_dim)
         v = read_pages(v_pages, pages).reshape(kv_heads, num_seqs, chunk, head_dim)
-        mask = c * chunk + jnp.arange(chunk)[None, :] < seq_lens[:, None]
+        key_pos = c * chunk + jnp.arange(chunk)[None, :]
+        mask = (key_pos < seq_lens[:, None]) & (key_pos >= jnp.reshape(first, (-1, 1)))
         s = jnp.where(mask[:, None, None, :], jnp.einsum("skgd,ksld->skgl", qg, k), -jnp.inf)
         return _softmax_step(carry, s, lambda p: jnp.einsum("skgl,ksld->skgd", p, v))
 
     init = _init_softmax(num_seqs, kv_heads, num_heads // kv_heads, head_dim)
-    carry = jax.lax.fori_loop(0, (jnp.max(seq_lens) + chunk - 1) // chunk, body, init)
+    # Sequences without a decode have length 0: they start no earlier than the others.
+    start = jnp.min(jnp.where(seq_lens > 0, first, jnp.iinfo(jnp.int32).max)) // chunk
+    carry = jax.lax.fori_loop(jnp.minimum(start, (jnp.max(seq_lens) + chunk - 1) // chunk),
+                              (jnp.max(seq_lens) + chunk - 1) // chunk, body, init)
     return _finish_softmax(carry, num_heads, head_dim)
 
 
@@ -112,6 +127,7 @@ def attention(
     block_tables: jax.Array,
     *,
     sm_scale: float | None = None,
+    sliding_window: int | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """Causal attention for one flattened ragged batch of prefill chunks and decodes.
@@ -124,12 +140,14 @@ def attention(
       seq_lens: [S] int32, context length of each sequence after this step (tokens).
       block_tables: [S, P] int32 page ids; entries past a sequence's length are never read.
       sm_scale: softmax scale, default D ** -0.5.
+      sliding_window: W keys a query sees at most (itself and the W - 1 before it; HF's
+        ``kv_idx > q_idx - W``); None: all before it.
       interpret: unused here (the oracle is plain JAX); kept for the kernels' signature.
 
     Returns:
       [T, H, D] in q's dtype. Query i of sequence s sits at position
-      seq_lens[s] - q_len(s) + i and sees keys at positions <= that (bottom-right aligned mask).
-      Rows past query_start_loc[S] (padding tokens) are zero.
+      seq_lens[s] - q_len(s) + i and sees keys at positions <= that (bottom-right aligned mask)
+      and, with a window, > that - W. Rows past query_start_loc[S] (padding tokens) are zero.
     """
     del interpret
     q, query_start_loc, seq_lens, block_tables = map(
@@ -149,7 +167,7 @@ def attention(
     # Decodes (one query) all at once; a sequence of other length reads no keys there.
     rows = query_start_loc[:-1]
     o = _decode_all(q[jnp.minimum(rows, num_tokens - 1)], k_pages, v_pages, tables,
-                    jnp.where(q_lens == 1, seq_lens, 0), sm_scale)
+                    jnp.where(q_lens == 1, seq_lens, 0), sm_scale, sliding_window)
     rows = jnp.where(q_lens == 1, rows, num_tokens + block)
     out = out.at[rows].set(o, mode="drop")
 
@@ -163,7 +181,8 @@ def attention(
             qb = jax.lax.dynamic_slice_in_dim(q_pad, start + offset, block)
             idx = offset + jnp.arange(block)
             q_pos = ctx_len - q_len + jnp.minimum(idx, q_len - 1)
-            o = _attend_block(qb, q_pos, k_pages, v_pages, tables[s], ctx_len, sm_scale)
+            o = _attend_block(qb, q_pos, k_pages, v_pages, tables[s], ctx_len, sm_scale,
+                              sliding_window)
             # The last block may run into the next sequence's rows: keep those as they are.
             old = jax.lax.dynamic_slice_in_dim(out, start + offset, block)
             o = jnp.where((idx < q_len)[:, None, None], o, old)

@@ -314,7 +314,7 @@ def run_model_step(bench: Bench, num_layers=4, batch=64, ctx=2048):
     logits_indices = jnp.arange(batch, dtype=jnp.int32)
     interp = bench.smoke
     fns = {
-        "pallas": lambda *x: attention(*x, interpret=interp),
+        "pallas": lambda *x, **kw: attention(*x, interpret=interp, **kw),
         "reference": reference.attention,
     }
     times = {}

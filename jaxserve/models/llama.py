@@ -104,18 +104,22 @@ def write_kv(k_pages, v_pages, k: jax.Array, v: jax.Array, slot_mapping: jax.Arr
     return write(k_pages, k), write(v_pages, v)
 
 
-def _write_and_attend(attention_fn: Callable, q, k, v, k_pages, v_pages, md: AttentionMetadata):
-    """This step's K/V into the pool, then attention: (out [T, H, D], k_pages, v_pages)."""
+def _write_and_attend(attention_fn: Callable, sliding_window: int | None, q, k, v, k_pages,
+                      v_pages, md: AttentionMetadata):
+    """This step's K/V into the pool, then attention (within the layer's sliding window, if
+    any): (out [T, H, D], k_pages, v_pages)."""
     k_pages, v_pages = write_kv(k_pages, v_pages, k, v, md.slot_mapping)
-    out = attention_fn(q, k_pages, v_pages, md.query_start_loc, md.seq_lens, md.block_tables)
+    out = attention_fn(q, k_pages, v_pages, md.query_start_loc, md.seq_lens, md.block_tables,
+                       sliding_window=sliding_window)
     return out, k_pages, v_pages
 
 
-@partial(jax.jit, static_argnames=("num_heads", "eps", "attention_fn", "mesh", "routing"))
+@partial(jax.jit, static_argnames=("num_heads", "eps", "attention_fn", "mesh", "routing",
+                                   "sliding_window"))
 def _decoder_layer(hidden: jax.Array, p: dict, k_pages: jax.Array, v_pages: jax.Array,
                    cos: jax.Array, sin: jax.Array, md: AttentionMetadata, *, num_heads: int,
                    eps: float, attention_fn: Callable, mesh: Mesh | None,
-                   routing: tuple[int, bool] = (0, False)):
+                   routing: tuple[int, bool] = (0, False), sliding_window: int | None = None):
     """One decoder layer: hidden [T, E] -> (hidden, k_pages, v_pages with this step's K/V).
 
     A jitted function of its own so that the step traces and lowers one layer, not L: every
@@ -123,7 +127,9 @@ def _decoder_layer(hidden: jax.Array, p: dict, k_pages: jax.Array, v_pages: jax.
     XLA inlines the calls (same program, far less start-up time; docs/architecture.md, "The layer
     loop").
     With a mesh, the fused projections hold their columns shard by shard (``sharding``), and
-    the KV write and attention run per shard. A layer whose params hold a ``router`` runs the
+    the KV write and attention run per shard. A layer with a ``sliding_window`` attends to
+    that many keys at most (``ModelConfig.layer_windows``). A layer whose params hold a
+    ``router`` runs the
     MoE block (``moe.sparse_mlp``) with ``routing`` = (experts per token, norm_topk_prob)
     instead of the dense MLP.
     """
@@ -144,7 +150,7 @@ def _decoder_layer(hidden: jax.Array, p: dict, k_pages: jax.Array, v_pages: jax.
         q = _rms_norm(q, p["q_norm"], eps)
         k = _rms_norm(k, p["k_norm"], eps)
     q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
-    attend = partial(_write_and_attend, attention_fn)
+    attend = partial(_write_and_attend, attention_fn, sliding_window)
     if mesh is not None:
         attend = sharding.per_shard_attention(attend, mesh)
     attn, k_pages, v_pages = attend(q, k, v, k_pages, v_pages, md)
@@ -224,7 +230,8 @@ def _forward(c: ModelConfig, params, token_ids, md, k_cache, v_cache, logits_ind
         hidden, k_cache[i], v_cache[i] = _decoder_layer(
             hidden, p, k_cache[i], v_cache[i], cos, sin, md, num_heads=c.num_heads,
             eps=c.rms_norm_eps, attention_fn=attention_fn, mesh=mesh,
-            routing=(c.num_experts_per_tok, c.norm_topk_prob))
+            routing=(c.num_experts_per_tok, c.norm_topk_prob),
+            sliding_window=c.layer_windows[i] if c.layer_windows else None)
 
     logits = compute_logits(c, params, hidden[logits_indices], mesh)
     if hidden_indices is None:

@@ -108,16 +108,19 @@ TINY_CONFIGS = {
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                       "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
     ),
-    "mistral": lambda: transformers.MistralConfig(**TINY, sliding_window=None),
+    # A window shorter than the prompts (200 tokens; the greedy ones up to 100 + 32).
+    "mistral": lambda: transformers.MistralConfig(**TINY, sliding_window=48),
     "qwen2": lambda: transformers.Qwen2Config(**TINY, tie_word_embeddings=True),
     "qwen3": lambda: transformers.Qwen3Config(**TINY),
-    # Mixture of experts: every layer sparse; a dense first layer (mlp_only_layers) and a
-    # gated shared expert; every other layer sparse (decoder_sparse_step).
+    # Mixture of experts: every layer sparse; a dense first layer (mlp_only_layers), a gated
+    # shared expert and a sliding window on one layer; every other layer sparse
+    # (decoder_sparse_step).
     "mixtral": lambda: transformers.MixtralConfig(**TINY, num_local_experts=4,
                                                   num_experts_per_tok=2, sliding_window=None),
     "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
         **TINY, moe_intermediate_size=64, shared_expert_intermediate_size=96, num_experts=6,
-        num_experts_per_tok=3, mlp_only_layers=[0]),
+        num_experts_per_tok=3, mlp_only_layers=[0], use_sliding_window=True, sliding_window=40,
+        max_window_layers=2),  # HF's rule: a window on layer 0 only
     "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
         **TINY, moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2,
         norm_topk_prob=True, decoder_sparse_step=2),

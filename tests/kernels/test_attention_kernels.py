@@ -202,3 +202,34 @@ def test_fp8_reference_reads_the_dequantized_pool():
     out8 = reference.attention(*b8.args)
     assert rel_err(out8, reference.attention(b8.q, *deq, *b8.args[3:])) <= 1e-6, f"seed {seed}"
     assert rel_err(out8, reference.attention(*b32.args)) <= 5e-2, f"seed {seed}"
+
+
+@pytest.mark.parametrize("window,split,ptune,dtune,fp8", [
+    (1, True, PrefillTuning(block_q=16, block_k=16, max_programs=2), None, False),
+    (13, True, PrefillTuning(block_q=16, block_k=32, max_programs=18),
+     DecodeTuning(block_k=16, num_splits=3), False),
+    (40, False, PrefillTuning(block_q=16, block_k=16), None, False),
+    (21, True, PrefillTuning(block_q=16), DecodeTuning(num_splits=2), True),
+    (500, True, None, None, False),  # longer than every context: the same as none
+])
+def test_sliding_window_matches_reference(window, split, ptune, dtune, fp8):
+    """Windows shorter than a page, a key block and a KV split, over decodes and prefill
+    chunks with cached prefixes (some splits then wholly before the window)."""
+    rng, seed = _rng()
+    pairs = [(1, 1), (1, 16), (1, 17), (1, 75), (19, 19), (16, 48), (23, 70), (5, 61)]
+    q_lens, seq_lens = map(list, zip(*pairs))
+    b = make_batch(rng, q_lens, seq_lens, num_heads=6, num_kv_heads=2, head_dim=64,
+                   page_size=16, dtype=jnp.bfloat16 if fp8 else jnp.float32, fp8=fp8,
+                   num_tokens=sum(q_lens) + 3, num_seqs=len(pairs) + 1, pages_per_seq=5)
+    out = attention(*b.args, interpret=True, split_decode=split, prefill_tuning=ptune,
+                    decode_tuning=dtune, sliding_window=window)
+    ref = reference.attention(*b.args, sliding_window=window)
+    n, tol = b.num_real_tokens, 2e-2 if fp8 else 1e-5
+    assert bool(jnp.isfinite(out).all()), f"unwritten output (seed {seed})"
+    qsl = np.asarray(b.query_start_loc)
+    for s in range(len(pairs)):
+        e = rel_err(out[qsl[s]:qsl[s + 1]], ref[qsl[s]:qsl[s + 1]])
+        assert e <= tol, f"seed {seed}: sequence {s} {pairs[s]} rel err {e}"
+    assert bool((out[n:] == 0).all())
+    if window == 500:
+        assert rel_err(ref[:n], reference.attention(*b.args)[:n]) <= 1e-6

@@ -7,8 +7,9 @@ from jaxserve.models.llama import write_kv
 from pallas_kernels.reference import attention, paged_attention
 
 
-def naive(q, k_pages, v_pages, qsl, seq_lens, block_tables):
-    """Per sequence: gather its keys densely, softmax with the bottom-right causal mask."""
+def naive(q, k_pages, v_pages, qsl, seq_lens, block_tables, window=None):
+    """Per sequence: gather its keys densely, softmax with the bottom-right causal mask (and,
+    with a window W, only the W keys up to the query's own position)."""
     kv_heads, _, page_size, d = k_pages.shape
     group = q.shape[1] // kv_heads
     out = np.zeros_like(q)
@@ -21,10 +22,11 @@ def naive(q, k_pages, v_pages, qsl, seq_lens, block_tables):
         v = v_pages[:, block_tables[s][pos // page_size], pos % page_size]
         for i in range(q_len):
             qp = ctx - q_len + i
+            lo = 0 if window is None else max(qp - window + 1, 0)
             for h in range(q.shape[1]):
-                sc = k[h // group, : qp + 1] @ q[qsl[s] + i, h] * d**-0.5
+                sc = k[h // group, lo : qp + 1] @ q[qsl[s] + i, h] * d**-0.5
                 p = np.exp(sc - sc.max())
-                out[qsl[s] + i, h] = (p / p.sum()) @ v[h // group, : qp + 1]
+                out[qsl[s] + i, h] = (p / p.sum()) @ v[h // group, lo : qp + 1]
     return out
 
 
@@ -93,3 +95,15 @@ def test_attention_decode_only_batch_matches_naive():
     ref = naive(q, k_pages, v_pages, qsl, seq_lens, tables)
     np.testing.assert_allclose(ours, ref, rtol=2e-5, atol=2e-5)
     assert not ours[3:].any()
+
+
+@pytest.mark.parametrize("window", [1, 5, 70, 300])
+def test_sliding_window_matches_naive(window):
+    # Windows shorter than a page, than a query block, than a key chunk, and longer than every
+    # context (then the same as none); decodes and prefill chunks with cached prefixes.
+    rng = np.random.default_rng(5)
+    batch = random_batch(rng, [1, 1, 7, 70, 130], [4, 200, 7, 90, 250])
+    ours = np.asarray(attention(*batch, sliding_window=window))
+    np.testing.assert_allclose(ours, naive(*batch, window=window), rtol=2e-5, atol=2e-5)
+    if window == 300:
+        np.testing.assert_allclose(ours, np.asarray(attention(*batch)), rtol=1e-6, atol=1e-6)

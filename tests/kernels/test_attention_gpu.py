@@ -50,8 +50,9 @@ def test_paged_attention_gpu(group, kv, head_dim, page_size, dtype):
     (1, 4, 64, 16), (3, 3, 64, 16), (4, 8, 128, 16), (8, 1, 128, 32), (3, 2, 128, 64),
 ])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-@pytest.mark.parametrize("split_decode", [True, False])
-def test_attention_gpu(group, kv, head_dim, page_size, dtype, split_decode):
+@pytest.mark.parametrize("split_decode,window", [(True, None), (False, None), (True, 700),
+                                                  (False, 37)])
+def test_attention_gpu(group, kv, head_dim, page_size, dtype, split_decode, window):
     rng, seed = _rng()
     ps = page_size
     pairs = [(1, 1), (1, ps), (1, ps + 1), (1, 1500), (ps + 3, ps + 3), (ps, 2 * ps),
@@ -62,8 +63,8 @@ def test_attention_gpu(group, kv, head_dim, page_size, dtype, split_decode):
     b = make_batch(rng, q_lens, seq_lens, num_heads=group * kv, num_kv_heads=kv,
                    head_dim=head_dim, page_size=ps, dtype=dtype, num_tokens=real + 37,
                    num_seqs=16, pages_per_seq=-(-2048 // ps))
-    out = attention(*b.args, split_decode=split_decode)
-    ref = reference.attention(*b.args)
+    out = attention(*b.args, split_decode=split_decode, sliding_window=window)
+    ref = reference.attention(*b.args, sliding_window=window)
     n = b.num_real_tokens
     assert bool(jnp.isfinite(out).all()), f"seed {seed}"
     qsl = np.asarray(b.query_start_loc)

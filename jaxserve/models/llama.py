@@ -129,9 +129,8 @@ def _decoder_layer(hidden: jax.Array, p: dict, k_pages: jax.Array, v_pages: jax.
     With a mesh, the fused projections hold their columns shard by shard (``sharding``), and
     the KV write and attention run per shard. A layer with a ``sliding_window`` attends to
     that many keys at most (``ModelConfig.layer_windows``). A layer whose params hold a
-    ``router`` runs the
-    MoE block (``moe.sparse_mlp``) with ``routing`` = (experts per token, norm_topk_prob)
-    instead of the dense MLP.
+    ``router`` runs the MoE block (``moe.sparse_mlp``) with ``routing`` = (experts per token,
+    norm_topk_prob) instead of the dense MLP.
     """
     n = sharding.mesh_size(mesh)
     H, KV = num_heads, k_pages.shape[0]  # the pool's KV heads (replicated past the model's)
@@ -158,9 +157,8 @@ def _decoder_layer(hidden: jax.Array, p: dict, k_pages: jax.Array, v_pages: jax.
     x = _rms_norm(hidden, p["post_attention_layernorm"], eps)
     if "router" in p:
         return hidden + moe.sparse_mlp(x, p, *routing, n), k_pages, v_pages
-    gate_up = linear(x, p["gate_up_proj"]).reshape(num_tokens, n, 2, -1)  # [gate | up] per shard
-    gate, up = gate_up[:, :, 0].reshape(num_tokens, -1), gate_up[:, :, 1].reshape(num_tokens, -1)
-    return hidden + linear(jax.nn.silu(gate) * up, p["down_proj"]), k_pages, v_pages
+    gate_up = linear(x, p["gate_up_proj"])  # [gate | up] per shard
+    return hidden + linear(moe.swiglu(gate_up, n), p["down_proj"]), k_pages, v_pages
 
 
 def matmul_precision(dtype):

@@ -85,8 +85,9 @@ def params_from_hf(t: dict, columns_by_shard, n: int) -> dict:
     return p
 
 
-def _swiglu(gate_up: jax.Array, n: int) -> jax.Array:
-    """[R, 2 I] columns [gate | up] of each of n shards -> silu(gate) * up, [R, I]."""
+def swiglu(gate_up: jax.Array, n: int) -> jax.Array:
+    """[R, 2 I] columns [gate | up] of each of n shards -> silu(gate) * up, [R, I] (the dense
+    MLP's and every expert's activation)."""
     rows = gate_up.shape[0]
     g = gate_up.reshape(rows, n, 2, -1)
     return (jax.nn.silu(g[:, :, 0]) * g[:, :, 1]).reshape(rows, -1)
@@ -114,14 +115,15 @@ def sparse_mlp(x: jax.Array, p: dict, top_k: int, norm_topk_prob: bool, n: int) 
     # The T k (token, expert) pairs, sorted by expert: each expert's rows are contiguous.
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)
-    rows = x[order // k]
+    token = order // k  # the token of each sorted pair
+    rows = x[token]
     group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
     h = jax.lax.ragged_dot(rows, p["experts_gate_up"], group_sizes)
-    y = jax.lax.ragged_dot(_swiglu(h, n), p["experts_down"], group_sizes)
+    y = jax.lax.ragged_dot(swiglu(h, n), p["experts_down"], group_sizes)
     y = y.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
-    out = jnp.zeros((num_tokens, x.shape[1]), jnp.float32).at[order // k].add(y)
+    out = jnp.zeros((num_tokens, x.shape[1]), jnp.float32).at[token].add(y)
     if "shared_gate_up" in p:
-        shared = _swiglu(x @ p["shared_gate_up"], n) @ p["shared_down"]
+        shared = swiglu(x @ p["shared_gate_up"], n) @ p["shared_down"]
         gate = jax.nn.sigmoid(jnp.dot(x, p["shared_expert_gate"],
                                       preferred_element_type=jnp.float32))
         out = out + gate * shared.astype(jnp.float32)

@@ -25,7 +25,25 @@ SUPPORTED_ARCHITECTURES = (
     "MixtralForCausalLM",
     "Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
 )
+# The gated MLP's activations by HF name: silu (SwiGLU), gelu_pytorch_tanh (GeGLU, Gemma).
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+# HF's defaults (transformers' Gemma2Config, Gemma3TextConfig) for the keys a config of that
+# family may leave out (Gemma 3's published configs nest a partial ``text_config``).
+_GEMMA_DEFAULTS = dict(hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                       num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+                       hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6,
+                       tie_word_embeddings=True, query_pre_attn_scalar=256, sliding_window=4096)
+_HF_DEFAULTS = {
+    "Gemma2ForCausalLM": {**_GEMMA_DEFAULTS, "vocab_size": 256000, "max_position_embeddings": 8192,
+                          "rope_theta": 10000.0, "final_logit_softcapping": 30.0,
+                          "attn_logit_softcapping": 50.0},
+    "Gemma3ForCausalLM": {**_GEMMA_DEFAULTS, "vocab_size": 262208,
+                          "max_position_embeddings": 131072, "rope_theta": 1_000_000.0,
+                          "rope_local_base_freq": 10000.0, "sliding_window_pattern": 6},
+}
 
 
 @dataclass(frozen=True)
@@ -45,7 +63,7 @@ class ModelConfig:
     rope_scaling: dict | None
     tie_word_embeddings: bool
     attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
-    qk_norm: bool  # RMSNorm on q and k per head before RoPE (Qwen3)
+    qk_norm: bool  # RMSNorm on q and k per head before RoPE (Qwen3, Gemma 3)
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...]
     # Mixture of experts (jaxserve.models.moe); num_experts 0 for a dense model.
@@ -57,6 +75,15 @@ class ModelConfig:
     sparse_layers: tuple[bool, ...] = ()  # per layer: an MoE block (else the dense MLP)
     # per layer: the sliding window (keys a query sees, itself included), None for full attention
     layer_windows: tuple[int | None, ...] = ()
+    # The Gemma families (2 and 3); Llama's values otherwise.
+    hidden_act: str = "silu"  # the gated MLP's activation (ACTIVATIONS)
+    norm_unit_offset: bool = False  # RMSNorm scales by (1 + weight), in float32
+    sandwich_norms: bool = False  # norms on the attention's and the MLP's outputs, one before it
+    embed_scale: float = 1.0  # the embedding rows times this (Gemma: sqrt(hidden_size))
+    attn_scale: float | None = None  # softmax scale (query_pre_attn_scalar ** -0.5); None: D ** -0.5
+    attn_logit_softcapping: float | None = None  # scores capped at C tanh(x / C)
+    final_logit_softcapping: float | None = None  # logits capped so
+    local_rope_theta: float | None = None  # the sliding layers' RoPE base, unscaled (Gemma 3)
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> "ModelConfig":
@@ -67,14 +94,11 @@ class ModelConfig:
             raise ValueError(
                 f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        cfg = {**_HF_DEFAULTS.get(arch, {}), **cfg}
         num_heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
-        # transformers 5 folds rope_theta and rope_scaling into rope_parameters.
-        rope = dict(cfg.get("rope_parameters") or {})
-        rope_scaling = cfg.get("rope_scaling") or rope or None
-        if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) in (None, "default"):
-            rope_scaling = None
+        rope_theta, rope_scaling, local_rope_theta = _rope_fields(arch, cfg)
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -85,24 +109,75 @@ class ModelConfig:
             num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0,
+            rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             attention_bias=(arch == "Qwen2ForCausalLM" or cfg.get("attention_bias", False)
                             or (arch == "Qwen2MoeForCausalLM" and cfg.get("qkv_bias", True))),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             eos_token_ids=eos,
             layer_windows=_layer_windows(arch, cfg),
+            local_rope_theta=local_rope_theta,
             **_moe_fields(arch, cfg),
+            **_gemma_fields(arch, cfg),
         )
+
+
+def _rope_fields(arch: str, cfg: dict) -> tuple[float, dict | None, float | None]:
+    """(rope_theta, rope_scaling or None, the sliding layers' own base or None) of an HF config:
+    top-level keys, or transformers 5's ``rope_parameters`` (one dict, or for Gemma 3 one per
+    layer type). Gemma 3's sliding layers use ``rope_local_base_freq`` without scaling.
+
+    Raises:
+      ValueError: a rope type on Gemma 3's sliding layers other than the default.
+    """
+    rope = dict(cfg.get("rope_parameters") or {})
+    local = rope.pop("sliding_attention", None)
+    rope = rope.pop("full_attention", rope)
+    scaling = cfg.get("rope_scaling") or rope or None
+    if scaling and scaling.get("rope_type", scaling.get("type")) in (None, "default"):
+        scaling = None
+    theta = rope.get("rope_theta") or cfg.get("rope_theta") or 10000.0
+    if arch != "Gemma3ForCausalLM":
+        return theta, scaling, None
+    local = local or {}
+    if local.get("rope_type", "default") != "default":
+        raise ValueError(f"unsupported config option rope_parameters.sliding_attention "
+                         f"rope_type {local['rope_type']!r} of {arch}")
+    return theta, scaling, local.get("rope_theta") or cfg["rope_local_base_freq"]
+
+
+def _gemma_fields(arch: str, cfg: dict) -> dict:
+    """ModelConfig's activation and Gemma fields (HF's ``Gemma2*`` / ``Gemma3Text*`` modules:
+    GeGLU, (1 + w) RMSNorms around both blocks, the scaled embedding, the attention scale and
+    soft-capping).
+
+    Raises:
+      ValueError: an activation outside ACTIVATIONS (naming the config key).
+    """
+    gemma = arch.startswith("Gemma")
+    key = "hidden_activation" if gemma else "hidden_act"
+    act = cfg.get(key) or "silu"
+    if act not in ACTIVATIONS:
+        raise ValueError(f"unsupported config option {key} {act!r} of {arch} "
+                         f"(supported: {', '.join(ACTIVATIONS)})")
+    if not gemma:
+        return dict(hidden_act=act)
+    return dict(hidden_act=act, norm_unit_offset=True, sandwich_norms=True,
+                embed_scale=cfg["hidden_size"] ** 0.5,
+                attn_scale=cfg["query_pre_attn_scalar"] ** -0.5,
+                attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
+                final_logit_softcapping=cfg.get("final_logit_softcapping"))
 
 
 def _layer_windows(arch: str, cfg: dict) -> tuple[int | None, ...]:
     """Each layer's sliding window as HF's modeling code of ``arch`` applies it (None: full
-    attention): Mistral and Mixtral put ``sliding_window`` on every layer; the Qwen families
-    only with ``use_sliding_window``, on the layers ``layer_types`` (or HF's default rule for
-    it) marks "sliding_attention" (Qwen3-MoE: every layer).
+    attention): Mistral and Mixtral put ``sliding_window`` on every layer; the Gemma families
+    on the layers ``layer_types`` marks "sliding_attention" (by default every other one from
+    the first for Gemma 2, all but every ``sliding_window_pattern``-th for Gemma 3); the Qwen
+    families only with ``use_sliding_window``, on the layers ``layer_types`` (or HF's default
+    rule for it) marks (Qwen3-MoE: every layer).
 
     Raises:
       ValueError: a ``layer_types`` entry other than full_attention and sliding_attention.
@@ -110,16 +185,22 @@ def _layer_windows(arch: str, cfg: dict) -> tuple[int | None, ...]:
     n = cfg["num_hidden_layers"]
     if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
         return (cfg.get("sliding_window") or None,) * n
-    if not arch.startswith("Qwen") or not cfg.get("use_sliding_window"):
+    if arch.startswith("Gemma"):  # every other layer (Gemma 2), or five of every six (Gemma 3)
+        window = cfg["sliding_window"]
+        pattern = 2 if arch == "Gemma2ForCausalLM" else (
+            cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern"))
+        default = lambda i: (i + 1) % pattern  # noqa: E731
+    elif not arch.startswith("Qwen") or not cfg.get("use_sliding_window"):
         return (None,) * n
-    window = cfg.get("sliding_window") or 4096
-    if arch == "Qwen3MoeForCausalLM":
-        return (window,) * n
-    last_full = cfg.get("max_window_layers", 28)
+    else:
+        window = cfg.get("sliding_window") or 4096
+        if arch == "Qwen3MoeForCausalLM":
+            return (window,) * n
+        last_full = cfg.get("max_window_layers", 28)
+        default = ((lambda i: i >= last_full) if arch != "Qwen2MoeForCausalLM"  # noqa: E731
+                   else (lambda i: (i + 1) % 2 and i < last_full))
     types = cfg.get("layer_types") or [
-        "sliding_attention" if (i >= last_full if arch != "Qwen2MoeForCausalLM"
-                                else (i + 1) % 2 and i < last_full) else "full_attention"
-        for i in range(n)]
+        "sliding_attention" if default(i) else "full_attention" for i in range(n)]
     unknown = set(types) - {"full_attention", "sliding_attention"}
     if unknown:
         raise ValueError(f"unsupported config option layer_types {sorted(unknown)} of {arch}")

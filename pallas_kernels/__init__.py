@@ -29,7 +29,7 @@ __all__ = [
 
 def get_attention_fn(backend: str, interpret: bool = False) -> Callable:
     """The ``attention(q, k_pages, v_pages, query_start_loc, seq_lens, block_tables, *,
-    sliding_window=None)`` to use:
+    sm_scale=None, sliding_window=None, logits_soft_cap=None)`` to use:
     the Pallas kernels ("pallas"; with ``interpret``, in interpret mode: slow, for tests off a
     GPU) or the pure-JAX reference ("reference").
 

@@ -37,11 +37,11 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.kv_quant import QuantizedPages, queries_for
 from pallas_kernels.online_softmax import (
-    LOG2E,
     MASK_VALUE,
     online_softmax_init,
     online_softmax_output,
     online_softmax_step,
+    scaled_scores,
 )
 from pallas_kernels.paged_attention import (
     NUM_SMS,
@@ -117,6 +117,7 @@ def _prefill_kernel(
     num_slots: int,
     quantized: bool,
     sliding_window: int | None,
+    soft_cap: float | None,
 ):
     scale_refs, o_ref = (refs[:2], refs[2]) if quantized else ((), refs[0])
     # A program is one of num_slots slots of a query head; it walks the query blocks in use
@@ -128,7 +129,6 @@ def _prefill_kernel(
     head_dim = k_ref.shape[1]
     offs_q = jnp.arange(block_q, dtype=jnp.int32)
     offs_k = jnp.arange(block_k, dtype=jnp.int32)
-    scale = sm_scale * LOG2E
     num_used = info_ref[num_blocks * _INFO_FIELDS]
 
     def query_block(blk):
@@ -156,7 +156,7 @@ def _prefill_kernel(
             slots = token_slots(lambda p: block_tables_ref[seq, p], k_pos, page_size)
             k, v, k_scale, v_scale = load_kv(k_ref, v_ref, scale_refs, slots, q.dtype)
             # [block_q, block_k] f32, base-2 units
-            s = plgpu.dot(q, k, trans_b=True) * (scale if k_scale is None else scale * k_scale)
+            s = scaled_scores(plgpu.dot(q, k, trans_b=True), sm_scale, k_scale, soft_cap)
             if masked:
                 visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < ctx_len)
                 if sliding_window is not None:
@@ -244,12 +244,13 @@ def ragged_prefill(
     interpret: bool = False,
     min_q_len: int = 1,
     sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> jax.Array:
     """Ragged causal attention for the sequences where ``include`` [S] is True.
 
     ``min_q_len`` is a static lower bound on the query length of included sequences; it only
     tightens the launch grid. With ``sliding_window`` W a query sees only the W keys up to its
-    own position.
+    own position; with ``soft_cap`` the scaled scores are capped (``scaled_scores``).
 
     Returns [T, H, D] in q's dtype: rows of included sequences and padding rows (0) are written;
     rows of the other sequences are left undefined for the caller to fill.
@@ -279,6 +280,7 @@ def ragged_prefill(
         num_slots=num_slots,
         quantized=isinstance(k_pages, QuantizedPages),
         sliding_window=sliding_window,
+        soft_cap=soft_cap,
     )
     pool = flat_pool(k_pages, v_pages)
     return pl.pallas_call(
@@ -301,7 +303,7 @@ def ragged_prefill(
 @functools.partial(
     jax.jit,
     static_argnames=("sm_scale", "interpret", "decode_tuning", "prefill_tuning", "split_decode",
-                     "sliding_window"),
+                     "sliding_window", "logits_soft_cap"),
 )
 def attention(
     q: jax.Array,
@@ -317,6 +319,7 @@ def attention(
     prefill_tuning: PrefillTuning | None = None,
     split_decode: bool = True,
     sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> jax.Array:
     """Causal attention for one flattened ragged batch of prefill chunks and decodes (Pallas).
 
@@ -337,6 +340,8 @@ def attention(
         sliding_window: W keys a query sees at most (itself and the W - 1 before it; HF's
             ``kv_idx > q_idx - W``); None: all before it. Blocks wholly before a query block's
             window are not read.
+        logits_soft_cap: C caps the scaled scores at C tanh(x / C) before the softmax
+            (Gemma 2's ``attn_logit_softcapping``); None: no cap.
 
     Returns:
         [T, H, D] in q's dtype. Query i of sequence s sits at position seq_lens[s] - q_len(s) + i
@@ -375,6 +380,7 @@ def attention(
         interpret=interpret,
         min_q_len=2 if split_decode else 1,
         sliding_window=sliding_window,
+        soft_cap=logits_soft_cap,
     )
     if split_decode:
         # Decode rows: gather each sequence's first query row, attend, scatter back in place.
@@ -390,6 +396,7 @@ def attention(
             tuning=decode_tuning,
             interpret=interpret,
             sliding_window=sliding_window,
+            soft_cap=logits_soft_cap,
         )
         dec = dec[:, :, :group].reshape(-1, num_heads, head_dim)
         dst = jnp.where(is_decode, qsl[:-1], num_tokens)  # out of bounds: dropped

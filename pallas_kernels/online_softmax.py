@@ -21,6 +21,16 @@ MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 LOG2E = math.log2(math.e)
 
 
+def scaled_scores(dot, sm_scale: float, k_scale=None, soft_cap: float | None = None):
+    """Scores in base-2 units from the q . k products ``dot`` [R, K] f32: times ``sm_scale``
+    (and the keys' FP8 scales ``k_scale``, broadcast over R), capped by ``cap * tanh(x / cap)``
+    where ``soft_cap`` is given (Gemma 2's attention-logit soft-capping), times ``LOG2E``."""
+    scale = sm_scale if k_scale is None else sm_scale * k_scale
+    if soft_cap is None:
+        return dot * (scale * LOG2E)
+    return jnp.tanh(dot * (scale / soft_cap)) * (soft_cap * LOG2E)
+
+
 def online_softmax_init(rows: int, head_dim: int, groups: int = 1):
     """The empty state (acc: ``groups`` arrays [rows, head_dim / groups], m [rows], l [rows]),
     before any key block."""

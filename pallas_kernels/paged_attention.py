@@ -27,12 +27,12 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import kv_quant
 from pallas_kernels.kv_quant import QuantizedPages, queries_for
 from pallas_kernels.online_softmax import (
-    LOG2E,
     MASK_VALUE,
     merge_columns,
     online_softmax_init,
     online_softmax_output,
     online_softmax_step,
+    scaled_scores,
 )
 
 # Rows of the query tile: Triton's tensor-core dot needs at least 16 on each side.
@@ -130,6 +130,7 @@ def _decode_kernel(
     tokens_per_split: int,
     quantized: bool,
     sliding_window: int | None,
+    soft_cap: float | None,
 ):
     scale_refs, (o_ref, *stat_refs) = (refs[:2], refs[2:]) if quantized else ((), refs)
     seq = pl.program_id(0)
@@ -144,7 +145,6 @@ def _decode_kernel(
     num_blocks = pl.cdiv(jnp.maximum(split_end - split_start, 0), block_k)
 
     q = q_ref[...]
-    scale = sm_scale * LOG2E  # scores in base-2 units: exp(x) = exp2(x * log2 e)
     offs = jnp.arange(block_k, dtype=jnp.int32)
 
     def body(i, carry):
@@ -152,7 +152,7 @@ def _decode_kernel(
         pos = split_start + i * block_k + offs
         slots = token_slots(lambda p: block_tables_ref[p], pos, page_size)
         k, v, k_scale, v_scale = load_kv(k_ref, v_ref, scale_refs, slots, q.dtype)
-        s = plgpu.dot(q, k, trans_b=True) * (scale if k_scale is None else scale * k_scale)
+        s = scaled_scores(plgpu.dot(q, k, trans_b=True), sm_scale, k_scale, soft_cap)
         s = jnp.where((pos < split_end)[None, :], s, MASK_VALUE)  # [Gp, block_k] f32
         return online_softmax_step(acc, m_prev, l_prev, s, v, v_scale)
 
@@ -179,6 +179,7 @@ def decode_grouped(
     tuning: DecodeTuning | None = None,
     interpret: bool = False,
     sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> jax.Array:
     """Decode attention on queries already grouped by KV head.
 
@@ -188,6 +189,7 @@ def decode_grouped(
         block_tables: [S, P] int32.
         seq_lens: [S] int32; 0 gives zeros.
         sliding_window: the query sees only the last W keys (itself included); None: all.
+        soft_cap: the scaled scores capped at C tanh(x / C) (``scaled_scores``); None: no cap.
 
     Returns:
         [S, KV, Gp, D] in q's dtype.
@@ -215,6 +217,7 @@ def decode_grouped(
         tokens_per_split=pages_per_split * page_size,
         quantized=quantized,
         sliding_window=sliding_window,
+        soft_cap=soft_cap,
     )
     pool = flat_pool(k_pages, v_pages)
     in_specs = [

@@ -56,7 +56,13 @@ def _window_start(pos, sliding_window: int | None):
     return 0 if sliding_window is None else jnp.maximum(pos - sliding_window + 1, 0)
 
 
-def _attend_block(q, q_pos, k_pages, v_pages, block_table, ctx_len, sm_scale, sliding_window):
+def _capped(s, soft_cap: float | None):
+    """Scaled scores capped at C tanh(s / C) (Gemma 2's attention-logit soft-capping)."""
+    return s if soft_cap is None else soft_cap * jnp.tanh(s / soft_cap)
+
+
+def _attend_block(q, q_pos, k_pages, v_pages, block_table, ctx_len, sm_scale, sliding_window,
+                  soft_cap):
     """Attention of one query block over one sequence's paged keys.
 
     Args:
@@ -83,7 +89,8 @@ def _attend_block(q, q_pos, k_pages, v_pages, block_table, ctx_len, sm_scale, sl
         key_pos = c * chunk + jnp.arange(chunk)
         mask = ((key_pos[None, :] <= q_pos[:, None]) & (key_pos[None, :] < ctx_len)
                 & (key_pos[None, :] >= jnp.reshape(first, (-1, 1))))
-        s = jnp.where(mask[:, None, None, :], jnp.einsum("nkgd,kld->nkgl", qg, k), -jnp.inf)
+        s = jnp.where(mask[:, None, None, :],
+                      _capped(jnp.einsum("nkgd,kld->nkgl", qg, k), soft_cap), -jnp.inf)
         return _softmax_step(carry, s, lambda p: jnp.einsum("nkgl,kld->nkgd", p, v))
 
     init = _init_softmax(n, kv_heads, num_heads // kv_heads, head_dim)
@@ -91,7 +98,7 @@ def _attend_block(q, q_pos, k_pages, v_pages, block_table, ctx_len, sm_scale, sl
     return _finish_softmax(carry, num_heads, head_dim)
 
 
-def _decode_all(q, k_pages, v_pages, tables, seq_lens, sm_scale, sliding_window):
+def _decode_all(q, k_pages, v_pages, tables, seq_lens, sm_scale, sliding_window, soft_cap):
     """Every sequence's one query [S, H, D] (at position seq_lens - 1) at once, key chunks read
     for all sequences together up to the longest length (from the earliest window start).
     Returns [S, H, D] float32."""
@@ -107,7 +114,8 @@ def _decode_all(q, k_pages, v_pages, tables, seq_lens, sm_scale, sliding_window)
         v = read_pages(v_pages, pages).reshape(kv_heads, num_seqs, chunk, head_dim)
         key_pos = c * chunk + jnp.arange(chunk)[None, :]
         mask = (key_pos < seq_lens[:, None]) & (key_pos >= jnp.reshape(first, (-1, 1)))
-        s = jnp.where(mask[:, None, None, :], jnp.einsum("skgd,ksld->skgl", qg, k), -jnp.inf)
+        s = jnp.where(mask[:, None, None, :],
+                      _capped(jnp.einsum("skgd,ksld->skgl", qg, k), soft_cap), -jnp.inf)
         return _softmax_step(carry, s, lambda p: jnp.einsum("skgl,ksld->skgd", p, v))
 
     init = _init_softmax(num_seqs, kv_heads, num_heads // kv_heads, head_dim)
@@ -128,6 +136,7 @@ def attention(
     *,
     sm_scale: float | None = None,
     sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """Causal attention for one flattened ragged batch of prefill chunks and decodes.
@@ -142,6 +151,8 @@ def attention(
       sm_scale: softmax scale, default D ** -0.5.
       sliding_window: W keys a query sees at most (itself and the W - 1 before it; HF's
         ``kv_idx > q_idx - W``); None: all before it.
+      logits_soft_cap: C caps the scaled scores at C tanh(x / C) before the softmax (Gemma 2's
+        ``attn_logit_softcapping``); None: no cap.
       interpret: unused here (the oracle is plain JAX); kept for the kernels' signature.
 
     Returns:
@@ -167,7 +178,8 @@ def attention(
     # Decodes (one query) all at once; a sequence of other length reads no keys there.
     rows = query_start_loc[:-1]
     o = _decode_all(q[jnp.minimum(rows, num_tokens - 1)], k_pages, v_pages, tables,
-                    jnp.where(q_lens == 1, seq_lens, 0), sm_scale, sliding_window)
+                    jnp.where(q_lens == 1, seq_lens, 0), sm_scale, sliding_window,
+                    logits_soft_cap)
     rows = jnp.where(q_lens == 1, rows, num_tokens + block)
     out = out.at[rows].set(o, mode="drop")
 
@@ -182,7 +194,7 @@ def attention(
             idx = offset + jnp.arange(block)
             q_pos = ctx_len - q_len + jnp.minimum(idx, q_len - 1)
             o = _attend_block(qb, q_pos, k_pages, v_pages, tables[s], ctx_len, sm_scale,
-                              sliding_window)
+                              sliding_window, logits_soft_cap)
             # The last block may run into the next sequence's rows: keep those as they are.
             old = jax.lax.dynamic_slice_in_dim(out, start + offset, block)
             o = jnp.where((idx < q_len)[:, None, None], o, old)

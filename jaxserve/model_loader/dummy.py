@@ -16,7 +16,10 @@ import copy
 import json
 import pathlib
 
+from jaxserve.config import ModelConfig
+
 from .checkpoint import Checkpoint, log
+from .text_only import text_only
 
 _LLAMA_COMMON = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
                  "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False,
@@ -125,6 +128,31 @@ PRESETS: dict[str, dict] = {
                      "bos_token_id": 1, "eos_token_id": 2, "attention_dropout": 0.0,
                      "initializer_range": 0.02, "use_cache": True, "router_aux_loss_coef": 0.02,
                      "torch_dtype": "bfloat16"},
+    "gemma-2-9b": {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2",
+                   "attention_bias": False, "attention_dropout": 0.0,
+                   "attn_logit_softcapping": 50.0, "bos_token_id": 2, "eos_token_id": 1,
+                   "final_logit_softcapping": 30.0, "head_dim": 256,
+                   "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
+                   "hidden_size": 3584, "initializer_range": 0.02, "intermediate_size": 14336,
+                   "max_position_embeddings": 8192, "num_attention_heads": 16,
+                   "num_hidden_layers": 42, "num_key_value_heads": 8, "pad_token_id": 0,
+                   "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+                   "sliding_window": 4096, "torch_dtype": "float32", "vocab_size": 256000},
+    # The published config: a vision-language checkpoint, served text-only (text_only.py).
+    "gemma-3-27b": {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+                    "boi_token_index": 255999, "eoi_token_index": 256000, "eos_token_id": [1, 106],
+                    "image_token_index": 262144, "initializer_range": 0.02,
+                    "mm_tokens_per_image": 256, "torch_dtype": "bfloat16",
+                    "text_config": {"head_dim": 128, "hidden_size": 5376, "intermediate_size": 21504,
+                                    "model_type": "gemma3_text", "num_attention_heads": 32,
+                                    "num_hidden_layers": 62, "num_key_value_heads": 16,
+                                    "query_pre_attn_scalar": 168,
+                                    "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                                    "sliding_window": 1024},
+                    "vision_config": {"hidden_size": 1152, "image_size": 896,
+                                      "intermediate_size": 4304, "model_type": "siglip_vision_model",
+                                      "num_attention_heads": 16, "num_hidden_layers": 27,
+                                      "patch_size": 14, "vision_use_head": False}},
 }
 
 DEFAULT_TOKENIZER_NAME = "SmolLM2-135M-Instruct"
@@ -150,7 +178,12 @@ def default_tokenizer():
 
 def load_dummy(model: str, *, with_tokenizer: bool = True) -> Checkpoint:
     """A preset name (case-insensitive) or a path to an HF ``config.json`` (or its folder);
-    ``with_tokenizer=False`` leaves the tokenizer None."""
+    ``with_tokenizer=False`` leaves the tokenizer None. A vision-language config gives its
+    language model's (``text_only``).
+
+    Raises:
+      ValueError: neither a preset nor a config.json, or a config ``ModelConfig`` refuses.
+    """
     key = model.lower()
     if key in PRESETS:
         name, cfg = model, copy.deepcopy(PRESETS[key])
@@ -163,11 +196,13 @@ def load_dummy(model: str, *, with_tokenizer: bool = True) -> Checkpoint:
                              f"and not a config.json path")
         cfg = json.loads(path.read_text())
         name = path.parent.name if path.name == "config.json" else path.stem
-    log(f"dummy model {name}: {cfg.get('architectures', ['?'])[0]}, "
-        f"{cfg.get('num_hidden_layers')} layers, hidden {cfg.get('hidden_size')}, no weights")
-    if cfg.get("vocab_size", 0) < DEFAULT_TOKENIZER_VOCAB:
-        log(f"dummy model {name}: vocabulary {cfg.get('vocab_size')} grown to the borrowed "
+    ckpt = text_only(Checkpoint(name=name, hf_config=cfg, weights=None,
+                                tokenizer=default_tokenizer() if with_tokenizer else None))
+    config = ModelConfig.from_hf_config(ckpt.hf_config)  # with the family's defaults
+    log(f"dummy model {name}: {config.architecture}, {config.num_layers} layers, hidden "
+        f"{config.hidden_size}, no weights")
+    if config.vocab_size < DEFAULT_TOKENIZER_VOCAB:
+        log(f"dummy model {name}: vocabulary {config.vocab_size} grown to the borrowed "
             f"tokenizer's {DEFAULT_TOKENIZER_VOCAB}, so that every text prompt is in range")
-        cfg["vocab_size"] = DEFAULT_TOKENIZER_VOCAB
-    return Checkpoint(name=name, hf_config=cfg, weights=None,
-                      tokenizer=default_tokenizer() if with_tokenizer else None)
+        ckpt.hf_config["vocab_size"] = DEFAULT_TOKENIZER_VOCAB
+    return ckpt

@@ -9,6 +9,7 @@ from .dummy import PRESETS, default_tokenizer, load_dummy
 from .gguf_loader import is_gguf, load_gguf
 from .hf_folder import is_hf_folder, load_hf_folder
 from .orbax_io import MARKER, is_orbax_folder, load_orbax
+from .text_only import text_only
 
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "orbax", "dummy")
 
@@ -76,7 +77,7 @@ def load_checkpoint(model: str | None, load_format: str = "auto", *,
         whole on one device: :class:`LazyTensor` objects read slice by slice (safetensors, GGUF), or
         device arrays restored already split (orbax).
     Returns:
-      :class:`Checkpoint`.
+      :class:`Checkpoint`; of a vision-language model, its language model (``text_only``).
     Raises:
       ValueError: as ``resolve_model``.
     """
@@ -86,7 +87,7 @@ def load_checkpoint(model: str | None, load_format: str = "auto", *,
     if fmt == "orbax":
         return load_orbax(source, with_tokenizer=with_tokenizer, mesh=mesh)
     loader = {"gguf": load_gguf, "safetensors": load_hf_folder}[fmt]
-    return loader(source, with_tokenizer=with_tokenizer, lazy=mesh is not None)
+    return text_only(loader(source, with_tokenizer=with_tokenizer, lazy=mesh is not None))
 
 
 def load_tokenizer_of(model: str | None, load_format: str = "auto"):

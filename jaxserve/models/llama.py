@@ -60,10 +60,36 @@ jax.tree_util.register_dataclass(
 )
 
 
-def _rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+def _rms_norm(x: jax.Array, weight: jax.Array, eps: float, unit_offset: bool = False) -> jax.Array:
+    """RMSNorm over the last axis, as HF rounds it: Llama's ``weight * normed.to(dtype)``, or
+    with ``unit_offset`` Gemma's ``(normed * (1 + weight)).to(dtype)`` in float32."""
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    if unit_offset:
+        return (xf * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
     return weight * xf.astype(x.dtype)
+
+
+@dataclass(frozen=True)
+class LayerOptions:
+    """What every decoder layer of a model computes alike (``ModelConfig``'s fields of one
+    layer; a static argument of the jitted layer)."""
+
+    num_heads: int
+    eps: float
+    hidden_act: str
+    norm_unit_offset: bool
+    sandwich_norms: bool
+    attn_scale: float | None
+    attn_logit_softcapping: float | None
+    num_experts_per_tok: int
+    norm_topk_prob: bool
+
+    @classmethod
+    def of(cls, c: ModelConfig) -> "LayerOptions":
+        return cls(c.num_heads, c.rms_norm_eps, c.hidden_act, c.norm_unit_offset,
+                   c.sandwich_norms, c.attn_scale, c.attn_logit_softcapping,
+                   c.num_experts_per_tok, c.norm_topk_prob)
 
 
 def _apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -104,22 +130,17 @@ def write_kv(k_pages, v_pages, k: jax.Array, v: jax.Array, slot_mapping: jax.Arr
     return write(k_pages, k), write(v_pages, v)
 
 
-def _write_and_attend(attention_fn: Callable, sliding_window: int | None, q, k, v, k_pages,
-                      v_pages, md: AttentionMetadata):
-    """This step's K/V into the pool, then attention (within the layer's sliding window, if
-    any): (out [T, H, D], k_pages, v_pages)."""
+def _write_and_attend(attention_fn: Callable, q, k, v, k_pages, v_pages, md: AttentionMetadata):
+    """This step's K/V into the pool, then attention: (out [T, H, D], k_pages, v_pages)."""
     k_pages, v_pages = write_kv(k_pages, v_pages, k, v, md.slot_mapping)
-    out = attention_fn(q, k_pages, v_pages, md.query_start_loc, md.seq_lens, md.block_tables,
-                       sliding_window=sliding_window)
+    out = attention_fn(q, k_pages, v_pages, md.query_start_loc, md.seq_lens, md.block_tables)
     return out, k_pages, v_pages
 
 
-@partial(jax.jit, static_argnames=("num_heads", "eps", "attention_fn", "mesh", "routing",
-                                   "sliding_window"))
+@partial(jax.jit, static_argnames=("opts", "attention_fn", "mesh", "sliding_window"))
 def _decoder_layer(hidden: jax.Array, p: dict, k_pages: jax.Array, v_pages: jax.Array,
-                   cos: jax.Array, sin: jax.Array, md: AttentionMetadata, *, num_heads: int,
-                   eps: float, attention_fn: Callable, mesh: Mesh | None,
-                   routing: tuple[int, bool] = (0, False), sliding_window: int | None = None):
+                   cos: jax.Array, sin: jax.Array, md: AttentionMetadata, *, opts: LayerOptions,
+                   attention_fn: Callable, mesh: Mesh | None, sliding_window: int | None = None):
     """One decoder layer: hidden [T, E] -> (hidden, k_pages, v_pages with this step's K/V).
 
     A jitted function of its own so that the step traces and lowers one layer, not L: every
@@ -129,13 +150,15 @@ def _decoder_layer(hidden: jax.Array, p: dict, k_pages: jax.Array, v_pages: jax.
     With a mesh, the fused projections hold their columns shard by shard (``sharding``), and
     the KV write and attention run per shard. A layer with a ``sliding_window`` attends to
     that many keys at most (``ModelConfig.layer_windows``). A layer whose params hold a
-    ``router`` runs the MoE block (``moe.sparse_mlp``) with ``routing`` = (experts per token,
-    norm_topk_prob) instead of the dense MLP.
+    ``router`` runs the MoE block (``moe.sparse_mlp``) instead of the dense MLP. With
+    ``opts.sandwich_norms`` (Gemma) the attention's and the MLP's outputs are normed before
+    they join the residual, and ``pre_feedforward_layernorm`` norms the MLP's input.
     """
     n = sharding.mesh_size(mesh)
-    H, KV = num_heads, k_pages.shape[0]  # the pool's KV heads (replicated past the model's)
+    H, KV = opts.num_heads, k_pages.shape[0]  # the pool's KV heads (replicated past the model's)
     num_tokens, D = hidden.shape[0], k_pages.shape[-1]
-    x = _rms_norm(hidden, p["input_layernorm"], eps)
+    norm = partial(_rms_norm, eps=opts.eps, unit_offset=opts.norm_unit_offset)
+    x = norm(hidden, p["input_layernorm"])
     qkv = linear(x, p["qkv_proj"])
     if "qkv_bias" in p:
         qkv = qkv + p["qkv_bias"]
@@ -146,19 +169,30 @@ def _decoder_layer(hidden: jax.Array, p: dict, k_pages: jax.Array, v_pages: jax.
     k = qkv[..., hq : hq + hk].reshape(num_tokens, KV, D)
     v = qkv[..., hq + hk :].reshape(num_tokens, KV, D)
     if "q_norm" in p:
-        q = _rms_norm(q, p["q_norm"], eps)
-        k = _rms_norm(k, p["k_norm"], eps)
+        q, k = norm(q, p["q_norm"]), norm(k, p["k_norm"])
     q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
-    attend = partial(_write_and_attend, attention_fn, sliding_window)
+    attend = partial(_write_and_attend, partial(
+        attention_fn, sliding_window=sliding_window, sm_scale=opts.attn_scale,
+        logits_soft_cap=opts.attn_logit_softcapping))
     if mesh is not None:
         attend = sharding.per_shard_attention(attend, mesh)
     attn, k_pages, v_pages = attend(q, k, v, k_pages, v_pages, md)
-    hidden = hidden + linear(attn.reshape(num_tokens, H * D), p["o_proj"])
-    x = _rms_norm(hidden, p["post_attention_layernorm"], eps)
+    attn = linear(attn.reshape(num_tokens, H * D), p["o_proj"])
+    if opts.sandwich_norms:
+        hidden = hidden + norm(attn, p["post_attention_layernorm"])
+        x = norm(hidden, p["pre_feedforward_layernorm"])
+    else:
+        hidden = hidden + attn
+        x = norm(hidden, p["post_attention_layernorm"])
     if "router" in p:
-        return hidden + moe.sparse_mlp(x, p, *routing, n), k_pages, v_pages
-    gate_up = linear(x, p["gate_up_proj"])  # [gate | up] per shard
-    return hidden + linear(moe.swiglu(gate_up, n), p["down_proj"]), k_pages, v_pages
+        mlp = moe.sparse_mlp(x, p, opts.num_experts_per_tok, opts.norm_topk_prob, n,
+                             opts.hidden_act)
+    else:
+        gate_up = linear(x, p["gate_up_proj"])  # [gate | up] per shard
+        mlp = linear(moe.gated_act(gate_up, n, opts.hidden_act), p["down_proj"])
+    if opts.sandwich_norms:
+        mlp = norm(mlp, p["post_feedforward_layernorm"])
+    return hidden + mlp, k_pages, v_pages
 
 
 def matmul_precision(dtype):
@@ -217,19 +251,25 @@ def forward(
 
 def _forward(c: ModelConfig, params, token_ids, md, k_cache, v_cache, logits_indices,
              attention_fn, mesh, hidden_indices):
-    inv_freq = jnp.asarray(rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling))
-    angles = md.positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
-    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    def cos_sin(theta: float, scaling: dict | None):
+        inv_freq = jnp.asarray(rope_inv_freq(c.head_dim, theta, scaling))
+        angles = md.positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+        return jnp.cos(angles), jnp.sin(angles)
+
+    rope = cos_sin(c.rope_theta, c.rope_scaling)
+    local_rope = rope if c.local_rope_theta is None else cos_sin(c.local_rope_theta, None)
+    opts = LayerOptions.of(c)
 
     embed = params["embed_tokens"]
     hidden = embed[jnp.where(token_ids < embed.shape[0], token_ids, 0)]
+    if c.embed_scale != 1.0:  # HF multiplies by the scale rounded to the weights' dtype
+        hidden = hidden * jnp.asarray(c.embed_scale, hidden.dtype)
     k_cache, v_cache = list(k_cache), list(v_cache)
     for i, p in enumerate(params["layers"]):
+        window = c.layer_windows[i] if c.layer_windows else None
         hidden, k_cache[i], v_cache[i] = _decoder_layer(
-            hidden, p, k_cache[i], v_cache[i], cos, sin, md, num_heads=c.num_heads,
-            eps=c.rms_norm_eps, attention_fn=attention_fn, mesh=mesh,
-            routing=(c.num_experts_per_tok, c.norm_topk_prob),
-            sliding_window=c.layer_windows[i] if c.layer_windows else None)
+            hidden, p, k_cache[i], v_cache[i], *(rope if window is None else local_rope), md,
+            opts=opts, attention_fn=attention_fn, mesh=mesh, sliding_window=window)
 
     logits = compute_logits(c, params, hidden[logits_indices], mesh)
     if hidden_indices is None:
@@ -240,8 +280,9 @@ def _forward(c: ModelConfig, params, token_ids, md, k_cache, v_cache, logits_ind
 def compute_logits(config: ModelConfig, params: dict, hidden: jax.Array,
                    mesh: Mesh | None = None) -> jax.Array:
     """The final norm and the LM head: last hidden states [N, E] -> logits [N, V] float32, over
-    the whole vocabulary (gathered on a mesh)."""
-    hidden = _rms_norm(hidden, params["norm"], config.rms_norm_eps)
+    the whole vocabulary (gathered on a mesh), capped at C tanh(x / C) with the config's
+    ``final_logit_softcapping`` C."""
+    hidden = _rms_norm(hidden, params["norm"], config.rms_norm_eps, config.norm_unit_offset)
     lm_head = params.get("lm_head", params["embed_tokens"])
     with matmul_precision(lm_head.dtype):
         logits = jnp.einsum("se,ve->sv", hidden, lm_head, preferred_element_type=jnp.float32)
@@ -249,7 +290,8 @@ def compute_logits(config: ModelConfig, params: dict, hidden: jax.Array,
         logits = sharding.gather_logits(logits, mesh)
     if lm_head.shape[0] != config.vocab_size:  # rows padded to a multiple of the mesh
         logits = logits[:, : config.vocab_size]
-    return logits
+    cap = config.final_logit_softcapping
+    return logits if cap is None else cap * jnp.tanh(logits / cap)
 
 
 # HF names of the tensors outside the decoder layers -> param names (same layouts).
@@ -285,6 +327,9 @@ def hf_tensor_shapes(config: ModelConfig, layer: int = 0) -> tuple[dict, dict]:
                    "self_attn.v_proj.bias": (kv,)}
     if c.qk_norm:
         shapes |= {"self_attn.q_norm.weight": (D,), "self_attn.k_norm.weight": (D,)}
+    if c.sandwich_norms:
+        shapes |= {"pre_feedforward_layernorm.weight": (E,),
+                   "post_feedforward_layernorm.weight": (E,)}
     return outer, shapes
 
 
@@ -402,6 +447,9 @@ def _layer_from_hf(t: dict, dtype, layout: sharding.Layout, mesh: Mesh | None,
         p["qkv_bias"] = _columns_by_shard(qkv(lambda x: t[f"self_attn.{x}_proj.bias"]), n)
     if "self_attn.q_norm.weight" in t:
         p["q_norm"], p["k_norm"] = t["self_attn.q_norm.weight"], t["self_attn.k_norm.weight"]
+    for name in ("pre_feedforward_layernorm", "post_feedforward_layernorm"):
+        if f"{name}.weight" in t:
+            p[name] = t[f"{name}.weight"]
     p = {name: w if isinstance(w, Fp8Weight) else w.astype(dtype) for name, w in p.items()}
     if quantization == "fp8":
         p = quantize_linears(p, LINEARS)

@@ -85,12 +85,14 @@ def params_from_hf(t: dict, columns_by_shard, n: int) -> dict:
     return p
 
 
-def swiglu(gate_up: jax.Array, n: int) -> jax.Array:
-    """[R, 2 I] columns [gate | up] of each of n shards -> silu(gate) * up, [R, I] (the dense
-    MLP's and every expert's activation)."""
+def gated_act(gate_up: jax.Array, n: int, act: str = "silu") -> jax.Array:
+    """[R, 2 I] columns [gate | up] of each of n shards -> act(gate) * up, [R, I] (the dense
+    MLP's and every expert's activation): SwiGLU with ``act`` silu, GeGLU with
+    gelu_pytorch_tanh (the tanh approximation of GELU)."""
     rows = gate_up.shape[0]
     g = gate_up.reshape(rows, n, 2, -1)
-    return (jax.nn.silu(g[:, :, 0]) * g[:, :, 1]).reshape(rows, -1)
+    gate = jax.nn.silu(g[:, :, 0]) if act == "silu" else jax.nn.gelu(g[:, :, 0], approximate=True)
+    return (gate * g[:, :, 1]).reshape(rows, -1)
 
 
 def route(x: jax.Array, router: jax.Array, top_k: int,
@@ -106,9 +108,11 @@ def route(x: jax.Array, router: jax.Array, top_k: int,
     return weights, experts
 
 
-def sparse_mlp(x: jax.Array, p: dict, top_k: int, norm_topk_prob: bool, n: int) -> jax.Array:
+def sparse_mlp(x: jax.Array, p: dict, top_k: int, norm_topk_prob: bool, n: int,
+               act: str = "silu") -> jax.Array:
     """The sparse MLP block: x [T, E] -> [T, E] in x's dtype; p a sparse layer's params, its
-    gate/up columns laid out for an n-device mesh; ``top_k`` experts a token (``route``)."""
+    gate/up columns laid out for an n-device mesh; ``top_k`` experts a token (``route``), each
+    expert's activation ``act`` (``gated_act``)."""
     num_tokens, k = x.shape[0], top_k
     num_experts = p["router"].shape[1]
     weights, experts = route(x, p["router"], top_k, norm_topk_prob)
@@ -119,11 +123,11 @@ def sparse_mlp(x: jax.Array, p: dict, top_k: int, norm_topk_prob: bool, n: int) 
     rows = x[token]
     group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
     h = jax.lax.ragged_dot(rows, p["experts_gate_up"], group_sizes)
-    y = jax.lax.ragged_dot(swiglu(h, n), p["experts_down"], group_sizes)
+    y = jax.lax.ragged_dot(gated_act(h, n, act), p["experts_down"], group_sizes)
     y = y.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
     out = jnp.zeros((num_tokens, x.shape[1]), jnp.float32).at[token].add(y)
     if "shared_gate_up" in p:
-        shared = swiglu(x @ p["shared_gate_up"], n) @ p["shared_down"]
+        shared = gated_act(x @ p["shared_gate_up"], n, act) @ p["shared_down"]
         gate = jax.nn.sigmoid(jnp.dot(x, p["shared_expert_gate"],
                                       preferred_element_type=jnp.float32))
         out = out + gate * shared.astype(jnp.float32)

@@ -122,6 +122,7 @@ class Layout:
 # Params (llama's names, in and outside the layers) -> how each is split over the "tp" axis.
 _SPECS = {
     "input_layernorm": P(), "post_attention_layernorm": P(), "q_norm": P(), "k_norm": P(),
+    "pre_feedforward_layernorm": P(), "post_feedforward_layernorm": P(),
     "qkv_proj": P(None, AXIS), "qkv_bias": P(AXIS), "gate_up_proj": P(None, AXIS),
     "o_proj": P(AXIS, None), "down_proj": P(AXIS, None),
     "embed_tokens": P(AXIS, None), "lm_head": P(AXIS, None), "norm": P(),

@@ -8,7 +8,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-import transformers
 from safetensors.numpy import load_file
 
 from jaxserve.config import ModelConfig
@@ -17,6 +16,7 @@ from jaxserve.sampling_params import SamplingParams
 from pallas_kernels.reference import attention
 from tests.conftest import sharegpt_prompts
 from tests.greedy import compare_greedy, hf_greedy_margins
+from tests.tiny_models import HF_CLASSES, TINY, TINY_CONFIGS, save_tiny_model
 
 PAGE = 16
 
@@ -98,55 +98,11 @@ def test_default_model_answers_paris(smollm_llm):
     assert "Paris" in out[0].outputs[0].text
 
 
-TINY = dict(vocab_size=512, hidden_size=96, intermediate_size=160, num_hidden_layers=2, initializer_range=0.1,
-            eos_token_id=2, bos_token_id=1,
-            num_attention_heads=6, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024)
-
-TINY_CONFIGS = {
-    "llama": lambda: transformers.LlamaConfig(
-        **TINY, tie_word_embeddings=False,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
-    ),
-    # A window shorter than the prompts (200 tokens; the greedy ones up to 100 + 32).
-    "mistral": lambda: transformers.MistralConfig(**TINY, sliding_window=48),
-    "qwen2": lambda: transformers.Qwen2Config(**TINY, tie_word_embeddings=True),
-    "qwen3": lambda: transformers.Qwen3Config(**TINY),
-    # Mixture of experts: every layer sparse; a dense first layer (mlp_only_layers), a gated
-    # shared expert and a sliding window on one layer; every other layer sparse
-    # (decoder_sparse_step).
-    "mixtral": lambda: transformers.MixtralConfig(**TINY, num_local_experts=4,
-                                                  num_experts_per_tok=2, sliding_window=None),
-    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
-        **TINY, moe_intermediate_size=64, shared_expert_intermediate_size=96, num_experts=6,
-        num_experts_per_tok=3, mlp_only_layers=[0], use_sliding_window=True, sliding_window=40,
-        max_window_layers=2),  # HF's rule: a window on layer 0 only
-    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
-        **TINY, moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2,
-        norm_topk_prob=True, decoder_sparse_step=2),
-}
-HF_CLASSES = {
-    "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
-    "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-}
-
-
 @pytest.fixture(scope="module", params=sorted(TINY_CONFIGS))
 def tiny_model(request, tmp_path_factory, smollm):
     """A tiny random HF model saved as an HF folder (with the default model's tokenizer)."""
-    torch.manual_seed(0)
-    config = TINY_CONFIGS[request.param]()
-    model = getattr(transformers, HF_CLASSES[request.param])(config).eval()
-    # Random biases so the Qwen2 q/k/v bias path is exercised (HF initialises them to zero).
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("proj.bias") or "norm" in name:
-                p.add_(0.1 * torch.randn_like(p))
     folder = tmp_path_factory.mktemp(request.param)
-    model.save_pretrained(folder)
-    smollm.tokenizer.save_pretrained(folder)
-    return request.param, folder, model
+    return request.param, folder, save_tiny_model(request.param, folder, smollm.tokenizer)
 
 
 def router_margin(hf_model, ids: list[int], top_k: int) -> float:

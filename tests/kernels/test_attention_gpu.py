@@ -48,11 +48,13 @@ def test_paged_attention_gpu(group, kv, head_dim, page_size, dtype):
 
 @pytest.mark.parametrize("group,kv,head_dim,page_size", [
     (1, 4, 64, 16), (3, 3, 64, 16), (4, 8, 128, 16), (8, 1, 128, 32), (3, 2, 128, 64),
+    (2, 8, 256, 16),  # Gemma 2's head_dim
 ])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-@pytest.mark.parametrize("split_decode,window", [(True, None), (False, None), (True, 700),
-                                                  (False, 37)])
-def test_attention_gpu(group, kv, head_dim, page_size, dtype, split_decode, window):
+@pytest.mark.parametrize("split_decode,window,cap", [(True, None, None), (False, None, None),
+                                                      (True, 700, None), (False, 37, None),
+                                                      (True, 37, 0.5)])
+def test_attention_gpu(group, kv, head_dim, page_size, dtype, split_decode, window, cap):
     rng, seed = _rng()
     ps = page_size
     pairs = [(1, 1), (1, ps), (1, ps + 1), (1, 1500), (ps + 3, ps + 3), (ps, 2 * ps),
@@ -63,8 +65,9 @@ def test_attention_gpu(group, kv, head_dim, page_size, dtype, split_decode, wind
     b = make_batch(rng, q_lens, seq_lens, num_heads=group * kv, num_kv_heads=kv,
                    head_dim=head_dim, page_size=ps, dtype=dtype, num_tokens=real + 37,
                    num_seqs=16, pages_per_seq=-(-2048 // ps))
-    out = attention(*b.args, split_decode=split_decode, sliding_window=window)
-    ref = reference.attention(*b.args, sliding_window=window)
+    kw = dict(sliding_window=window, logits_soft_cap=cap)
+    out = attention(*b.args, split_decode=split_decode, **kw)
+    ref = reference.attention(*b.args, **kw)
     n = b.num_real_tokens
     assert bool(jnp.isfinite(out).all()), f"seed {seed}"
     qsl = np.asarray(b.query_start_loc)

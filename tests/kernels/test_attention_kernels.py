@@ -233,3 +233,24 @@ def test_sliding_window_matches_reference(window, split, ptune, dtune, fp8):
     assert bool((out[n:] == 0).all())
     if window == 500:
         assert rel_err(ref[:n], reference.attention(*b.args)[:n]) <= 1e-6
+
+
+@pytest.mark.parametrize("split,fp8", [(True, False), (False, False), (True, True)])
+def test_soft_cap_matches_reference(split, fp8):
+    """Gemma 2's attention-logit soft-capping and its own softmax scale, with a sliding window,
+    in both kernels (large queries: the cap bends most scores)."""
+    rng, seed = _rng()
+    pairs = [(1, 1), (1, 17), (1, 75), (19, 19), (23, 70)]
+    q_lens, seq_lens = map(list, zip(*pairs))
+    b = make_batch(rng, q_lens, seq_lens, num_heads=6, num_kv_heads=2, head_dim=64,
+                   page_size=16, dtype=jnp.bfloat16 if fp8 else jnp.float32, fp8=fp8,
+                   num_tokens=sum(q_lens) + 3, num_seqs=len(pairs) + 1, pages_per_seq=5)
+    args = (8.0 * b.q, *b.args[1:])
+    kw = dict(sm_scale=0.2, logits_soft_cap=3.0, sliding_window=40)
+    out = attention(*args, interpret=True, split_decode=split,
+                    decode_tuning=DecodeTuning(block_k=16, num_splits=2), **kw)
+    ref = reference.attention(*args, **kw)
+    n, tol = b.num_real_tokens, 2e-2 if fp8 else 1e-5
+    assert rel_err(out[:n], ref[:n]) <= tol, f"seed {seed}"
+    uncapped = reference.attention(*args, sm_scale=0.2, sliding_window=40)
+    assert rel_err(uncapped[:n], ref[:n]) > 0.1

@@ -7,9 +7,10 @@ from jaxserve.models.llama import write_kv
 from pallas_kernels.reference import attention, paged_attention
 
 
-def naive(q, k_pages, v_pages, qsl, seq_lens, block_tables, window=None):
+def naive(q, k_pages, v_pages, qsl, seq_lens, block_tables, window=None, scale=None, cap=None):
     """Per sequence: gather its keys densely, softmax with the bottom-right causal mask (and,
-    with a window W, only the W keys up to the query's own position)."""
+    with a window W, only the W keys up to the query's own position), scores times ``scale``
+    (default D ** -0.5) and capped at cap tanh(x / cap) where given."""
     kv_heads, _, page_size, d = k_pages.shape
     group = q.shape[1] // kv_heads
     out = np.zeros_like(q)
@@ -24,7 +25,9 @@ def naive(q, k_pages, v_pages, qsl, seq_lens, block_tables, window=None):
             qp = ctx - q_len + i
             lo = 0 if window is None else max(qp - window + 1, 0)
             for h in range(q.shape[1]):
-                sc = k[h // group, lo : qp + 1] @ q[qsl[s] + i, h] * d**-0.5
+                sc = k[h // group, lo : qp + 1] @ q[qsl[s] + i, h] * (scale or d**-0.5)
+                if cap is not None:
+                    sc = cap * np.tanh(sc / cap)
                 p = np.exp(sc - sc.max())
                 out[qsl[s] + i, h] = (p / p.sum()) @ v[h // group, lo : qp + 1]
     return out
@@ -107,3 +110,16 @@ def test_sliding_window_matches_naive(window):
     np.testing.assert_allclose(ours, naive(*batch, window=window), rtol=2e-5, atol=2e-5)
     if window == 300:
         np.testing.assert_allclose(ours, np.asarray(attention(*batch)), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_soft_cap_and_scale_match_naive(window):
+    # Gemma 2's attention: scores times query_pre_attn_scalar ** -0.5, capped at 50 tanh(x / 50);
+    # large queries so that the cap bends many scores.
+    rng = np.random.default_rng(6)
+    q, *rest = random_batch(rng, [1, 1, 7, 70], [4, 200, 7, 90])
+    batch = (8.0 * q, *rest)
+    ours = np.asarray(attention(*batch, sm_scale=0.3, logits_soft_cap=5.0, sliding_window=window))
+    ref = naive(*batch, window=window, scale=0.3, cap=5.0)
+    np.testing.assert_allclose(ours, ref, rtol=2e-5, atol=2e-5)
+    assert not np.allclose(ref, naive(*batch, window=window, scale=0.3), atol=1e-2)

@@ -1,0 +1,73 @@
+"""Tiny random models of every family the engine serves, built with HF transformers from a
+config (a few layers, a few experts, sliding windows shorter than the test prompts), for the
+parity tests against transformers (docs/architecture.md, "Testing numerics")."""
+
+import pathlib
+
+import torch
+import transformers
+
+TINY = dict(vocab_size=512, hidden_size=96, intermediate_size=160, num_hidden_layers=2, initializer_range=0.1,
+            eos_token_id=2, bos_token_id=1,
+            num_attention_heads=6, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024)
+
+TINY_CONFIGS = {
+    "llama": lambda: transformers.LlamaConfig(
+        **TINY, tie_word_embeddings=False,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+    ),
+    # A window shorter than the prompts (200 tokens; the greedy ones up to 100 + 32).
+    "mistral": lambda: transformers.MistralConfig(**TINY, sliding_window=48),
+    "qwen2": lambda: transformers.Qwen2Config(**TINY, tie_word_embeddings=True),
+    "qwen3": lambda: transformers.Qwen3Config(**TINY),
+    # Mixture of experts: every layer sparse; a dense first layer (mlp_only_layers), a gated
+    # shared expert and a sliding window on one layer; every other layer sparse
+    # (decoder_sparse_step).
+    "mixtral": lambda: transformers.MixtralConfig(**TINY, num_local_experts=4,
+                                                  num_experts_per_tok=2, sliding_window=None),
+    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
+        **TINY, moe_intermediate_size=64, shared_expert_intermediate_size=96, num_experts=6,
+        num_experts_per_tok=3, mlp_only_layers=[0], use_sliding_window=True, sliding_window=40,
+        max_window_layers=2),  # HF's rule: a window on layer 0 only
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+        **TINY, moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2,
+        norm_topk_prob=True, decoder_sparse_step=2),
+    # Gemma: caps low enough to bend the scores and logits, a softmax scale not D ** -0.5, a
+    # sliding layer then a global one (Gemma 3: each with its own RoPE, the global one scaled).
+    "gemma2": lambda: transformers.Gemma2Config(
+        **TINY, sliding_window=48, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
+        final_logit_softcapping=3.0, attn_implementation="eager"),
+    "gemma3": lambda: transformers.Gemma3TextConfig(
+        **TINY, sliding_window=48, query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0,
+                                            "rope_theta": 100000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+}
+HF_CLASSES = {
+    "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+    "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+}
+
+
+def tiny_model(name: str):
+    """The tiny random HF model ``name`` (float32, eval mode): random biases and norm weights
+    (HF initialises them to constants), so that those paths are exercised."""
+    torch.manual_seed(0)
+    model = getattr(transformers, HF_CLASSES[name])(TINY_CONFIGS[name]()).eval()
+    with torch.no_grad():
+        for param_name, p in model.named_parameters():
+            if param_name.endswith("proj.bias") or "norm" in param_name:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def save_tiny_model(name: str, folder: pathlib.Path, tokenizer):
+    """``tiny_model(name)`` saved as an HF folder with ``tokenizer``; returns the model."""
+    model = tiny_model(name)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return model

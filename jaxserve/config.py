@@ -8,6 +8,7 @@ with and sends to the API process in its ``Ready`` message.
 """
 
 import dataclasses
+import math
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3MoeForCausalLM",
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
+    "Phi3ForCausalLM",
 )
 # The gated MLP's activations by HF name: silu (SwiGLU), gelu_pytorch_tanh (GeGLU, Gemma).
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
@@ -84,10 +86,15 @@ class ModelConfig:
     attn_logit_softcapping: float | None = None  # scores capped at C tanh(x / C)
     final_logit_softcapping: float | None = None  # logits capped so
     local_rope_theta: float | None = None  # the sliding layers' RoPE base, unscaled (Gemma 3)
+    # RoPE on a head's first rotary_dim features, the rest passed through (partial_rotary_factor)
+    rotary_dim: int | None = None  # None: all of head_dim
 
     @classmethod
-    def from_hf_config(cls, cfg: dict) -> "ModelConfig":
-        """Raises ValueError for an architecture this engine does not implement, or a config
+    def from_hf_config(cls, cfg: dict, max_model_len: int | None = None) -> "ModelConfig":
+        """The config of an HF ``config.json`` dict; ``max_model_len`` (default the model's
+        ``max_position_embeddings``) picks LongRoPE's factor set (``_rope_fields``).
+
+        Raises ValueError for an architecture this engine does not implement, or a config
         option of a supported one that it does not (naming the option)."""
         arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
         if arch not in SUPPORTED_ARCHITECTURES:
@@ -98,7 +105,10 @@ class ModelConfig:
         num_heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
-        rope_theta, rope_scaling, local_rope_theta = _rope_fields(arch, cfg)
+        rope_theta, rope_scaling, local_rope_theta = _rope_fields(arch, cfg, max_model_len)
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
+        rope = cfg.get("rope_parameters") or {}
+        partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -107,7 +117,7 @@ class ModelConfig:
             num_layers=cfg["num_hidden_layers"],
             num_heads=num_heads,
             num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            head_dim=head_dim,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
@@ -119,15 +129,24 @@ class ModelConfig:
             eos_token_ids=eos,
             layer_windows=_layer_windows(arch, cfg),
             local_rope_theta=local_rope_theta,
+            rotary_dim=None if partial == 1.0 else int(head_dim * partial),
             **_moe_fields(arch, cfg),
             **_gemma_fields(arch, cfg),
         )
 
 
-def _rope_fields(arch: str, cfg: dict) -> tuple[float, dict | None, float | None]:
+def _rope_fields(arch: str, cfg: dict,
+                 max_model_len: int | None) -> tuple[float, dict | None, float | None]:
     """(rope_theta, rope_scaling or None, the sliding layers' own base or None) of an HF config:
     top-level keys, or transformers 5's ``rope_parameters`` (one dict, or for Gemma 3 one per
     layer type). Gemma 3's sliding layers use ``rope_local_base_freq`` without scaling.
+
+    LongRoPE (Phi-3's ``longrope``, formerly ``su``) resolves to one factor set for the server's
+    life, since the KV cache holds keys rotated by it: the long factors when ``max_model_len``
+    exceeds ``original_max_position_embeddings``, the short ones otherwise, with HF's attention
+    factor. HF switches per forward pass (long once a sequence passes the original length), so
+    the two agree on every sequence when max_model_len <= the original length, and on sequences
+    longer than it otherwise.
 
     Raises:
       ValueError: a rope type on Gemma 3's sliding layers other than the default.
@@ -136,8 +155,11 @@ def _rope_fields(arch: str, cfg: dict) -> tuple[float, dict | None, float | None
     local = rope.pop("sliding_attention", None)
     rope = rope.pop("full_attention", rope)
     scaling = cfg.get("rope_scaling") or rope or None
-    if scaling and scaling.get("rope_type", scaling.get("type")) in (None, "default"):
+    kind = scaling and scaling.get("rope_type", scaling.get("type"))
+    if kind in (None, "default"):
         scaling = None
+    elif kind in ("longrope", "su"):
+        scaling = _longrope(cfg, scaling, max_model_len)
     theta = rope.get("rope_theta") or cfg.get("rope_theta") or 10000.0
     if arch != "Gemma3ForCausalLM":
         return theta, scaling, None
@@ -146,6 +168,23 @@ def _rope_fields(arch: str, cfg: dict) -> tuple[float, dict | None, float | None
         raise ValueError(f"unsupported config option rope_parameters.sliding_attention "
                          f"rope_type {local['rope_type']!r} of {arch}")
     return theta, scaling, local.get("rope_theta") or cfg["rope_local_base_freq"]
+
+
+def _longrope(cfg: dict, scaling: dict, max_model_len: int | None) -> dict:
+    """LongRoPE's ``{"rope_type": "longrope", "ext_factors", "attention_factor"}`` for a server
+    of ``max_model_len`` tokens (``_rope_fields``; transformers' ``_compute_longrope_parameters``
+    for the attention factor)."""
+    max_pos = cfg["max_position_embeddings"]
+    original = (scaling.get("original_max_position_embeddings")
+                or cfg.get("original_max_position_embeddings") or max_pos)
+    factor = scaling.get("factor") or max_pos / original
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = (1.0 if factor <= 1.0 else
+                            math.sqrt(1 + math.log(factor) / math.log(original)))
+    long = (max_model_len or max_pos) > original
+    return {"rope_type": "longrope", "attention_factor": attention_factor,
+            "ext_factors": tuple(scaling["long_factor" if long else "short_factor"])}
 
 
 def _gemma_fields(arch: str, cfg: dict) -> dict:
@@ -173,7 +212,7 @@ def _gemma_fields(arch: str, cfg: dict) -> dict:
 
 def _layer_windows(arch: str, cfg: dict) -> tuple[int | None, ...]:
     """Each layer's sliding window as HF's modeling code of ``arch`` applies it (None: full
-    attention): Mistral and Mixtral put ``sliding_window`` on every layer; the Gemma families
+    attention): Mistral, Mixtral and Phi-3 put ``sliding_window`` on every layer; the Gemma families
     on the layers ``layer_types`` marks "sliding_attention" (by default every other one from
     the first for Gemma 2, all but every ``sliding_window_pattern``-th for Gemma 3); the Qwen
     families only with ``use_sliding_window``, on the layers ``layer_types`` (or HF's default
@@ -183,7 +222,7 @@ def _layer_windows(arch: str, cfg: dict) -> tuple[int | None, ...]:
       ValueError: a ``layer_types`` entry other than full_attention and sliding_attention.
     """
     n = cfg["num_hidden_layers"]
-    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM"):
         return (cfg.get("sliding_window") or None,) * n
     if arch.startswith("Gemma"):  # every other layer (Gemma 2), or five of every six (Gemma 3)
         window = cfg["sliding_window"]

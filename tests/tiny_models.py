@@ -10,6 +10,9 @@ import transformers
 TINY = dict(vocab_size=512, hidden_size=96, intermediate_size=160, num_hidden_layers=2, initializer_range=0.1,
             eos_token_id=2, bos_token_id=1,
             num_attention_heads=6, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024)
+# Phi-3's heads are hidden_size / num_attention_heads wide (its config checks LongRoPE's factor
+# count against that).
+PHI3 = {**TINY, "head_dim": TINY["hidden_size"] // TINY["num_attention_heads"]}
 
 TINY_CONFIGS = {
     "llama": lambda: transformers.LlamaConfig(
@@ -38,6 +41,12 @@ TINY_CONFIGS = {
     "gemma2": lambda: transformers.Gemma2Config(
         **TINY, sliding_window=48, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
         final_logit_softcapping=3.0, attn_implementation="eager"),
+    # Phi-3: fused q/k/v and gate/up in the checkpoint, a quarter of each head not rotated, a
+    # window on every layer; its LongRoPE has a test of its own (tiny_phi3_longrope).
+    "phi3": lambda: transformers.Phi3Config(
+        **PHI3, sliding_window=48, pad_token_id=0,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                         "partial_rotary_factor": 0.75}),
     "gemma3": lambda: transformers.Gemma3TextConfig(
         **TINY, sliding_window=48, query_pre_attn_scalar=24,
         layer_types=["sliding_attention", "full_attention"],
@@ -49,8 +58,22 @@ HF_CLASSES = {
     "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-    "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
 }
+
+
+
+def tiny_phi3_longrope() -> transformers.Phi3Config:
+    """Phi-3 with LongRoPE (distinct short and long factors, a 64-token original length), the
+    partial rotary and window of ``TINY_CONFIGS["phi3"]``."""
+    rotary_half = int(PHI3["head_dim"] * 0.75) // 2
+    return transformers.Phi3Config(
+        **PHI3, sliding_window=48, pad_token_id=0,
+        original_max_position_embeddings=64,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                         "partial_rotary_factor": 0.75,
+                         "short_factor": [1.0 + 0.1 * i for i in range(rotary_half)],
+                         "long_factor": [1.0 + 0.7 * i for i in range(rotary_half)]})
 
 
 def tiny_model(name: str):

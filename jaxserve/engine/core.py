@@ -132,7 +132,7 @@ class EngineCore:
         t1 = time.perf_counter()
         quantization = resolve_method(ckpt.hf_config, config.quantization)
         self.model_config, params = build_params(ckpt.hf_config, ckpt.weights, dtype, config.seed,
-                                                 mesh, quantization)
+                                                 mesh, quantization, config.max_model_len)
         del ckpt
         mc = self.model_config
         t2 = time.perf_counter()

@@ -30,6 +30,19 @@ class LazyTensor:
         return whole if dtype is None else whole.astype(dtype)
 
 
+def row_slice(w, start: int, stop: int):
+    """Rows ``start:stop`` of a checkpoint tensor (host array, device array or
+    :class:`LazyTensor`); of a LazyTensor, another that reads only its part when indexed."""
+    if not isinstance(w, LazyTensor):
+        return w[start:stop]
+
+    def read(index: tuple) -> np.ndarray:
+        rows = range(start, stop)[index[0]]
+        return w[(slice(rows.start, rows.stop, rows.step), *index[1:])]
+
+    return LazyTensor((stop - start, *w.shape[1:]), w.dtype, read)
+
+
 @dataclass
 class Checkpoint:
     """A model checkpoint loaded into host memory, in Hugging Face terms.

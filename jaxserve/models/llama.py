@@ -27,9 +27,9 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxserve.config import ModelConfig
-from jaxserve.models import fp8_checkpoint, moe, sharding
+from jaxserve.models import fp8_checkpoint, moe, phi3, sharding
 from jaxserve.models.linear import Fp8Weight, linear, quantize_linears
-from jaxserve.models.rope import rope_inv_freq
+from jaxserve.models.rope import rope_attention_factor, rope_inv_freq
 from pallas_kernels import kv_quant
 
 
@@ -93,11 +93,13 @@ class LayerOptions:
 
 
 def _apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """x [T, N, D]; cos, sin [T, D // 2] float32. Rotate-half layout, as HF Llama."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    """x [T, N, D]; cos, sin [T, R // 2] float32, R <= D the rotated features (the rest pass
+    through: partial rotary). Rotate-half layout, as HF Llama."""
+    half = cos.shape[-1]
+    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half : 2 * half].astype(jnp.float32)
     c, s = cos[:, None, :], sin[:, None, :]
-    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+    rotated = jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+    return jnp.concatenate([rotated, x[..., 2 * half :]], axis=-1)
 
 
 def write_kv(k_pages, v_pages, k: jax.Array, v: jax.Array, slot_mapping: jax.Array):
@@ -252,9 +254,11 @@ def forward(
 def _forward(c: ModelConfig, params, token_ids, md, k_cache, v_cache, logits_indices,
              attention_fn, mesh, hidden_indices):
     def cos_sin(theta: float, scaling: dict | None):
-        inv_freq = jnp.asarray(rope_inv_freq(c.head_dim, theta, scaling))
+        inv_freq = jnp.asarray(rope_inv_freq(c.rotary_dim or c.head_dim, theta, scaling))
         angles = md.positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
-        return jnp.cos(angles), jnp.sin(angles)
+        cos, sin = jnp.cos(angles), jnp.sin(angles)
+        factor = rope_attention_factor(scaling)
+        return (cos, sin) if factor == 1.0 else (cos * factor, sin * factor)
 
     rope = cos_sin(c.rope_theta, c.rope_scaling)
     local_rope = rope if c.local_rope_theta is None else cos_sin(c.local_rope_theta, None)
@@ -487,6 +491,8 @@ def params_from_hf(config: ModelConfig, weights: dict, dtype, mesh: Mesh | None 
         return _place(out | {name: weights[prefix + name] for name in extra}, mesh)
 
     layout = sharding.Layout.of(config, sharding.mesh_size(mesh))
+    if config.architecture == "Phi3ForCausalLM":
+        weights = phi3.split_fused(config, weights)
     outer, layer = hf_tensor_shapes(config)
     fp8_checkpoint.check_tensors(weights, quantization, layer, config.num_layers)
     scales = (tuple(fp8_checkpoint.scale_tensors(quantization, layer))

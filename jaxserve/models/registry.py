@@ -11,8 +11,8 @@ from pallas_kernels import kv_quant
 
 
 def build_params(hf_config: dict, weights: dict | None, dtype, seed: int = 0,
-                 mesh: Mesh | None = None,
-                 quantization: str | None = None) -> tuple[ModelConfig, dict]:
+                 mesh: Mesh | None = None, quantization: str | None = None,
+                 max_model_len: int | None = None) -> tuple[ModelConfig, dict]:
     """Model config and params (``jaxserve.models.llama``) of device arrays in ``dtype``, built
     one layer at a time and split over ``mesh`` (``jaxserve.models.sharding``) if given, the
     layers' linear projections as ``linear.Fp8Weight`` where ``quantization``
@@ -22,20 +22,28 @@ def build_params(hf_config: dict, weights: dict | None, dtype, seed: int = 0,
 
     ``weights`` None gives random weights of the real shapes (``--load-format dummy``, drawn
     from ``seed``); for an FP8 checkpoint's config, quantized as ``--quantization fp8`` does.
+    ``max_model_len`` as ``ModelConfig.from_hf_config``.
 
     Raises:
       ValueError: unsupported architecture or quantization (naming --quantization or the
-        ``quantization_config`` field; FP8 weights of an MoE model), a missing tensor, a tensor of the wrong shape or dtype,
-        or a mesh size that does not divide the model (naming --tensor-parallel-size).
+        ``quantization_config`` field; FP8 weights of an MoE model; an FP8 checkpoint of
+        Phi-3, whose scales belong to its fused projections), a missing tensor, a tensor of
+        the wrong shape or dtype, or a mesh size that does not divide the model (naming
+        --tensor-parallel-size).
     """
     if quantization not in (None, "fp8", *fp8_checkpoint.METHODS):
         raise ValueError(f"unsupported {fp8_checkpoint.FLAG} {quantization!r} "
                          f"(fp8, {', '.join(fp8_checkpoint.METHODS)})")
     fmt = fp8_checkpoint.weight_format(hf_config, quantization)
-    config = ModelConfig.from_hf_config(hf_config)
+    config = ModelConfig.from_hf_config(hf_config, max_model_len)
     if fmt is not None and config.num_experts:
         raise ValueError(f"{fp8_checkpoint.FLAG} {quantization or fmt.method}: FP8 weights of "
                          f"mixture-of-experts models ({config.architecture}) are not supported")
+    if (isinstance(fmt, fp8_checkpoint.Fp8Checkpoint)
+            and config.architecture == "Phi3ForCausalLM"):
+        raise ValueError(f"quantization_config {fmt.method}: FP8 checkpoints of "
+                         f"{config.architecture} are not supported (--quantization fp8 "
+                         f"quantizes its bf16 checkpoint at load)")
     if weights is None:
         params = random_params(config, dtype, seed, mesh, None if fmt is None else "fp8")
     else:

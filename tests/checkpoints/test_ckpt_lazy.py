@@ -37,3 +37,19 @@ def test_safetensors_lazy_slices_equal_the_whole(smollm_hf_folder):
     lazy = load_hf_folder(smollm_hf_folder, with_tokenizer=False, lazy=True).weights
     assert lazy.keys() == eager.keys()
     assert_slices_equal(lazy, eager)
+
+
+def test_row_slice_of_a_lazy_tensor_reads_only_its_rows():
+    """Phi-3's fused projections are split into row blocks without reading them
+    (``row_slice``): every index of a block reads the parent's matching part alone."""
+    from jaxserve.model_loader.checkpoint import LazyTensor, row_slice
+
+    w = np.arange(10 * 6, dtype=np.float32).reshape(10, 6)
+    reads = []
+    parent = LazyTensor(w.shape, w.dtype, lambda index: reads.append(index) or w[index])
+    block = row_slice(parent, 3, 8)
+    assert block.shape == (5, 6) and not reads
+    for index in [(slice(None), slice(None)), (slice(1, 4), slice(2, 6)), (slice(0, 5, 2), slice(None))]:
+        np.testing.assert_array_equal(block[index], w[3:8][index])
+    assert all(r[0].start >= 3 and r[0].stop <= 8 for r in reads)
+    np.testing.assert_array_equal(row_slice(w, 3, 8), w[3:8])

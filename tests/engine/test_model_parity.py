@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+import transformers
 from safetensors.numpy import load_file
 
 from jaxserve.config import ModelConfig
@@ -16,7 +17,7 @@ from jaxserve.sampling_params import SamplingParams
 from pallas_kernels.reference import attention
 from tests.conftest import sharegpt_prompts
 from tests.greedy import compare_greedy, hf_greedy_margins
-from tests.tiny_models import HF_CLASSES, TINY, TINY_CONFIGS, save_tiny_model
+from tests.tiny_models import HF_CLASSES, TINY, TINY_CONFIGS, save_tiny_model, tiny_phi3_longrope
 
 PAGE = 16
 
@@ -138,3 +139,26 @@ def test_tiny_models_match_hf(tiny_model):
               max_num_seqs=4, kv_cache_gib=0.01)
     prompts = [rng.integers(0, TINY["vocab_size"], size=n).tolist() for n in (5, 40, 100)]
     assert_greedy_identical(llm, hf_model, prompts)
+
+
+def test_phi3_longrope_matches_hf_in_its_regime(tmp_path):
+    """LongRoPE's factor set is fixed by max_model_len (ModelConfig._rope_fields): the long
+    factors past the original 64 tokens equal HF on a 200-token prompt, the short ones (a
+    server of at most 64 tokens) on a 60-token prompt; each differs from the other set."""
+    torch.manual_seed(0)
+    hf_model = transformers.Phi3ForCausalLM(tiny_phi3_longrope()).eval()
+    hf_model.save_pretrained(tmp_path)
+    hf_config = json.loads((tmp_path / "config.json").read_text())
+    weights = load_file(tmp_path / "model.safetensors")
+    rng = np.random.default_rng(3)
+    for n, max_model_len, other in ((200, None, 64), (60, 64, None)):
+        ids = rng.integers(0, TINY["vocab_size"], size=n).tolist()
+        with torch.no_grad():
+            ref = hf_model(torch.tensor([ids])).logits[0].numpy()
+        for length, close in ((max_model_len, True), (other, False)):
+            config = ModelConfig.from_hf_config(hf_config, length)
+            ours = prompt_logits(config, llama.params_from_hf(config, weights, jnp.float32), ids)
+            if close:
+                assert_logits_close(ours, ref)
+            else:
+                assert np.abs(ours - ref).max() > 1e-2

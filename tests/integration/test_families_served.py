@@ -37,7 +37,7 @@ def save_gemma3_vision_language(folder, tokenizer):
     return model
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gemma3_vision_language", "qwen2_moe"])
+@pytest.mark.parametrize("name", ["gemma2", "gemma3_vision_language", "phi3", "qwen2_moe"])
 def test_served_prompt_logprobs_match_hf(name, tmp_path, smollm):
     if name == "gemma3_vision_language":
         hf_model = save_gemma3_vision_language(tmp_path, smollm.tokenizer)

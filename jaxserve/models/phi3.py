@@ -1,0 +1,37 @@
+"""Phi-3 (``Phi3ForCausalLM``): the Llama decoder, with checkpoints that store each layer's
+q/k/v projections as one ``self_attn.qkv_proj`` and gate/up as one ``mlp.gate_up_proj``.
+
+Source: HF transformers' modeling_phi3 (rows [q | k | v] and [gate | up]). Its other options
+live in ``ModelConfig``: a sliding window on every layer, ``partial_rotary_factor``
+(``rotary_dim``) and LongRoPE (``config._longrope``).
+"""
+
+from jaxserve.config import ModelConfig
+from jaxserve.model_loader.checkpoint import row_slice
+
+
+def split_fused(config: ModelConfig, weights: dict) -> dict:
+    """``weights`` with each layer's fused projections replaced by Llama's names for their row
+    blocks (views: nothing is read or copied; a lazy tensor stays lazy).
+
+    Raises:
+      ValueError: a fused tensor of the wrong shape (naming it).
+    """
+    c = config
+    q, kv, inter = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
+    fused = {"self_attn.qkv_proj": {"self_attn.q_proj": (0, q), "self_attn.k_proj": (q, q + kv),
+                                    "self_attn.v_proj": (q + kv, q + 2 * kv)},
+             "mlp.gate_up_proj": {"mlp.gate_proj": (0, inter), "mlp.up_proj": (inter, 2 * inter)}}
+    out = dict(weights)
+    for i in range(c.num_layers):
+        for name, parts in fused.items():
+            w = out.pop(f"model.layers.{i}.{name}.weight", None)
+            if w is None:
+                continue  # params_from_hf names what is missing
+            rows = max(stop for _, stop in parts.values())
+            if tuple(w.shape) != (rows, c.hidden_size):
+                raise ValueError(f"tensor model.layers.{i}.{name}.weight has shape "
+                                 f"{tuple(w.shape)}, expected {(rows, c.hidden_size)}")
+            for part, (start, stop) in parts.items():
+                out[f"model.layers.{i}.{part}.weight"] = row_slice(w, start, stop)
+    return out

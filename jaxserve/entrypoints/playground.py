@@ -18,7 +18,7 @@ from jaxserve.entrypoints.errors import APIError
 
 STATIC_DIR = pathlib.Path(__file__).with_name("static")
 # A plain file name of the folder: no path separator, no "..", so nothing outside it is served.
-_NAME = re.compile(r"[a-z_]+\.(?:js|css)")
+_NAME = re.compile(r"[a-z_]+\.(?:js|css|svg)")
 _HEADERS = {"Content-Security-Policy": "default-src 'self'",
             # Revalidate each time (a 304 when unchanged): a server upgraded in place never
             # runs an old script against a new page.
@@ -35,7 +35,8 @@ async def index(request: web.Request) -> web.FileResponse:
 
 
 async def static_file(request: web.Request) -> web.FileResponse:
-    """GET /static/{name}: one of the page's scripts or style sheets; 404 for anything else."""
+    """GET /static/{name}: one of the page's scripts, its style sheet or its icon; 404 for anything
+    else."""
     name = request.match_info["name"]
     path = STATIC_DIR / name
     if not _NAME.fullmatch(name) or not path.is_file():

@@ -51,9 +51,9 @@ export function lineChart(canvas, points, span) {
   const w = width - PAD.left - PAD.right, h = height - PAD.top - PAD.bottom;
   const now = points.length ? points[points.length - 1].t : 0;
   ctx.fillStyle = c.fg;
-  ctx.textAlign = "center";
   ctx.textBaseline = "top";
-  for (const ago of [span, span / 2, 0]) {
+  for (const [ago, align] of [[span, "left"], [span / 2, "center"], [0, "right"]]) {
+    ctx.textAlign = align;
     ctx.fillText(ago ? `-${ago}s` : "now", PAD.left + w - (w * ago) / span, height - PAD.bottom + 6);
   }
   ctx.strokeStyle = c.accent;

@@ -113,9 +113,11 @@ async function send(model, onUnauthorized) {
     await readEvents(resp, event => {
       if (event.error) throw new APIError(500, event.error.message);
       if (event.usage) stats.usage = event.usage;
+      // The last chunk with a choice (the finish chunk too: an EOS token has no text) ends
+      // the reply's time; the first with text starts it.
+      if (event.choices?.length) stats.last = performance.now();
       const delta = event.choices?.[0]?.delta?.content;
       if (delta) {
-        stats.last = performance.now();
         stats.first ??= stats.last;
         content.textContent += delta;
         li.dataset.chunks = ++stats.chunks;

@@ -2,7 +2,10 @@
 
 Engine gauges come from the latest SchedulerStats the engine sent over the pipe (it sends them
 with every step and whenever they change while idle); request counters and histograms are
-recorded by the API process's OutputProcessor. Each Metrics object has its own registry.
+recorded by the API process's OutputProcessor. Generated tokens, time to first token and
+inter-token latency are recorded as the tokens arrive (as vLLM does), so that a dashboard polling
+them sees a long request's progress, not one jump when it ends; an aborted request's tokens count
+too. Each Metrics object has its own registry.
 
 When the engine process dies its gauges drop to 0 (nothing runs any more) and
 ``jaxserve:engine_alive`` reads 0 until a restarted engine is ready; the engine's cumulative
@@ -19,6 +22,8 @@ from jaxserve.engine import SchedulerStats
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+# Finer at the low end: a GPU decode step takes milliseconds.
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
 class _EngineStatsCollector:
@@ -83,11 +88,15 @@ class Metrics:
                                      "requests (once per request, whatever its n).",
                                      labels, registry=self.registry)
         self.generation_tokens = Counter("jaxserve:generation_tokens",
-                                         "Generated tokens of finished requests.",
+                                         "Generated tokens, counted as they arrive.",
                                          labels, registry=self.registry)
         self.ttft = Histogram("jaxserve:time_to_first_token_seconds",
                               "Time from arrival to the first token, seconds.", labels,
                               buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.itl = Histogram("jaxserve:inter_token_latency_seconds",
+                             "Time between a sequence's consecutive outputs (one step's new "
+                             "tokens), seconds.", labels, buckets=_ITL_BUCKETS,
+                             registry=self.registry)
         self.e2e = Histogram("jaxserve:e2e_request_latency_seconds",
                              "Time from arrival to the last token, seconds.", labels,
                              buckets=_LATENCY_BUCKETS, registry=self.registry)
@@ -97,8 +106,11 @@ class Metrics:
             labels + ["reason"], registry=self.registry)
         # Create the labelled series now, so that they read 0 (not absent) before the first
         # request finishes: a client diffing the counters sees 0 tokens, not a missing metric.
-        for metric in (self.prompt_tokens, self.generation_tokens, self.ttft, self.e2e):
+        for metric in (self.prompt_tokens, self.ttft, self.e2e):
             metric.labels(model_name)
+        # The series recorded once per output, looked up once.
+        self._generation_tokens = self.generation_tokens.labels(model_name)
+        self._itl = self.itl.labels(model_name)
         for reason in ("overloaded", "timeout"):
             self.rejected.labels(model_name, reason)
 
@@ -124,13 +136,22 @@ class Metrics:
     def record_rejected(self, reason: str) -> None:
         self.rejected.labels(self.model_name, reason).inc()
 
-    def record_finished(self, finish_reason: str, prompt_tokens: int, output_tokens: int,
-                        ttft_s: float, e2e_s: float) -> None:
+    def record_first_token(self, ttft_s: float) -> None:
+        """A request's first token arrived ``ttft_s`` seconds after the request."""
+        self.ttft.labels(self.model_name).observe(ttft_s)
+
+    def record_output(self, num_tokens: int, gap_s: float | None) -> None:
+        """A sequence's new tokens arrived, ``gap_s`` seconds after its previous ones (None for
+        its first)."""
+        self._generation_tokens.inc(num_tokens)
+        if gap_s is not None:
+            self._itl.observe(gap_s)
+
+    def record_finished(self, finish_reason: str, prompt_tokens: int, e2e_s: float) -> None:
+        """A request ended with ``finish_reason``, ``e2e_s`` seconds after it arrived."""
         m = self.model_name
         self.request_success.labels(m, finish_reason).inc()
         self.prompt_tokens.labels(m).inc(prompt_tokens)
-        self.generation_tokens.labels(m).inc(output_tokens)
-        self.ttft.labels(m).observe(ttft_s)
         self.e2e.labels(m).observe(e2e_s)
 
     def render(self) -> bytes:

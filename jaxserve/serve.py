@@ -1,10 +1,10 @@
 """``python -m jaxserve.serve``: the OpenAI-compatible HTTP server.
 
 Parses the CLI flags, binds the port (so a busy port fails at once), starts the aiohttp app
-(every endpoint but /health, /version and /metrics answers 503 until the engine is ready), spawns
-the engine process, and serves until SIGINT/SIGTERM. Shutdown stops accepting connections, lets
-in-flight requests finish for ``--shutdown-timeout`` seconds, ends the rest with an error, and
-waits for the engine process to exit. An engine process that dies is restarted up to
+(every endpoint but /health, /version, /metrics and the page at / answers 503 until the engine is
+ready), spawns the engine process, and serves until SIGINT/SIGTERM. Shutdown stops accepting
+connections, lets in-flight requests finish for ``--shutdown-timeout`` seconds, ends the rest with
+an error, and waits for the engine process to exit. An engine process that dies is restarted up to
 ``--max-engine-restarts`` times (docs/reliability.md); after that the server exits with code 3.
 With ``--num-hosts`` above 1, host 0 does all that and every other host (``--host-id`` > 0) runs
 only the engine, in this process, following host 0's steps (docs/parallelism.md).
@@ -216,7 +216,8 @@ async def serve(args, sock: socket.socket) -> int:
             gc.freeze()
             name = args.served_model_name or llm.model_name
             _say(f"ready: serving {name!r} (max_model_len {llm.config.max_model_len}, allocator "
-                 f"fraction {llm.allocator_fraction:g} of device memory) at {url}/v1")
+                 f"fraction {llm.allocator_fraction:g} of device memory) at {url}/v1; "
+                 f"playground and dashboard at {url}/")
             _say("sampling defaults for requests that leave them out: "
                  f"{describe_sampling_defaults(llm.generation_config)}")
             await asyncio.wait({stopper, failed}, return_when=asyncio.FIRST_COMPLETED)

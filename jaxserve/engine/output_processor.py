@@ -69,6 +69,7 @@ class ChoiceState:
     detokenizer: IncrementalDetokenizer
     num_output_tokens: int = 0
     finished: bool = False
+    last_output_time: float | None = None  # time.monotonic() of its latest tokens
 
 
 @dataclass
@@ -205,8 +206,8 @@ class OutputProcessor:
         choice ends."""
         choice = st.choices[index]
         sp = st.sampling_params
-        if st.first_token_time is None and o.new_token_ids:
-            st.first_token_time = now
+        if o.new_token_ids:
+            self._record_tokens(st, choice, len(o.new_token_ids), now)
         choice.num_output_tokens += len(o.new_token_ids)
         # Choices forked from choice 0 report no hits of their own: keep the request's.
         st.num_cached_tokens = max(st.num_cached_tokens, o.num_cached_tokens)
@@ -237,11 +238,22 @@ class OutputProcessor:
         if out.finished:
             self._forget(st)
             if self.metrics is not None:
-                self.metrics.record_finished(
-                    finish_reason, len(st.prompt_token_ids),
-                    sum(c.num_output_tokens for c in st.choices),
-                    (st.first_token_time or now) - st.arrival_time, now - st.arrival_time)
+                self.metrics.record_finished(finish_reason, len(st.prompt_token_ids),
+                                             now - st.arrival_time)
         return out, abort
+
+    def _record_tokens(self, st: RequestState, choice: ChoiceState, num_tokens: int,
+                       now: float) -> None:
+        """Times a choice's new tokens: the request's first token, the gap since the choice's
+        previous tokens."""
+        if st.first_token_time is None:
+            st.first_token_time = now
+            if self.metrics is not None:
+                self.metrics.record_first_token(now - st.arrival_time)
+        if self.metrics is not None:
+            gap = None if choice.last_output_time is None else now - choice.last_output_time
+            self.metrics.record_output(num_tokens, gap)
+        choice.last_output_time = now
 
     def propagate_error(self, request_ids, exc: BaseException) -> None:
         """Fail the given requests (engine ids or request ids; all live ones if

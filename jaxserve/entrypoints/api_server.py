@@ -2,14 +2,15 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{model},
 POST /tokenize, POST /detokenize (handled in the serving_*.py modules), GET /health, GET /version,
-GET /metrics. Every error, including unknown routes and unexpected exceptions, is an OpenAI
-error body ``{"error": {"message", "type", "param", "code"}}``; tracebacks go to the server log
-only.
+GET /metrics, GET /metrics/summary (metrics_summary.py), and the playground's GET / and
+GET /static/{name} (playground.py). Every error, including unknown routes and unexpected
+exceptions, is an OpenAI error body ``{"error": {"message", "type", "param", "code"}}``;
+tracebacks go to the server log only.
 
-``/health``, ``/version`` and ``/metrics`` need no API key, as in vLLM: Prometheus scrapers
-seldom send one, and the metrics hold counts, no request content (docs/reliability.md: restrict
-them at a reverse proxy if that matters). ``/tokenize`` and ``/detokenize`` need it (vLLM
-leaves them open).
+``/health``, ``/version``, ``/metrics`` and ``/metrics/summary`` need no API key, as in vLLM:
+Prometheus scrapers seldom send one, and the metrics hold counts, no request content
+(docs/reliability.md: restrict them at a reverse proxy if that matters). Nor do the playground's
+files, which hold no data. ``/tokenize`` and ``/detokenize`` need it (vLLM leaves them open).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from jaxserve.engine.async_llm import AsyncLLM
 from jaxserve.entrypoints.app_state import LLM_KEY, STATE_KEY
 from jaxserve.entrypoints.errors import APIError, error_response
 from jaxserve.entrypoints.limits import ServerLimits
+from jaxserve.entrypoints.metrics_summary import metrics_summary
+from jaxserve.entrypoints.playground import index, static_file
 from jaxserve.entrypoints.safe_log import clip
 from jaxserve.entrypoints.serving_chat import create_chat_completion
 from jaxserve.entrypoints.serving_completion import create_completion
@@ -125,4 +128,7 @@ def build_app(llm: AsyncLLM, *, served_model_name: str | None = None,
     app.router.add_get("/health", _health)
     app.router.add_get("/version", _version_route)
     app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/metrics/summary", metrics_summary)
+    app.router.add_get("/", index)
+    app.router.add_get("/static/{name}", static_file)
     return app

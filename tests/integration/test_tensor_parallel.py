@@ -145,13 +145,29 @@ for name, config in configs.items():
     two = prompt_logits(c, params, ids, mesh)
     out[name] = {"rel": float(np.abs(two - one).max() / np.abs(one).max()),
                  "expert_shard": list(experts.addressable_shards[0].data.shape)}
+# The other families' tiny models, read lazily as a TP server reads them (Phi-3's fused
+# tensors as lazy row blocks).
+from jaxserve.model_loader import load_hf_folder
+from tests.tiny_models import tiny_model
+for name in ("gemma2", "gemma3", "phi3"):
+    folder = tempfile.mkdtemp()
+    tiny_model(name).save_pretrained(folder)
+    ckpt = load_hf_folder(folder, with_tokenizer=False, lazy=True)
+    c = ModelConfig.from_hf_config(ckpt.hf_config)
+    eager = {k: np.asarray(w) for k, w in ckpt.weights.items()}
+    one = prompt_logits(c, llama.params_from_hf(c, eager, jnp.float32), ids)
+    mesh = sharding.make_mesh(2)
+    two = prompt_logits(c, llama.params_from_hf(c, ckpt.weights, jnp.float32, mesh), ids, mesh)
+    out[name] = {"rel": float(np.abs(two - one).max() / np.abs(one).max())}
 print(json.dumps(out))
 """
 
 
-def test_moe_logits_at_tp2_equal_tp1():
-    """Each expert split by columns over 2 fake devices: the same logits as one device."""
+def test_moe_and_other_families_logits_at_tp2_equal_tp1():
+    """Each expert split by columns over 2 fake devices, and the Gemma and Phi-3 layers split
+    as Llama's: the same logits as one device."""
     found = tp_utils.run_python(MOE_TP, devices=2)
     assert found["mixtral"]["expert_shard"] == [4, 64, 96]  # 4 experts x [E, 2 I / 2]
     assert found["qwen2_moe"]["expert_shard"] == [6, 64, 32]
+    assert {"gemma2", "gemma3", "phi3"} <= set(found)
     assert all(r["rel"] < 1e-5 for r in found.values()), found

@@ -8,7 +8,6 @@ with and sends to the API process in its ``Ready`` message.
 """
 
 import dataclasses
-import math
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,39 +17,10 @@ import msgspec
 
 from jaxserve.platforms import CPU, GPU, Platform
 
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-    "MixtralForCausalLM",
-    "Qwen2MoeForCausalLM",
-    "Qwen3MoeForCausalLM",
-    "Gemma2ForCausalLM",
-    "Gemma3ForCausalLM",
-    "Phi3ForCausalLM",
-)
-# The gated MLP's activations by HF name: silu (SwiGLU), gelu_pytorch_tanh (GeGLU, Gemma).
-ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
-# HF's defaults (transformers' Gemma2Config, Gemma3TextConfig) for the keys a config of that
-# family may leave out (Gemma 3's published configs nest a partial ``text_config``).
-_GEMMA_DEFAULTS = dict(hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
-                       num_attention_heads=8, num_key_value_heads=4, head_dim=256,
-                       hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6,
-                       tie_word_embeddings=True, query_pre_attn_scalar=256, sliding_window=4096)
-_HF_DEFAULTS = {
-    "Gemma2ForCausalLM": {**_GEMMA_DEFAULTS, "vocab_size": 256000, "max_position_embeddings": 8192,
-                          "rope_theta": 10000.0, "final_logit_softcapping": 30.0,
-                          "attn_logit_softcapping": 50.0},
-    "Gemma3ForCausalLM": {**_GEMMA_DEFAULTS, "vocab_size": 262208,
-                          "max_position_embeddings": 131072, "rope_theta": 1_000_000.0,
-                          "rope_local_base_freq": 10000.0, "sliding_window_pattern": 6},
-}
-
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shapes and options of a Llama-family decoder, from HF config.json."""
+    """Shapes and options of the decoder (``jaxserve.models.llama``), from HF config.json."""
 
     architecture: str
     vocab_size: int
@@ -64,10 +34,10 @@ class ModelConfig:
     rope_theta: float
     rope_scaling: dict | None
     tie_word_embeddings: bool
-    attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
-    qk_norm: bool  # RMSNorm on q and k per head before RoPE (Qwen3, Gemma 3)
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...]
+    attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+    qk_norm: bool = False  # RMSNorm on q and k per head before RoPE (Qwen3, Gemma 3)
     # Mixture of experts (jaxserve.models.moe); num_experts 0 for a dense model.
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -77,8 +47,8 @@ class ModelConfig:
     sparse_layers: tuple[bool, ...] = ()  # per layer: an MoE block (else the dense MLP)
     # per layer: the sliding window (keys a query sees, itself included), None for full attention
     layer_windows: tuple[int | None, ...] = ()
-    # The Gemma families (2 and 3); Llama's values otherwise.
-    hidden_act: str = "silu"  # the gated MLP's activation (ACTIVATIONS)
+    # Gemma's options (the others' values otherwise), then Phi-3's partial rotary.
+    hidden_act: str = "silu"  # the gated MLP's activation (families.ACTIVATIONS)
     norm_unit_offset: bool = False  # RMSNorm scales by (1 + weight), in float32
     sandwich_norms: bool = False  # norms on the attention's and the MLP's outputs, one before it
     embed_scale: float = 1.0  # the embedding rows times this (Gemma: sqrt(hidden_size))
@@ -91,194 +61,18 @@ class ModelConfig:
 
     @classmethod
     def from_hf_config(cls, cfg: dict, max_model_len: int | None = None) -> "ModelConfig":
-        """The config of an HF ``config.json`` dict; ``max_model_len`` (default the model's
-        ``max_position_embeddings``) picks LongRoPE's factor set (``_rope_fields``).
+        """The config of an HF ``config.json`` dict, read as its architecture's family reads
+        it (``jaxserve.models.families``); ``max_model_len`` (default the model's
+        ``max_position_embeddings``) picks LongRoPE's factor set.
 
-        Raises ValueError for an architecture this engine does not implement, or a config
-        option of a supported one that it does not (naming the option)."""
-        arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
-        cfg = {**_HF_DEFAULTS.get(arch, {}), **cfg}
-        num_heads = cfg["num_attention_heads"]
-        eos = cfg.get("eos_token_id")
-        eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
-        rope_theta, rope_scaling, local_rope_theta = _rope_fields(arch, cfg, max_model_len)
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
-        rope = cfg.get("rope_parameters") or {}
-        partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
-        return cls(
-            architecture=arch,
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
-            num_heads=num_heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
-            head_dim=head_dim,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=rope_theta,
-            rope_scaling=rope_scaling,
-            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            attention_bias=(arch == "Qwen2ForCausalLM" or cfg.get("attention_bias", False)
-                            or (arch == "Qwen2MoeForCausalLM" and cfg.get("qkv_bias", True))),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-            eos_token_ids=eos,
-            layer_windows=_layer_windows(arch, cfg),
-            local_rope_theta=local_rope_theta,
-            rotary_dim=None if partial == 1.0 else int(head_dim * partial),
-            **_moe_fields(arch, cfg),
-            **_gemma_fields(arch, cfg),
-        )
+        Raises:
+          ValueError: an architecture this engine does not implement, or a config option of a
+            supported one that it does not (naming the option).
+        """
+        # Imported here: the table imports the model loader, which imports this module.
+        from jaxserve.models.families import model_config_fields
 
-
-def _rope_fields(arch: str, cfg: dict,
-                 max_model_len: int | None) -> tuple[float, dict | None, float | None]:
-    """(rope_theta, rope_scaling or None, the sliding layers' own base or None) of an HF config:
-    top-level keys, or transformers 5's ``rope_parameters`` (one dict, or for Gemma 3 one per
-    layer type). Gemma 3's sliding layers use ``rope_local_base_freq`` without scaling.
-
-    LongRoPE (Phi-3's ``longrope``, formerly ``su``) resolves to one factor set for the server's
-    life, since the KV cache holds keys rotated by it: the long factors when ``max_model_len``
-    exceeds ``original_max_position_embeddings``, the short ones otherwise, with HF's attention
-    factor. HF switches per forward pass (long once a sequence passes the original length), so
-    the two agree on every sequence when max_model_len <= the original length, and on sequences
-    longer than it otherwise.
-
-    Raises:
-      ValueError: a rope type on Gemma 3's sliding layers other than the default.
-    """
-    rope = dict(cfg.get("rope_parameters") or {})
-    local = rope.pop("sliding_attention", None)
-    rope = rope.pop("full_attention", rope)
-    scaling = cfg.get("rope_scaling") or rope or None
-    kind = scaling and scaling.get("rope_type", scaling.get("type"))
-    if kind in (None, "default"):
-        scaling = None
-    elif kind in ("longrope", "su"):
-        scaling = _longrope(cfg, scaling, max_model_len)
-    theta = rope.get("rope_theta") or cfg.get("rope_theta") or 10000.0
-    if arch != "Gemma3ForCausalLM":
-        return theta, scaling, None
-    local = local or {}
-    if local.get("rope_type", "default") != "default":
-        raise ValueError(f"unsupported config option rope_parameters.sliding_attention "
-                         f"rope_type {local['rope_type']!r} of {arch}")
-    return theta, scaling, local.get("rope_theta") or cfg["rope_local_base_freq"]
-
-
-def _longrope(cfg: dict, scaling: dict, max_model_len: int | None) -> dict:
-    """LongRoPE's ``{"rope_type": "longrope", "ext_factors", "attention_factor"}`` for a server
-    of ``max_model_len`` tokens (``_rope_fields``; transformers' ``_compute_longrope_parameters``
-    for the attention factor)."""
-    max_pos = cfg["max_position_embeddings"]
-    original = (scaling.get("original_max_position_embeddings")
-                or cfg.get("original_max_position_embeddings") or max_pos)
-    factor = scaling.get("factor") or max_pos / original
-    attention_factor = scaling.get("attention_factor")
-    if attention_factor is None:
-        attention_factor = (1.0 if factor <= 1.0 else
-                            math.sqrt(1 + math.log(factor) / math.log(original)))
-    long = (max_model_len or max_pos) > original
-    return {"rope_type": "longrope", "attention_factor": attention_factor,
-            "ext_factors": tuple(scaling["long_factor" if long else "short_factor"])}
-
-
-def _gemma_fields(arch: str, cfg: dict) -> dict:
-    """ModelConfig's activation and Gemma fields (HF's ``Gemma2*`` / ``Gemma3Text*`` modules:
-    GeGLU, (1 + w) RMSNorms around both blocks, the scaled embedding, the attention scale and
-    soft-capping).
-
-    Raises:
-      ValueError: an activation outside ACTIVATIONS (naming the config key).
-    """
-    gemma = arch.startswith("Gemma")
-    key = "hidden_activation" if gemma else "hidden_act"
-    act = cfg.get(key) or "silu"
-    if act not in ACTIVATIONS:
-        raise ValueError(f"unsupported config option {key} {act!r} of {arch} "
-                         f"(supported: {', '.join(ACTIVATIONS)})")
-    if not gemma:
-        return dict(hidden_act=act)
-    return dict(hidden_act=act, norm_unit_offset=True, sandwich_norms=True,
-                embed_scale=cfg["hidden_size"] ** 0.5,
-                attn_scale=cfg["query_pre_attn_scalar"] ** -0.5,
-                attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
-                final_logit_softcapping=cfg.get("final_logit_softcapping"))
-
-
-def _layer_windows(arch: str, cfg: dict) -> tuple[int | None, ...]:
-    """Each layer's sliding window as HF's modeling code of ``arch`` applies it (None: full
-    attention): Mistral, Mixtral and Phi-3 put ``sliding_window`` on every layer; the Gemma families
-    on the layers ``layer_types`` marks "sliding_attention" (by default every other one from
-    the first for Gemma 2, all but every ``sliding_window_pattern``-th for Gemma 3); the Qwen
-    families only with ``use_sliding_window``, on the layers ``layer_types`` (or HF's default
-    rule for it) marks (Qwen3-MoE: every layer).
-
-    Raises:
-      ValueError: a ``layer_types`` entry other than full_attention and sliding_attention.
-    """
-    n = cfg["num_hidden_layers"]
-    if arch in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM"):
-        return (cfg.get("sliding_window") or None,) * n
-    if arch.startswith("Gemma"):  # every other layer (Gemma 2), or five of every six (Gemma 3)
-        window = cfg["sliding_window"]
-        pattern = 2 if arch == "Gemma2ForCausalLM" else (
-            cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern"))
-        default = lambda i: (i + 1) % pattern  # noqa: E731
-    elif not arch.startswith("Qwen") or not cfg.get("use_sliding_window"):
-        return (None,) * n
-    else:
-        window = cfg.get("sliding_window") or 4096
-        if arch == "Qwen3MoeForCausalLM":
-            return (window,) * n
-        last_full = cfg.get("max_window_layers", 28)
-        default = ((lambda i: i >= last_full) if arch != "Qwen2MoeForCausalLM"  # noqa: E731
-                   else (lambda i: (i + 1) % 2 and i < last_full))
-    types = cfg.get("layer_types") or [
-        "sliding_attention" if default(i) else "full_attention" for i in range(n)]
-    unknown = set(types) - {"full_attention", "sliding_attention"}
-    if unknown:
-        raise ValueError(f"unsupported config option layer_types {sorted(unknown)} of {arch}")
-    return tuple(window if t == "sliding_attention" else None for t in types)
-
-
-def _moe_fields(arch: str, cfg: dict) -> dict:
-    """ModelConfig's mixture-of-experts fields of an MoE family's HF config (HF's defaults for
-    the keys it leaves out); none for a dense one.
-
-    Raises:
-      ValueError: an expert count below the experts per token.
-    """
-    if arch == "MixtralForCausalLM":
-        fields = dict(num_experts=cfg.get("num_local_experts", 8),
-                      num_experts_per_tok=cfg.get("num_experts_per_tok", 2),
-                      moe_intermediate_size=cfg["intermediate_size"], norm_topk_prob=True,
-                      sparse_layers=(True,) * cfg["num_hidden_layers"])
-    elif arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
-        qwen2 = arch == "Qwen2MoeForCausalLM"
-        # Hub configs say num_experts; transformers 5 writes num_local_experts.
-        num_experts = cfg.get("num_experts", cfg.get("num_local_experts", 60 if qwen2 else 128))
-        step = cfg.get("decoder_sparse_step", 1)
-        dense = set(cfg.get("mlp_only_layers") or ())
-        fields = dict(
-            num_experts=num_experts, num_experts_per_tok=cfg.get("num_experts_per_tok", 4 if qwen2 else 8),
-            moe_intermediate_size=cfg.get("moe_intermediate_size", 1408 if qwen2 else 768),
-            shared_expert_intermediate_size=(cfg.get("shared_expert_intermediate_size", 5632)
-                                             if qwen2 else 0),
-            norm_topk_prob=cfg.get("norm_topk_prob", False),
-            # HF's rule (Qwen2MoeDecoderLayer, Qwen3MoeDecoderLayer).
-            sparse_layers=tuple(i not in dense and num_experts > 0 and (i + 1) % step == 0
-                                for i in range(cfg["num_hidden_layers"])))
-    else:
-        return {}
-    if 0 < fields["num_experts"] < fields["num_experts_per_tok"]:
-        raise ValueError(f"num_experts_per_tok {fields['num_experts_per_tok']} exceeds the "
-                         f"{fields['num_experts']} experts of {arch}")
-    return fields
+        return cls(**model_config_fields(cfg, max_model_len))
 
 
 class Valid(NamedTuple):

@@ -27,7 +27,8 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxserve.config import ModelConfig
-from jaxserve.models import fp8_checkpoint, moe, phi3, sharding
+from jaxserve.models import fp8_checkpoint, moe, sharding
+from jaxserve.models.families import ARCHITECTURES
 from jaxserve.models.linear import Fp8Weight, linear, quantize_linears
 from jaxserve.models.rope import rope_attention_factor, rope_inv_freq
 from pallas_kernels import kv_quant
@@ -491,8 +492,9 @@ def params_from_hf(config: ModelConfig, weights: dict, dtype, mesh: Mesh | None 
         return _place(out | {name: weights[prefix + name] for name in extra}, mesh)
 
     layout = sharding.Layout.of(config, sharding.mesh_size(mesh))
-    if config.architecture == "Phi3ForCausalLM":
-        weights = phi3.split_fused(config, weights)
+    rename = ARCHITECTURES[config.architecture].checkpoint_names
+    if rename is not None:
+        weights = rename(config, weights)
     outer, layer = hf_tensor_shapes(config)
     fp8_checkpoint.check_tensors(weights, quantization, layer, config.num_layers)
     scales = (tuple(fp8_checkpoint.scale_tensors(quantization, layer))

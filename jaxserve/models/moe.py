@@ -28,14 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
-
-# HF's names of one expert's projections (under the block's ``experts.N.``), by family.
-_EXPERT_NAMES = {
-    "MixtralForCausalLM": ("block_sparse_moe", "w1", "w3", "w2"),
-    "Qwen2MoeForCausalLM": ("mlp", "gate_proj", "up_proj", "down_proj"),
-    "Qwen3MoeForCausalLM": ("mlp", "gate_proj", "up_proj", "down_proj"),
-}
-ARCHITECTURES = tuple(_EXPERT_NAMES)
+from jaxserve.models.families import ARCHITECTURES, EXPERT_NAMES
 
 
 def hf_layer_shapes(config: ModelConfig) -> dict:
@@ -43,7 +36,7 @@ def hf_layer_shapes(config: ModelConfig) -> dict:
     layouts, Linear weight [out, in])."""
     c = config
     E, I, S = c.hidden_size, c.moe_intermediate_size, c.shared_expert_intermediate_size
-    block, gate, up, down = _EXPERT_NAMES[c.architecture]
+    block, gate, up, down = ARCHITECTURES[c.architecture].expert_names
     shapes = {f"{block}.gate.weight": (c.num_experts, E)}
     for x in range(c.num_experts):
         shapes |= {f"{block}.experts.{x}.{gate}.weight": (I, E),
@@ -59,14 +52,14 @@ def hf_layer_shapes(config: ModelConfig) -> dict:
 
 def is_sparse(t: dict) -> bool:
     """Whether a layer's HF tensors ``t`` (names under ``model.layers.N.``) hold an MoE block."""
-    return any(f"{block}.gate.weight" in t for block, *_ in _EXPERT_NAMES.values())
+    return any(f"{block}.gate.weight" in t for block, *_ in EXPERT_NAMES)
 
 
 def params_from_hf(t: dict, columns_by_shard, n: int) -> dict:
     """A sparse layer's MLP params (module docstring) from its HF tensors ``t`` (in a jit; the
     family and the expert count read from the names and the router's shape);
     ``columns_by_shard(blocks, n)`` lays gate/up columns out for an n-device mesh."""
-    block, gate, up, down = next(names for names in _EXPERT_NAMES.values()
+    block, gate, up, down = next(names for names in EXPERT_NAMES
                                  if f"{names[0]}.gate.weight" in t and
                                  f"{names[0]}.experts.0.{names[1]}.weight" in t)
     router = t[f"{block}.gate.weight"]

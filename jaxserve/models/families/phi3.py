@@ -1,13 +1,17 @@
-"""Phi-3 (``Phi3ForCausalLM``): the Llama decoder, with checkpoints that store each layer's
-q/k/v projections as one ``self_attn.qkv_proj`` and gate/up as one ``mlp.gate_up_proj``.
+"""The Phi-3 family (HF's modeling_phi3): the Llama decoder with a window on every layer,
+``partial_rotary_factor`` and LongRoPE (``family.rope_fields``), and checkpoints that store each
+layer's q/k/v projections as one ``self_attn.qkv_proj`` ([q | k | v] rows) and gate/up as one
+``mlp.gate_up_proj`` ([gate | up] rows)."""
 
-Source: HF transformers' modeling_phi3 (rows [q | k | v] and [gate | up]). Its other options
-live in ``ModelConfig``: a sliding window on every layer, ``partial_rotary_factor``
-(``rotary_dim``) and LongRoPE (``config._longrope``).
-"""
+from __future__ import annotations
 
-from jaxserve.config import ModelConfig
+from typing import TYPE_CHECKING
+
 from jaxserve.model_loader.checkpoint import row_slice
+from jaxserve.models.families.family import Family, every_layer
+
+if TYPE_CHECKING:
+    from jaxserve.config import ModelConfig
 
 
 def split_fused(config: ModelConfig, weights: dict) -> dict:
@@ -35,3 +39,10 @@ def split_fused(config: ModelConfig, weights: dict) -> dict:
             for part, (start, stop) in parts.items():
                 out[f"model.layers.{i}.{part}.weight"] = row_slice(w, start, stop)
     return out
+
+
+def _phi3(cfg: dict) -> dict:
+    return every_layer(cfg, cfg.get("sliding_window"))
+
+
+ARCHITECTURES = {"Phi3ForCausalLM": Family(_phi3, checkpoint_names=split_fused)}

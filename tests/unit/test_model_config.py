@@ -1,4 +1,4 @@
-"""Mixture-of-experts and sliding-window configs (jaxserve/config.py): which layers are sparse
+"""Mixture-of-experts and sliding-window configs (jaxserve/models/families/): which layers are sparse
 or windowed (against HF's own configs), the keys each family's config.json uses, and the options
 refused at start-up. Numerics against HF transformers are in tests/engine/test_model_parity.py."""
 
@@ -86,3 +86,28 @@ def test_unknown_layer_types_are_refused():
            "layer_types": ["chunked_attention"] * 24}
     with pytest.raises(ValueError, match="layer_types .'chunked_attention'."):
         ModelConfig.from_hf_config(cfg)
+
+
+@pytest.mark.parametrize("preset,change,named", [
+    ("llama-3.1-8b", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "'yarn'"),
+    ("qwen3-0.6b", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, "'dynamic'"),
+    ("llama-3.1-8b", {"mlp_bias": True}, "mlp_bias"),
+    ("gemma-2-9b", {"hidden_activation": "gelu"}, "hidden_activation 'gelu'"),
+    ("llama-3.1-8b", {"hidden_act": "relu"}, "hidden_act 'relu'"),
+    ("llama-3.1-8b", {"architectures": ["DeepseekV3ForCausalLM"]}, "DeepseekV3ForCausalLM"),
+])
+def test_unimplemented_options_are_refused_by_name(preset, change, named):
+    with pytest.raises(ValueError, match=named):
+        ModelConfig.from_hf_config({**copy.deepcopy(PRESETS[preset]), **change})
+
+
+def test_gemma3_bidirectional_attention_and_a_scaled_local_rope_are_refused():
+    cfg = transformers.Gemma3TextConfig(num_hidden_layers=2).to_dict()
+    cfg["architectures"] = ["Gemma3ForCausalLM"]
+    assert ModelConfig.from_hf_config(cfg).local_rope_theta == 10000.0
+    with pytest.raises(ValueError, match="use_bidirectional_attention"):
+        ModelConfig.from_hf_config({**cfg, "use_bidirectional_attention": True})
+    local = {**cfg["rope_parameters"], "sliding_attention": {"rope_type": "linear", "factor": 2.0,
+                                                             "rope_theta": 10000.0}}
+    with pytest.raises(ValueError, match="sliding_attention rope_type 'linear'"):
+        ModelConfig.from_hf_config({**cfg, "rope_parameters": local})

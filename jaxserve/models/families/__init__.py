@@ -9,6 +9,10 @@ whose checkpoints name tensors otherwise maps them to Llama's names at load.
 from jaxserve.models.families import gemma, llama, phi3, qwen
 from jaxserve.models.families.family import ACTIVATIONS, Family, rope_fields
 
+# Options HF's modeling code of these families implements that the decoder does not: refused
+# when set to anything but the value given here.
+_UNSUPPORTED = {"mlp_bias": False, "use_bidirectional_attention": False}
+
 ARCHITECTURES: dict[str, Family] = (llama.ARCHITECTURES | qwen.ARCHITECTURES
                                     | gemma.ARCHITECTURES | phi3.ARCHITECTURES)
 # The HF names (block, gate, up, down) of every MoE family's experts.
@@ -41,6 +45,9 @@ def model_config_fields(cfg: dict, max_model_len: int | None = None) -> dict:
     cfg = {**family.defaults, **cfg}
     num_heads = cfg["num_attention_heads"]
     eos = cfg.get("eos_token_id")
+    for key, plain in _UNSUPPORTED.items():
+        if cfg.get(key, plain) not in (plain, None):
+            raise ValueError(f"unsupported config option {key} {cfg[key]!r} of {arch}")
     act = cfg.get(family.activation_key) or "silu"
     if act not in ACTIVATIONS:
         raise ValueError(f"unsupported config option {family.activation_key} {act!r} of {arch} "

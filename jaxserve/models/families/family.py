@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 # The gated MLP's activations by HF name: silu (SwiGLU), gelu_pytorch_tanh (GeGLU).
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+# RoPE scaling types (HF's ``rope_type``) the decoder implements (``jaxserve.models.rope``).
+ROPE_TYPES = ("default", "linear", "llama3", "longrope", "su")
 
 
 @dataclass(frozen=True)
@@ -86,10 +88,16 @@ def rope_fields(cfg: dict, max_model_len: int | None) -> dict:
     short ones otherwise, with HF's attention factor. HF switches per forward pass (long once a
     sequence passes the original length), so the two agree on every sequence when
     max_model_len <= the original length, and on sequences longer than it otherwise.
+
+    Raises:
+      ValueError: a rope type outside ``ROPE_TYPES`` (yarn, dynamic, ...), naming it.
     """
     rope, _ = rope_parameters(cfg)
     scaling = cfg.get("rope_scaling") or rope or None
     kind = scaling and scaling.get("rope_type", scaling.get("type"))
+    if kind not in (None, *ROPE_TYPES):
+        raise ValueError(f"unsupported config option rope_scaling rope_type {kind!r} "
+                         f"(supported: {', '.join(ROPE_TYPES)})")
     if kind in (None, "default"):
         scaling = None
     elif kind in ("longrope", "su"):

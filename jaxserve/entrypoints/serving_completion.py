@@ -53,7 +53,6 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
                 echo_texts = [p if isinstance(p, str) else await llm.detokenize(p)
                               for p in prompts]
             bodies = make_bodies(CompletionBodies, request_id, model, llm, sp, req)
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return await run_request(request, llm, ids_list, submitted, sp, bodies,
-                                     stream=bool(req.stream), include_usage=include_usage,
-                                     echo_texts=echo_texts, deadline=deadline)
+                                     stream=bool(req.stream), echo_texts=echo_texts,
+                                     deadline=deadline)

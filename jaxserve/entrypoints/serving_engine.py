@@ -161,9 +161,13 @@ async def parse_request(request: web.Request, model_cls):
 
 def bad_request(e: ValidationError, renames: dict[str, str] | None = None) -> APIError:
     """The 400 of ``e``, its ``param`` the field at fault in the request's name (``renames``:
-    the internal name -> the request's, where they differ)."""
-    param = e.parameter
-    return APIError(400, str(e), param=(renames or {}).get(param, param))
+    the internal name -> the request's, where they differ), as is the message's leading
+    ``name:`` when it names that field."""
+    param, message = e.parameter, str(e)
+    name = (renames or {}).get(param, param)
+    if param is not None and message.startswith(f"{param}:"):
+        message = name + message[len(param):]
+    return APIError(400, message, param=name)
 
 
 def check_model(request: web.Request, model: str | None) -> str:
@@ -181,12 +185,13 @@ def max_sequences(llm: AsyncLLM) -> int:
     return llm.config.max_num_seqs
 
 
-async def encode(coro):
-    """Awaits a tokenization; its ValidationError (too long, template error) is a 400."""
+async def encode(coro, renames: dict[str, str] | None = None):
+    """Awaits a tokenization; its ValidationError (too long, template error) is a 400
+    (``renames``: as bad_request's)."""
     try:
         return await coro
     except ValidationError as e:
-        raise bad_request(e) from None
+        raise bad_request(e, renames) from None
 
 
 def deadline_of(request: web.Request) -> float | None:

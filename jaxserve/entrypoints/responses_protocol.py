@@ -393,6 +393,7 @@ def output_messages(output: list[OutputItem]) -> list[ChatCompletionMessageParam
 
 class InputTokensDetails(OpenAIBaseModel):
     cached_tokens: int  # prompt tokens served from the prefix cache
+    cache_write_tokens: int = 0  # OpenAI's explicit prompt-cache writes: jaxserve has none
 
 
 class OutputTokensDetails(OpenAIBaseModel):

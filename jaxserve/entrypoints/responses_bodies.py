@@ -43,9 +43,10 @@ def _item_id(prefix: str) -> str:
 
 
 def response_usage(u: UsageInfo) -> ResponseUsage:
+    """The chat usage ``u`` in the Responses API's names."""
+    cached = u.prompt_tokens_details.cached_tokens
     return ResponseUsage(
-        input_tokens=u.prompt_tokens,
-        input_tokens_details=InputTokensDetails(cached_tokens=u.prompt_tokens_details.cached_tokens),
+        input_tokens=u.prompt_tokens, input_tokens_details=InputTokensDetails(cached_tokens=cached),
         output_tokens=u.completion_tokens, output_tokens_details=OutputTokensDetails(),
         total_tokens=u.total_tokens)
 

@@ -485,45 +485,43 @@ class OutputItemEvent(ResponseStreamEvent):
     item: OutputItem
 
 
-class ContentPartEvent(ResponseStreamEvent):
-    type: Literal["response.content_part.added", "response.content_part.done"]
+class _ItemEvent(ResponseStreamEvent):
+    """An event about output item ``item_id``, the response's ``output[output_index]``."""
+
     item_id: str
     output_index: int
-    content_index: int
+
+
+class _ContentEvent(_ItemEvent):
+    content_index: int  # of the item's content part
+
+
+class ContentPartEvent(_ContentEvent):
+    type: Literal["response.content_part.added", "response.content_part.done"]
     part: OutputText
 
 
-class OutputTextDeltaEvent(ResponseStreamEvent):
+class OutputTextDeltaEvent(_ContentEvent):
     type: Literal["response.output_text.delta"] = "response.output_text.delta"
-    item_id: str
-    output_index: int
-    content_index: int
     delta: str
     logprobs: list = Field(default_factory=list)
 
 
-class OutputTextDoneEvent(ResponseStreamEvent):
+class OutputTextDoneEvent(_ContentEvent):
     type: Literal["response.output_text.done"] = "response.output_text.done"
-    item_id: str
-    output_index: int
-    content_index: int
     text: str
     logprobs: list = Field(default_factory=list)
 
 
-class ArgumentsDeltaEvent(ResponseStreamEvent):
+class ArgumentsDeltaEvent(_ItemEvent):
     type: Literal["response.function_call_arguments.delta"] = (
         "response.function_call_arguments.delta")
-    item_id: str
-    output_index: int
     delta: str
 
 
-class ArgumentsDoneEvent(ResponseStreamEvent):
+class ArgumentsDoneEvent(_ItemEvent):
     type: Literal["response.function_call_arguments.done"] = (
         "response.function_call_arguments.done")
-    item_id: str
-    output_index: int
     arguments: str
 
 

@@ -23,8 +23,7 @@ from jaxserve.entrypoints.errors import APIError
 from jaxserve.entrypoints.protocol import ChatCompletionRequest
 from jaxserve.entrypoints.request_mapping import chat_messages, check_request, to_sampling_params
 from jaxserve.entrypoints.serving_engine import (
-    admitted, bad_request, check_model, deadline_of, encode, llm_of, parse_request,
-    require_ready)
+    admitted, bad_request, encode, llm_of, take_in)
 from jaxserve.entrypoints.serving_stream import make_bodies, run_request, submitting
 from jaxserve.entrypoints.tool_grammar import tool_call_grammar
 from jaxserve.entrypoints.tool_parsers import ToolParser
@@ -88,11 +87,7 @@ async def chat_inputs(request: web.Request, req: ChatCompletionRequest,
 
 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
-    llm = llm_of(request)
-    require_ready(llm)
-    deadline = deadline_of(request)
-    req: ChatCompletionRequest = await parse_request(request, ChatCompletionRequest)
-    model = check_model(request, req.model)
+    llm, req, model, deadline = await take_in(request, ChatCompletionRequest)
     async with chat_inputs(request, req) as inputs:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         with submitting(llm, [inputs.ids], inputs.sp, request_id) as submitted:

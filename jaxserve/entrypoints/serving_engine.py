@@ -13,6 +13,7 @@ import contextlib
 import itertools
 import json
 import logging
+from typing import Any
 
 import msgspec
 import pydantic
@@ -192,6 +193,21 @@ async def encode(coro, renames: dict[str, str] | None = None):
         return await coro
     except ValidationError as e:
         raise bad_request(e, renames) from None
+
+
+async def take_in(request: web.Request, model_cls) -> tuple[AsyncLLM, Any, str, float | None]:
+    """What every generation endpoint starts with: (the AsyncLLM, the body parsed into
+    ``model_cls``, the served model name, the request's deadline: ``deadline_of`` its arrival).
+
+    Raises:
+      APIError: 503 while the engine is not ready, the body's 400 / 408 / 413, 404 for another
+        model.
+    """
+    llm = llm_of(request)
+    require_ready(llm)
+    deadline = deadline_of(request)
+    req = await parse_request(request, model_cls)
+    return llm, req, check_model(request, req.model), deadline
 
 
 def deadline_of(request: web.Request) -> float | None:

@@ -28,8 +28,7 @@ from jaxserve.entrypoints.responses_protocol import (
     Response, ResponseDeleted, ResponsesRequest, output_messages)
 from jaxserve.entrypoints.responses_store import ResponseStore, StoredResponse
 from jaxserve.entrypoints.serving_chat import chat_inputs
-from jaxserve.entrypoints.serving_engine import (
-    bad_request, check_model, deadline_of, llm_of, parse_request, require_ready)
+from jaxserve.entrypoints.serving_engine import bad_request, take_in
 from jaxserve.entrypoints.serving_stream import run_request, submitting
 from jaxserve.exceptions import ValidationError
 
@@ -62,11 +61,7 @@ def _history(request: web.Request, req: ResponsesRequest) -> list[ChatCompletion
 
 
 async def create_response(request: web.Request) -> web.StreamResponse:
-    llm = llm_of(request)
-    require_ready(llm)
-    deadline = deadline_of(request)
-    req: ResponsesRequest = await parse_request(request, ResponsesRequest)
-    model = check_model(request, req.model)
+    llm, req, model, deadline = await take_in(request, ResponsesRequest)
     try:
         req.check()
         conversation = _history(request, req) + req.input_messages()

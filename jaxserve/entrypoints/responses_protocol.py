@@ -125,9 +125,12 @@ def _refusals(req: ResponsesRequest) -> list[tuple[str, bool, str]]:
     text, reasoning = req.text or TextConfig(), req.reasoning or ReasoningParam()
     logprobs = "log-probabilities are not served on /v1/responses (/v1/chat/completions has them)"
     thinking = "this model does not reason; leave it out (or null; effort may be 'none')"
+    # OpenAI's words for background without store, which a client may look for.
+    unstored = " (and background can only be used when `store` is true)" if req.store is False else ""
     return [
         ("background", bool(req.background), "background: background mode is not supported: a "
-         "response is computed while its request is open (stream it to read it as it comes)"),
+         "response is computed while its request is open (stream it to read it as it comes)"
+         + unstored),
         ("conversation", req.conversation is not None, "conversation: conversations are not "
          "supported; chain responses with previous_response_id, or send the whole input"),
         ("prompt", req.prompt is not None, "prompt: prompt templates are not supported; send "

@@ -126,7 +126,8 @@ def _refusals(req: ResponsesRequest) -> list[tuple[str, bool, str]]:
     logprobs = "log-probabilities are not served on /v1/responses (/v1/chat/completions has them)"
     thinking = "this model does not reason; leave it out (or null; effort may be 'none')"
     # OpenAI's words for background without store, which a client may look for.
-    unstored = " (and background can only be used when `store` is true)" if req.store is False else ""
+    unstored = (" (and background can only be used when `store` is true)"
+                if req.store is False else "")
     return [
         ("background", bool(req.background), "background: background mode is not supported: a "
          "response is computed while its request is open (stream it to read it as it comes)"

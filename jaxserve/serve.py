@@ -87,6 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--request-timeout", type=_positive, default=d.request_timeout_s, help=(
         "seconds a generation request may run (504, or an error event in a stream); None: no "
         "limit"))
+    g.add_argument("--max-stored-responses", type=_count, default=d.max_stored_responses, help=(
+        "responses kept for GET /v1/responses/{id} and previous_response_id (store: true, "
+        "OpenAI's default), least recently used out first; 0 keeps none (store is then "
+        "false in every response)"))
     g.add_argument("--shutdown-timeout", type=_grace, default=5.0, help=(
         "seconds in-flight requests get to finish after SIGINT/SIGTERM"))
     g.add_argument("--max-engine-restarts", type=_count, default=3, help=(
@@ -101,7 +105,8 @@ def server_limits(args) -> ServerLimits:
     return ServerLimits(
         max_waiting_requests=args.max_waiting_requests, max_connections=args.max_connections,
         max_body_bytes=int(args.max_request_body_mib * 2**20), body_timeout_s=args.body_timeout,
-        keepalive_timeout_s=args.keepalive_timeout, request_timeout_s=args.request_timeout)
+        keepalive_timeout_s=args.keepalive_timeout, request_timeout_s=args.request_timeout,
+        max_stored_responses=args.max_stored_responses)
 
 
 def _raise_fd_limit(needed: int) -> int:

@@ -1,6 +1,7 @@
 """The aiohttp application: routes, API-key check, OpenAI error bodies.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{model},
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses, GET and DELETE
+/v1/responses/{id}, POST /v1/responses/{id}/cancel, GET /v1/models, GET /v1/models/{model},
 POST /tokenize, POST /detokenize (handled in the serving_*.py modules), GET /health, GET /version,
 GET /metrics, GET /metrics/summary (metrics_summary.py), and the playground's GET / and
 GET /static/{name} (playground.py). Every error, including unknown routes and unexpected
@@ -30,7 +31,10 @@ from jaxserve.entrypoints.playground import index, static_file
 from jaxserve.entrypoints.safe_log import clip
 from jaxserve.entrypoints.serving_chat import create_chat_completion
 from jaxserve.entrypoints.serving_completion import create_completion
+from jaxserve.entrypoints.responses_store import ResponseStore
 from jaxserve.entrypoints.serving_models import retrieve_model, show_available_models
+from jaxserve.entrypoints.serving_responses import (
+    cancel_response, create_response, delete_response, retrieve_response)
 from jaxserve.entrypoints.serving_tokenization import detokenize, tokenize
 from jaxserve.entrypoints.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS
 from jaxserve.metrics import CONTENT_TYPE
@@ -116,11 +120,16 @@ def build_app(llm: AsyncLLM, *, served_model_name: str | None = None,
     app = web.Application(middlewares=[_errors_middleware, _auth_middleware(api_key)],
                           client_max_size=limits.max_body_bytes)
     app[LLM_KEY] = llm
+    store = ResponseStore(limits.max_stored_responses) if limits.max_stored_responses else None
     app[STATE_KEY] = {"served_model_name": served_model_name, "created": int(time.time()),
                       "limits": limits, "in_flight": 0,
-                      "tool_parser": TOOL_PARSERS[tool_call_parser]}
+                      "tool_parser": TOOL_PARSERS[tool_call_parser], "responses_store": store}
     app.router.add_post("/v1/completions", create_completion)
     app.router.add_post("/v1/chat/completions", create_chat_completion)
+    app.router.add_post("/v1/responses", create_response)
+    app.router.add_get("/v1/responses/{response_id}", retrieve_response)
+    app.router.add_delete("/v1/responses/{response_id}", delete_response)
+    app.router.add_post("/v1/responses/{response_id}/cancel", cancel_response)
     app.router.add_get("/v1/models", show_available_models)
     app.router.add_get("/v1/models/{model}", retrieve_model)
     app.router.add_post("/tokenize", tokenize)

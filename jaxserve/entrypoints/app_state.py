@@ -14,5 +14,6 @@ from jaxserve.engine.async_llm import AsyncLLM
 LLM_KEY = web.AppKey("llm", AsyncLLM)
 # {"served_model_name": str | None (None: the model's own name), "created": int (unix time),
 #  "limits": ServerLimits, "in_flight": int (generation requests admitted and not yet answered),
-#  "tool_parser": the ToolParser class of --tool-call-parser}
+#  "tool_parser": the ToolParser class of --tool-call-parser,
+#  "responses_store": the ResponseStore of /v1/responses, None with --max-stored-responses 0}
 STATE_KEY = web.AppKey("state", dict)

@@ -1,6 +1,8 @@
-"""The OpenAI bodies of one generation request: whole responses and stream chunks of
-/v1/completions and /v1/chat/completions, built from RequestOutput deltas (protocol.py's
-models), with their choices' log-probabilities in each endpoint's format.
+"""The OpenAI bodies of one generation request: ``Bodies``, what ``serving_stream.run_request``
+asks of an endpoint (the whole body, the stream's events), and its implementation for
+/v1/completions and /v1/chat/completions (``ChoiceBodies``): whole responses and stream chunks
+built from RequestOutput deltas (protocol.py's models), with their choices' log-probabilities in
+each endpoint's format. (/v1/responses: responses_bodies.py.)
 
 A request has one or more prompts (a completions prompt list) and ``n`` choices per prompt:
 choice ``c`` of prompt ``p`` is the body's choice ``p * n + c``, as OpenAI numbers them. Every
@@ -33,8 +35,8 @@ from jaxserve.entrypoints.protocol import (
     ChatCompletionResponse, ChatCompletionResponseChoice, ChatCompletionResponseStreamChoice,
     ChatCompletionStreamResponse, ChatMessage, CompletionLogProbs, CompletionResponse,
     CompletionResponseChoice, CompletionResponseStreamChoice, CompletionStreamResponse,
-    DeltaFunctionCall, DeltaMessage, DeltaToolCall, FunctionCall, OpenAIBaseModel,
-    PromptTokenUsageInfo, ToolCall, UsageInfo)
+    DeltaFunctionCall, DeltaMessage, DeltaToolCall, ErrorResponse, FunctionCall,
+    OpenAIBaseModel, PromptTokenUsageInfo, ToolCall, UsageInfo)
 from jaxserve.entrypoints.tool_parsers import ToolCallDelta, ToolParser
 from jaxserve.outputs import CompletionOutput, PositionLogprobs
 
@@ -85,8 +87,55 @@ class ChoiceState:
 
 
 class Bodies(abc.ABC):
-    """The bodies of one request. They share the request's id, creation time and model name;
-    subclasses say how the endpoint's choice and log-probabilities look.
+    """What ``serving_stream.run_request`` sends for one request: the whole body, or the
+    stream's events in order (the opening ones, those of each choice update, the closing ones,
+    or the error ones once the stream has failed). An event is a response model, or a literal
+    such as ``[DONE]``.
+
+    Attributes:
+      request_id: the body's ``id``.
+      created: the request's creation time (unix seconds).
+      model: the served model name.
+      return_token_ids: the choices carry their token ids (vLLM's ``return_token_ids``), so a
+        choice update with new ids and no text is an event too.
+    """
+
+    return_token_ids = False
+
+    def __init__(self, request_id: str, model: str):
+        self.request_id = request_id
+        self.created = int(time.time())
+        self.model = model
+
+    @abc.abstractmethod
+    def response(self, choices: list[ChoiceState], prompt_ids: list[list[int]], n: int,
+                 usage_info: UsageInfo) -> OpenAIBaseModel:
+        """The non-streamed body of the finished choices (in index order)."""
+
+    def first_chunks(self, num_choices: int) -> list[OpenAIBaseModel]:
+        """The events that open the stream, before any text."""
+        return []
+
+    @abc.abstractmethod
+    def chunks(self, ch: ChoiceState, text: str, c: CompletionOutput,
+               entries: list[Entry] | None,
+               prompt_ids: list[int] | None) -> list[OpenAIBaseModel]:
+        """The events of one choice update: the text, token ids and log-probabilities new since
+        its last one (``prompt_ids`` rides along with its first token ids)."""
+
+    @abc.abstractmethod
+    def last_chunks(self, usage_info: UsageInfo) -> list[OpenAIBaseModel | str]:
+        """The events that close a stream whose choices all finished."""
+
+    def error_chunks(self, error: ErrorResponse) -> list[OpenAIBaseModel | str]:
+        """The events that end a stream that failed after its headers were sent."""
+        return [error, "[DONE]"]
+
+
+class ChoiceBodies(Bodies):
+    """The bodies of /v1/completions and /v1/chat/completions: ``choices``, whole or one
+    chunk per choice update, then the usage chunk when asked, then ``[DONE]``. Subclasses say
+    how the endpoint's choice and log-probabilities look.
 
     Args:
       request_id: the body's ``id``.
@@ -94,6 +143,7 @@ class Bodies(abc.ABC):
       num_logprobs: alternatives per token (SamplingParams.logprobs), None for no logprobs.
       piece: token id -> (text, bytes) (TokenPieces.piece), for log-probabilities.
       return_token_ids: add the choice's ``prompt_token_ids`` and ``token_ids`` (vLLM's).
+      include_usage: end a stream with a usage chunk (``stream_options.include_usage``).
     """
 
     response_cls: type[OpenAIBaseModel]
@@ -101,13 +151,12 @@ class Bodies(abc.ABC):
 
     def __init__(self, request_id: str, model: str, *, num_logprobs: int | None = None,
                  piece: Callable[[int], tuple[str, bytes]] | None = None,
-                 return_token_ids: bool = False):
-        self.request_id = request_id
-        self.created = int(time.time())
-        self.model = model
+                 return_token_ids: bool = False, include_usage: bool = False):
+        super().__init__(request_id, model)
         self.num_logprobs = num_logprobs
         self.piece = piece
         self.return_token_ids = return_token_ids
+        self.include_usage = include_usage
 
     @abc.abstractmethod
     def _choice(self, ch: ChoiceState, text: str, logprobs, **ids) -> OpenAIBaseModel:
@@ -133,7 +182,6 @@ class Bodies(abc.ABC):
 
     def response(self, choices: list[ChoiceState], prompt_ids: list[list[int]], n: int,
                  usage_info: UsageInfo) -> OpenAIBaseModel:
-        """The non-streamed body of the finished choices (in index order)."""
         out = []
         for ch in choices:
             lp = None if ch.entries is None else self._logprobs(ch, ch.entries)
@@ -141,27 +189,24 @@ class Bodies(abc.ABC):
                                                                    ch.token_ids or [])))
         return self._body(self.response_cls, out, usage_info)
 
-    def first_chunks(self, num_choices: int) -> list[OpenAIBaseModel]:
-        """The chunks that open the stream, before any text."""
-        return []
-
-    def chunk(self, ch: ChoiceState, text: str, c: CompletionOutput, entries: list[Entry] | None,
-              prompt_ids: list[int] | None) -> OpenAIBaseModel | None:
-        """A streamed chunk of one choice: the text, token ids and log-probabilities new since
-        its last one (``prompt_ids`` rides along with its first token ids); None when there
-        is nothing to send (a tool parser holds the text back)."""
+    def chunks(self, ch: ChoiceState, text: str, c: CompletionOutput,
+               entries: list[Entry] | None,
+               prompt_ids: list[int] | None) -> list[OpenAIBaseModel]:
+        """One chunk of the choice, or none when there is nothing to send (a tool parser holds
+        the text back)."""
         lp = None if entries is None else self._logprobs(ch, entries)
         ids = self._ids(prompt_ids, list(c.token_ids))
         choice = self._stream_choice(ch, text, lp, **ids)
-        return None if choice is None else self._body(self.stream_cls, [choice])
+        return [] if choice is None else [self._body(self.stream_cls, [choice])]
 
-    def usage_chunk(self, usage_info: UsageInfo) -> OpenAIBaseModel:
-        """The chunk with ``stream_options.include_usage``: usage, no choices, last before
+    def last_chunks(self, usage_info: UsageInfo) -> list[OpenAIBaseModel | str]:
+        """The usage chunk (``stream_options.include_usage``: usage, no choices), then
         ``[DONE]``."""
-        return self._body(self.stream_cls, [], usage_info)
+        usage_chunk = [self._body(self.stream_cls, [], usage_info)] if self.include_usage else []
+        return [*usage_chunk, "[DONE]"]
 
 
-class CompletionBodies(Bodies):
+class CompletionBodies(ChoiceBodies):
     response_cls = CompletionResponse
     stream_cls = CompletionStreamResponse
 
@@ -190,8 +235,8 @@ class CompletionBodies(Bodies):
         return out
 
 
-class ChatBodies(Bodies):
-    """Args (besides Bodies'):
+class ChatBodies(ChoiceBodies):
+    """Args (besides ChoiceBodies'):
       tool_parser: the ToolParser class that reads tool calls out of the choices' text
         (docs/tool_calling.md), or None when the request has no tools (or ``tool_choice:
         none``). A choice that returned calls and stopped has ``finish_reason: tool_calls``.

@@ -47,6 +47,9 @@ class ServerLimits:
       keepalive_timeout_s: seconds a connection may stay open without a complete request.
       request_timeout_s: seconds a generation request may run, None for no limit (504, or an
         SSE error event once a stream has started).
+      max_stored_responses: responses kept for GET /v1/responses/{id} and
+        ``previous_response_id`` (responses_store.py: least recently used out first); 0 keeps
+        none. Each holds its conversation's text, shared with the turns before it.
       retry_after_s: the ``Retry-After`` of an overload 503, seconds.
       lingering_s: after an error answered before the whole body arrived (408, 413), seconds
         aiohttp goes on reading and dropping the body, so the client can read the answer
@@ -62,6 +65,7 @@ class ServerLimits:
     body_timeout_s: float = 30.0
     keepalive_timeout_s: float = 30.0
     request_timeout_s: float | None = None
+    max_stored_responses: int = 1000
     retry_after_s: int = RETRY_AFTER_S
     lingering_s: float = 2.0
 

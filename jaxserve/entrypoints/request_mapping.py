@@ -17,9 +17,10 @@ async def to_sampling_params(llm: AsyncLLM, req, max_tokens: int | None,
                              tool_grammar: str | None = None) -> SamplingParams:
     """The request's SamplingParams, the model's generation config filling in what it leaves
     out. A value out of range is a 400 naming the request's field (``renames``: SamplingParams'
-    name -> the request's, where they differ); so is ``n`` above the server's limit, and an
-    output constraint (``response_format``, ``structured_outputs``, ``guided_*``) that does not
-    compile (checked off the event loop: AsyncLLM.check_structured_outputs).
+    name, or the constraint's field, -> the request's, where they differ); so is ``n`` above
+    the server's limit, and an output constraint (``response_format``, ``structured_outputs``,
+    ``guided_*``) that does not compile (checked off the event loop:
+    AsyncLLM.check_structured_outputs).
 
     ``tool_grammar``: the grammar that enforces the chat request's ``tool_choice``
     (serving_chat.py), its constraint instead: one that does not compile is a 400 on
@@ -29,7 +30,8 @@ async def to_sampling_params(llm: AsyncLLM, req, max_tokens: int | None,
     try:
         so, so_field = req.structured_outputs_params()
     except ValidationError as e:
-        raise bad_request(e) from None
+        raise bad_request(e, renames) from None
+    so_field = renames.get(so_field, so_field)
     label = so_field  # what a 400 about the constraint starts with
     if tool_grammar is not None:
         if so is not None:
@@ -68,9 +70,10 @@ def check_request(llm: AsyncLLM, ids: list[int], sp: SamplingParams, prompt_fiel
         raise bad_request(e, {"prompt": prompt_field, "max_tokens": max_tokens_field}) from None
 
 
-def chat_messages(req) -> list[dict]:
-    """The request's messages for the chat template; a non-text part is a 400 on messages."""
+def chat_messages(req, renames: dict[str, str] | None = None) -> list[dict]:
+    """The request's messages for the chat template; a non-text part is a 400 on messages
+    (``renames``: as bad_request's)."""
     try:
         return req.template_messages()
     except ValidationError as e:
-        raise bad_request(e) from None
+        raise bad_request(e, renames) from None

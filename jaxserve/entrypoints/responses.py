@@ -1,9 +1,11 @@
-"""How protocol.py's response bodies go on the wire: a JSON response, or Server-Sent Events.
+"""How the response bodies (protocol.py's, responses_protocol.py's) go on the wire: a JSON
+response, or Server-Sent Events.
 
 A JSON response is ``json.dumps`` of ``model_dump()`` (aiohttp's ``json_response``): it escapes
 non-ASCII text, and with it any lone surrogate an error message quotes from the client's request,
 which ``model_dump_json`` refuses to encode. An SSE event goes out once per text delta, so it is
-``model_dump_json()`` (compact UTF-8), a few times cheaper than ``json.dumps(model_dump())``.
+``model_dump_json()`` (compact UTF-8), a few times cheaper than ``json.dumps(model_dump())``; a
+Responses API event also names its type in an ``event:`` line, as OpenAI's do.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from jaxserve.entrypoints.protocol import OpenAIBaseModel
+from jaxserve.entrypoints.responses_protocol import ResponseStreamEvent
 
 
 def json_response(body: OpenAIBaseModel, status: int = 200) -> web.Response:
@@ -18,7 +21,8 @@ def json_response(body: OpenAIBaseModel, status: int = 200) -> web.Response:
 
 
 class SSEStream:
-    """A ``text/event-stream`` response: one ``data: ...`` event per ``send``.
+    """A ``text/event-stream`` response: one ``data: ...`` event per ``send`` (after an
+    ``event: {type}`` line for a ResponseStreamEvent).
 
     ``send`` raises ConnectionError once the client is gone.
     """
@@ -34,4 +38,5 @@ class SSEStream:
     async def send(self, event: OpenAIBaseModel | str) -> None:
         """Sends a body, or a literal such as ``[DONE]``."""
         data = event if isinstance(event, str) else event.model_dump_json()
-        await self.resp.write(f"data: {data}\n\n".encode())
+        name = f"event: {event.type}\n" if isinstance(event, ResponseStreamEvent) else ""
+        await self.resp.write(f"{name}data: {data}\n\n".encode())

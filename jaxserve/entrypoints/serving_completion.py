@@ -17,18 +17,13 @@ from jaxserve.entrypoints.errors import APIError
 from jaxserve.entrypoints.protocol import CompletionRequest
 from jaxserve.entrypoints.request_mapping import check_request, to_sampling_params
 from jaxserve.entrypoints.serving_engine import (
-    admitted, bad_request, check_model, deadline_of, encode, llm_of, max_sequences,
-    parse_request, require_ready)
+    admitted, bad_request, encode, max_sequences, take_in)
 from jaxserve.entrypoints.serving_stream import make_bodies, run_request, submitting
 from jaxserve.exceptions import ValidationError
 
 
 async def create_completion(request: web.Request) -> web.StreamResponse:
-    llm = llm_of(request)
-    require_ready(llm)
-    deadline = deadline_of(request)
-    req: CompletionRequest = await parse_request(request, CompletionRequest)
-    model = check_model(request, req.model)
+    llm, req, model, deadline = await take_in(request, CompletionRequest)
     sp = await to_sampling_params(llm, req, req.max_tokens, {})
     try:
         prompts = req.prompts()
@@ -53,7 +48,6 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
                 echo_texts = [p if isinstance(p, str) else await llm.detokenize(p)
                               for p in prompts]
             bodies = make_bodies(CompletionBodies, request_id, model, llm, sp, req)
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return await run_request(request, llm, ids_list, submitted, sp, bodies,
-                                     stream=bool(req.stream), include_usage=include_usage,
-                                     echo_texts=echo_texts, deadline=deadline)
+                                     stream=bool(req.stream), echo_texts=echo_texts,
+                                     deadline=deadline)

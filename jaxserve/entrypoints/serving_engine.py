@@ -13,6 +13,7 @@ import contextlib
 import itertools
 import json
 import logging
+from typing import Any
 
 import msgspec
 import pydantic
@@ -161,9 +162,13 @@ async def parse_request(request: web.Request, model_cls):
 
 def bad_request(e: ValidationError, renames: dict[str, str] | None = None) -> APIError:
     """The 400 of ``e``, its ``param`` the field at fault in the request's name (``renames``:
-    the internal name -> the request's, where they differ)."""
-    param = e.parameter
-    return APIError(400, str(e), param=(renames or {}).get(param, param))
+    the internal name -> the request's, where they differ), as is the message's leading
+    ``name:`` when it names that field."""
+    param, message = e.parameter, str(e)
+    name = (renames or {}).get(param, param)
+    if param is not None and message.startswith(f"{param}:"):
+        message = name + message[len(param):]
+    return APIError(400, message, param=name)
 
 
 def check_model(request: web.Request, model: str | None) -> str:
@@ -181,12 +186,28 @@ def max_sequences(llm: AsyncLLM) -> int:
     return llm.config.max_num_seqs
 
 
-async def encode(coro):
-    """Awaits a tokenization; its ValidationError (too long, template error) is a 400."""
+async def encode(coro, renames: dict[str, str] | None = None):
+    """Awaits a tokenization; its ValidationError (too long, template error) is a 400
+    (``renames``: as bad_request's)."""
     try:
         return await coro
     except ValidationError as e:
-        raise bad_request(e) from None
+        raise bad_request(e, renames) from None
+
+
+async def take_in(request: web.Request, model_cls) -> tuple[AsyncLLM, Any, str, float | None]:
+    """What every generation endpoint starts with: (the AsyncLLM, the body parsed into
+    ``model_cls``, the served model name, the request's deadline: ``deadline_of`` its arrival).
+
+    Raises:
+      APIError: 503 while the engine is not ready, the body's 400 / 408 / 413, 404 for another
+        model.
+    """
+    llm = llm_of(request)
+    require_ready(llm)
+    deadline = deadline_of(request)
+    req = await parse_request(request, model_cls)
+    return llm, req, check_model(request, req.model), deadline
 
 
 def deadline_of(request: web.Request) -> float | None:

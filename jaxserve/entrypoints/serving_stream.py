@@ -1,13 +1,14 @@
 """Running a generation request and answering it: each prompt's engine request submitted,
 their outputs fanned in, turned into per-choice updates, then either the whole response or a
-stream of Server-Sent Events: one ``data: {chunk}`` per choice update (text, or with logprobs
-or ``return_token_ids`` any new token), an optional usage chunk, then ``data: [DONE]``.
+stream of Server-Sent Events: the endpoint's opening events, its events for each choice update
+(text, or with logprobs or ``return_token_ids`` any new token), then its closing events (for
+completions and chat: an optional usage chunk, then ``data: [DONE]``).
 
 Once a stream's headers are sent, any error (the engine's, a ``--request-timeout``, a bug)
-becomes one SSE error event followed by ``[DONE]``, never a second HTTP response. A client that
-goes away mid-request (handler cancelled, or a failed write) has its requests aborted in the
-engine. Every body is one of protocol.py's response models, built by the endpoint's ``Bodies``
-(bodies.py).
+becomes the endpoint's error events (completions and chat: one SSE error event followed by
+``[DONE]``), never a second HTTP response. A client that goes away mid-request (handler
+cancelled, or a failed write) has its requests aborted in the engine. Every body is one of the
+response models, built by the endpoint's ``Bodies`` (bodies.py).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 
 from jaxserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestError
-from jaxserve.entrypoints.bodies import Bodies, ChoiceState, usage
+from jaxserve.entrypoints.bodies import Bodies, ChoiceBodies, ChoiceState, usage
 from jaxserve.entrypoints.errors import APIError, error_body
 from jaxserve.entrypoints.protocol import ErrorResponse
 from jaxserve.entrypoints.responses import SSEStream, json_response
@@ -163,13 +164,13 @@ class _Progress:
 
 
 async def run_request(request, llm: AsyncLLM, prompts: list[list[int]], submitted: Submitted,
-                      sp: SamplingParams, bodies: Bodies, *, stream: bool, include_usage: bool,
+                      sp: SamplingParams, bodies: Bodies, *, stream: bool,
                       echo_texts: list[str] | None, deadline: float | None):
-    """Shared body of both endpoints: reads every prompt's ``n`` choices from the
-    ``submitted`` requests, and answers with ``bodies``' response or chunks (a chunk per
-    choice update). ``echo_texts``: each prompt's text, to start its choices with
+    """Shared body of the generation endpoints: reads every prompt's ``n`` choices from the
+    ``submitted`` requests, and answers with ``bodies``' response or events (Bodies says
+    which, in what order). ``echo_texts``: each prompt's text, to start its choices with
     (completions' ``echo``). ``deadline`` (event loop time, None for none) ends the request:
-    504, or an error event in a stream."""
+    504, or the error events in a stream."""
     progress = _Progress(prompts, echo_texts, sp)
     gen = _outputs(llm, submitted)
     if not stream:
@@ -200,26 +201,27 @@ async def run_request(request, llm: AsyncLLM, prompts: list[list[int]], submitte
                         if text or c.finished or (token_news and c.token_ids):
                             # The prompt's ids ride along with the choice's first token ids.
                             first_ids = len(ch.token_ids) == len(c.token_ids)
-                            chunk = bodies.chunk(ch, text, c, entries,
-                                                 prompts[p] if first_ids else None)
-                            if chunk is not None:
+                            for chunk in bodies.chunks(ch, text, c, entries,
+                                                       prompts[p] if first_ids else None):
                                 await sse.send(chunk)
-            if include_usage:
-                await sse.send(bodies.usage_chunk(progress.usage()))
+            for last in bodies.last_chunks(progress.usage()):
+                await sse.send(last)
         except ConnectionError:
             raise
         except Exception as e:  # noqa: BLE001 - headers are out: the error goes in the stream
             if isinstance(e, TimeoutError):
                 llm.metrics.record_rejected("timeout")
-            await sse.send(_error_event(request, e))
-        await sse.send("[DONE]")
+            for event in bodies.error_chunks(_error_event(request, e)):
+                await sse.send(event)
     except ConnectionError as e:  # the client went away; gen is closed (aborted)
         logger.info("client disconnected from %s: %s", bodies.request_id, type(e).__name__)
     return sse.resp
 
 
 def make_bodies(cls, request_id: str, model: str, llm: AsyncLLM, sp: SamplingParams, req,
-                **kwargs) -> Bodies:
+                **kwargs) -> ChoiceBodies:
+    """The ChoiceBodies ``cls`` of a completions or chat request ``req``."""
     piece = None if sp.logprobs is None else llm.output_processor.pieces.piece
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return cls(request_id, model, num_logprobs=sp.logprobs, piece=piece,
-               return_token_ids=req.return_token_ids, **kwargs)
+               return_token_ids=req.return_token_ids, include_usage=include_usage, **kwargs)

@@ -69,6 +69,7 @@ class ChoiceState:
     detokenizer: IncrementalDetokenizer
     num_output_tokens: int = 0
     finished: bool = False
+    last_token_time: float | None = None  # when its latest tokens arrived (monotonic s)
 
 
 @dataclass
@@ -207,6 +208,10 @@ class OutputProcessor:
         sp = st.sampling_params
         if st.first_token_time is None and o.new_token_ids:
             st.first_token_time = now
+        if o.new_token_ids:
+            if choice.last_token_time is not None and self.metrics is not None:
+                self.metrics.record_inter_token(now - choice.last_token_time)
+            choice.last_token_time = now
         choice.num_output_tokens += len(o.new_token_ids)
         # Choices forked from choice 0 report no hits of their own: keep the request's.
         st.num_cached_tokens = max(st.num_cached_tokens, o.num_cached_tokens)

@@ -1,7 +1,10 @@
 """POST /v1/chat/completions (OpenAI's, SSE streaming): as serving_completion.py, with the
-chat template applied to the messages (off the event loop). A request with tools has its
-choices' text read by the ``--tool-call-parser``'s ToolParser, and runs under the grammar of
-tool_grammar.py when its ``tool_choice`` is enforced (docs/tool_calling.md).
+chat template applied to the messages (off the event loop, with vLLM's template options). With a
+``--reasoning-parser`` the choices' reasoning is split from their content (docs/reasoning.md).
+A request with tools has its choices' content read by the ``--tool-call-parser``'s ToolParser,
+and runs under the grammar of tool_grammar.py when its ``tool_choice`` is enforced
+(docs/tool_calling.md); like any output constraint, that grammar starts once the reasoning has
+ended.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from aiohttp import web
 
 from jaxserve.engine.async_llm import AsyncLLM
 from jaxserve.entrypoints.app_state import STATE_KEY
+from jaxserve.entrypoints.beam_search import beam_search_outputs
 from jaxserve.entrypoints.bodies import ChatBodies
 from jaxserve.entrypoints.errors import APIError
 from jaxserve.entrypoints.protocol import ChatCompletionRequest
@@ -35,28 +39,43 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
         tool_choice = req.effective_tool_choice()
     except ValidationError as e:
         raise bad_request(e) from None
-    tool_parser = None if tool_choice is None else request.app[STATE_KEY]["tool_parser"]
+    state = request.app[STATE_KEY]
+    tool_parser = None if tool_choice is None else state["tool_parser"]
     grammar = None if tool_parser is None else _tool_grammar(llm, tool_parser, req, tool_choice)
     max_tokens = req.requested_max_tokens()
     field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     sp = await to_sampling_params(llm, req, max_tokens, {"logprobs": "top_logprobs",
                                                          "max_tokens": field}, grammar)
+    reasoning_parser = state["reasoning_parser"]
     with admitted(request, sp.n):
         messages = chat_messages(req)
-        ids = await encode(llm.encode_chat(messages, tools=req.template_tools()))
+        text, ids = await encode(llm.encode_chat(
+            messages, req.add_generation_prompt, req.add_special_tokens, req.template_tools(),
+            req.continue_final_message, req.chat_template_kwargs))
         check_request(llm, ids, sp, "messages", field)
         if sp.max_tokens is None:  # OpenAI's and vLLM's meaning: up to the context
             sp.max_tokens = llm.config.max_model_len - len(ids)
         if tool_parser is not None:
             tool_parser.adjust_sampling_params(sp)
+        in_reasoning = reasoning_parser is not None and reasoning_parser.starts_in_reasoning(
+            text, req.chat_template_kwargs)
+        # A constraint starts after the reasoning (vLLM's rule): the engine needs the token
+        # that ends it (an end tag that is no single token cannot be seen: it starts at once).
+        end_id = (llm.vocabulary_id(reasoning_parser.end_tag)
+                  if in_reasoning and sp.structured_outputs is not None else None)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        with submitting(llm, [ids], sp, request_id) as submitted:
-            bodies = make_bodies(ChatBodies, request_id, model, llm, sp, req,
-                                 tool_parser=tool_parser)
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        beams = req.use_beam_search  # its own engine requests (beam_search.py)
+        with submitting(llm, [] if beams else [ids], sp, request_id, end_id) as submitted:
+            bodies = make_bodies(
+                ChatBodies, request_id, model, llm, sp, req, state["return_tokens_as_token_ids"],
+                tool_parser=tool_parser, reasoning_parser=reasoning_parser,
+                in_reasoning=in_reasoning, include_reasoning=req.include_reasoning,
+                role=req.response_role(), echo_text=req.echo_text())
+            outputs = (beam_search_outputs(llm, [ids], sp, request_id, req.length_penalty)
+                       if beams else None)
             return await run_request(request, llm, [ids], submitted, sp, bodies,
-                                     stream=bool(req.stream), include_usage=include_usage,
-                                     echo_texts=None, deadline=deadline)
+                                     stream=bool(req.stream), stream_options=req.stream_options,
+                                     echo_texts=None, deadline=deadline, outputs=outputs)
 
 
 def _tool_grammar(llm: AsyncLLM, tool_parser: type[ToolParser], req: ChatCompletionRequest,

@@ -1,7 +1,8 @@
 """Running a generation request and answering it: each prompt's engine request submitted,
 their outputs fanned in, turned into per-choice updates, then either the whole response or a
 stream of Server-Sent Events: one ``data: {chunk}`` per choice update (text, or with logprobs
-or ``return_token_ids`` any new token), an optional usage chunk, then ``data: [DONE]``.
+or ``return_token_ids`` any new token; with ``continuous_usage_stats`` each with its choice's
+usage so far), an optional usage chunk, then ``data: [DONE]``.
 
 Once a stream's headers are sent, any error (the engine's, a ``--request-timeout``, a bug)
 becomes one SSE error event followed by ``[DONE]``, never a second HTTP response. A client that
@@ -20,9 +21,9 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 
 from jaxserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestError
-from jaxserve.entrypoints.bodies import Bodies, ChoiceState, usage
+from jaxserve.entrypoints.bodies import Bodies, ChoiceState, token_id_piece, usage
 from jaxserve.entrypoints.errors import APIError, error_body
-from jaxserve.entrypoints.protocol import ErrorResponse
+from jaxserve.entrypoints.protocol import ErrorResponse, StreamOptions
 from jaxserve.entrypoints.responses import SSEStream, json_response
 from jaxserve.entrypoints.serving_engine import limits_of
 from jaxserve.outputs import RequestOutput
@@ -61,11 +62,12 @@ Submitted = list[tuple[str, asyncio.Queue]]  # (engine request id, its AsyncLLM.
 
 
 @contextlib.contextmanager
-def submitting(llm: AsyncLLM, prompts: list[list[int]], sp: SamplingParams, request_id: str):
+def submitting(llm: AsyncLLM, prompts: list[list[int]], sp: SamplingParams, request_id: str,
+               reasoning_end_token_id: int | None = None):
     """Submits each prompt's engine request (``request_id``, or ``{request_id}-{i}`` for
     prompt i of several) and yields them as ``Submitted``; the requests still running are
     aborted when the block ends. Requests go to the engine before the response is set up, so
-    that the engine starts on them meanwhile.
+    that the engine starts on them meanwhile. ``reasoning_end_token_id``: AsyncLLM.add_request's.
 
     Raises:
       APIError: 503 when the engine is gone.
@@ -75,7 +77,7 @@ def submitting(llm: AsyncLLM, prompts: list[list[int]], sp: SamplingParams, requ
     try:
         try:
             for rid, prompt in zip(ids, prompts):
-                submitted.append((rid, llm.add_request(prompt, sp, rid)))
+                submitted.append((rid, llm.add_request(prompt, sp, rid, reasoning_end_token_id)))
         except EngineDeadError as e:
             _raise_for(e)
         yield submitted
@@ -135,12 +137,12 @@ class _Progress:
         self.choices = [ChoiceState(i, token_ids=[], entries=[] if self.want_logprobs else None)
                         for i in range(len(prompts) * sp.n)]
         self.num_cached = [0] * len(prompts)
-        self._prompt_entries: list[list | None] = [None] * len(prompts)
+        self.prompt_logprobs: list[list | None] = [None] * len(prompts)
 
     def updates(self, p: int, out: RequestOutput):
         """(choice, delta, new text, new entries or None) for each choice in ``out``."""
         if out.prompt_logprobs is not None:
-            self._prompt_entries[p] = list(zip(self.prompts[p], out.prompt_logprobs))
+            self.prompt_logprobs[p] = out.prompt_logprobs
         self.num_cached[p] = out.num_cached_tokens
         for c in out.outputs:
             ch = self.choices[p * self.n + c.index]
@@ -151,8 +153,8 @@ class _Progress:
                 if self.echo_texts is not None:
                     text = self.echo_texts[p] + text
                     if entries is not None:
-                        entries = (self._prompt_entries[p]
-                                   or [(t, None) for t in self.prompts[p]]) + entries
+                        entries = list(zip(self.prompts[p], self.prompt_logprobs[p]
+                                           or [None] * len(self.prompts[p]))) + entries
             ch.token_ids += c.token_ids
             ch.finish_reason = c.finish_reason
             yield ch, c, text, entries
@@ -161,17 +163,27 @@ class _Progress:
         return usage(sum(map(len, self.prompts)), sum(len(c.token_ids) for c in self.choices),
                      sum(self.num_cached))
 
+    def choice_usage(self, ch: ChoiceState):
+        """One choice's usage so far (continuous usage stats): its prompt, its tokens."""
+        p = ch.index // self.n
+        return usage(len(self.prompts[p]), len(ch.token_ids), self.num_cached[p])
+
 
 async def run_request(request, llm: AsyncLLM, prompts: list[list[int]], submitted: Submitted,
-                      sp: SamplingParams, bodies: Bodies, *, stream: bool, include_usage: bool,
-                      echo_texts: list[str] | None, deadline: float | None):
+                      sp: SamplingParams, bodies: Bodies, *, stream: bool,
+                      stream_options: StreamOptions | None, echo_texts: list[str] | None,
+                      deadline: float | None, outputs: AsyncIterator | None = None):
     """Shared body of both endpoints: reads every prompt's ``n`` choices from the
-    ``submitted`` requests, and answers with ``bodies``' response or chunks (a chunk per
-    choice update). ``echo_texts``: each prompt's text, to start its choices with
-    (completions' ``echo``). ``deadline`` (event loop time, None for none) ends the request:
-    504, or an error event in a stream."""
+    ``submitted`` requests (or from ``outputs``, an iterator of (prompt index, RequestOutput)
+    of its own: beam search), and answers with ``bodies``' response or chunks (a chunk per
+    choice update). ``stream_options``: the request's (usage chunk, continuous usage stats).
+    ``echo_texts``: each prompt's text, to start its choices with (completions' ``echo``).
+    ``deadline`` (event loop time, None for none) ends the request: 504, or an error event in
+    a stream."""
     progress = _Progress(prompts, echo_texts, sp)
-    gen = _outputs(llm, submitted)
+    gen = _outputs(llm, submitted) if outputs is None else outputs
+    include_usage = bool(stream_options and stream_options.include_usage)
+    continuous = include_usage and bool(stream_options.continuous_usage_stats)
     if not stream:
         try:
             async with contextlib.aclosing(gen), asyncio.timeout_at(deadline):
@@ -185,7 +197,8 @@ async def run_request(request, llm: AsyncLLM, prompts: list[list[int]], submitte
         except TimeoutError:
             llm.metrics.record_rejected("timeout")
             raise APIError(504, _timeout_message(request), code="request_timeout") from None
-        return json_response(bodies.response(progress.choices, prompts, sp.n, progress.usage()))
+        return json_response(bodies.response(progress.choices, prompts, sp.n, progress.usage(),
+                                             progress.prompt_logprobs))
 
     sse = SSEStream(request)
     await sse.start()
@@ -193,7 +206,8 @@ async def run_request(request, llm: AsyncLLM, prompts: list[list[int]], submitte
     try:
         try:
             async with contextlib.aclosing(gen), asyncio.timeout_at(deadline):
-                for first in bodies.first_chunks(len(progress.choices)):
+                opening = usage(len(prompts[0]), 0, 0) if continuous else None
+                for first in bodies.first_chunks(len(progress.choices), prompts[0], opening):
                     await sse.send(first)
                 async for p, out in gen:
                     for ch, c, text, entries in progress.updates(p, out):
@@ -201,7 +215,8 @@ async def run_request(request, llm: AsyncLLM, prompts: list[list[int]], submitte
                             # The prompt's ids ride along with the choice's first token ids.
                             first_ids = len(ch.token_ids) == len(c.token_ids)
                             chunk = bodies.chunk(ch, text, c, entries,
-                                                 prompts[p] if first_ids else None)
+                                                 prompts[p] if first_ids else None,
+                                                 progress.choice_usage(ch) if continuous else None)
                             if chunk is not None:
                                 await sse.send(chunk)
             if include_usage:
@@ -219,7 +234,14 @@ async def run_request(request, llm: AsyncLLM, prompts: list[list[int]], submitte
 
 
 def make_bodies(cls, request_id: str, model: str, llm: AsyncLLM, sp: SamplingParams, req,
-                **kwargs) -> Bodies:
-    piece = None if sp.logprobs is None else llm.output_processor.pieces.piece
+                as_token_ids: bool, **kwargs) -> Bodies:
+    """The request's Bodies; ``as_token_ids``: the server's --return-tokens-as-token-ids,
+    which the request's ``return_tokens_as_token_ids`` overrides."""
+    if req.return_tokens_as_token_ids is not None:
+        as_token_ids = req.return_tokens_as_token_ids
+    piece = None
+    if sp.logprobs is not None:
+        piece = token_id_piece if as_token_ids else llm.output_processor.pieces.piece
     return cls(request_id, model, num_logprobs=sp.logprobs, piece=piece,
-               return_token_ids=req.return_token_ids, **kwargs)
+               return_token_ids=req.return_token_ids,
+               prompt_logprobs=sp.prompt_logprobs is not None and not req.stream, **kwargs)

@@ -83,11 +83,11 @@ def test_chat_logprobs_equal_hf_and_streaming(client, hf_smollm):
               logprobs=True, top_logprobs=5, extra_body={"return_token_ids": True})
     r = client.chat.completions.create(**kw)
     choice = r.choices[0]
-    ids = choice.prompt_token_ids + choice.token_ids
+    ids = r.prompt_token_ids + choice.token_ids  # vLLM's: the prompt's at the top level
     ref = _hf_log_softmax(hf_smollm, ids)
     entries = choice.logprobs.content
     assert len(entries) == len(choice.token_ids)
-    p = len(choice.prompt_token_ids)
+    p = len(r.prompt_token_ids)
     for k, (token_id, e) in enumerate(zip(choice.token_ids, entries)):
         assert abs(e.logprob - ref[p - 1 + k, token_id]) < 1e-3
         values = [t.logprob for t in e.top_logprobs]
@@ -155,7 +155,7 @@ def test_n_choices_follow_the_distribution_and_share_the_prompt(server, client, 
             seed=1000 + 8 * k, extra_body={"return_token_ids": True, "top_k": -1})
         assert sorted(c.index for c in r.choices) == list(range(8))
         first += [c.token_ids[0] for c in r.choices]
-        prompt_ids = r.choices[0].prompt_token_ids
+        prompt_ids = r.prompt_token_ids
     after = server.metrics()
     p = len(prompt_ids)
     computed = after["jaxserve:prompt_tokens_computed_total"] - before["jaxserve:prompt_tokens_computed_total"]

@@ -202,7 +202,7 @@ def test_32_concurrent_streams_match_one_by_one(request, server, client, aclient
                                            extra_body={"return_token_ids": True})
         alone.append(r.choices[0].token_ids)
         alone_text.append(r.choices[0].message.content)
-        prompt_ids.append(r.choices[0].prompt_token_ids)
+        prompt_ids.append(r.prompt_token_ids)  # vLLM's: top level in chat
 
     max_running = 0
     stop_polling = threading.Event()

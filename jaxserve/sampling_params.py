@@ -207,8 +207,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
             raise ValidationError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], "
                                   f"got {self.repetition_penalty}", parameter="repetition_penalty")
         self._check_logit_bias()
-        if self.allowed_token_ids is not None and not (
-                self.allowed_token_ids and all(0 <= t <= INT32_MAX for t in self.allowed_token_ids)):
+        allowed = self.allowed_token_ids
+        if allowed is not None and not (allowed and all(0 <= t <= INT32_MAX for t in allowed)):
             raise ValidationError("allowed_token_ids: give a non-empty list of token ids",
                                   parameter="allowed_token_ids")
         if self.seed is not None and not 0 <= self.seed < 2**63:

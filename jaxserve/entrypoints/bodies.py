@@ -260,12 +260,12 @@ class ChatBodies(Bodies):
         self.role = role
         self.echo_text = echo_text
 
-    def response(self, choices, prompt_ids, n, usage_info, prompt_logprobs) -> ChatCompletionResponse:
+    def response(self, choices, prompt_ids, n, usage_info,
+                 prompt_logprobs) -> ChatCompletionResponse:
         out = [self._choice(ch) for ch in choices]
-        return self._body(
-            self.response_cls, out, usage_info,
-            prompt_logprobs=prompt_logprobs_body(prompt_logprobs[0]) if self.prompt_logprobs else None,
-            prompt_token_ids=prompt_ids[0] if self.return_token_ids else None)
+        plp = prompt_logprobs_body(prompt_logprobs[0]) if self.prompt_logprobs else None
+        return self._body(self.response_cls, out, usage_info, prompt_logprobs=plp,
+                          prompt_token_ids=prompt_ids[0] if self.return_token_ids else None)
 
     def _choice(self, ch: ChoiceState) -> ChatCompletionResponseChoice:
         reasoning, content, calls = None, ch.text, []
@@ -338,7 +338,8 @@ class ChatBodies(Bodies):
             content.append(ChatCompletionLogProbsContent(**e.model_dump(), top_logprobs=top))
         return ChatCompletionLogProbs(content=content)
 
-    def first_chunks(self, num_choices, prompt_ids, usage_info) -> list[ChatCompletionStreamResponse]:
+    def first_chunks(self, num_choices, prompt_ids,
+                     usage_info) -> list[ChatCompletionStreamResponse]:
         """The role chunk OpenAI opens a chat stream with, one per choice (with the prompt's
         ids, vLLM's ``return_token_ids``), then with ``echo`` one with the echoed text."""
         ids = prompt_ids if self.return_token_ids else None

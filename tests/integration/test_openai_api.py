@@ -416,7 +416,8 @@ def test_prompt_logprobs_and_vllm_nulls(server, client, hf_smollm):
     choice = body["choices"][0]
     assert choice["token_ids"] is None and "prompt_token_ids" not in choice
     assert choice["message"]["reasoning"] is None and choice["message"]["reasoning_content"] is None
-    status, body = _post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 1})
+    status, body = _post(server, "/v1/completions",
+                         {"model": MODEL, "prompt": "hi", "max_tokens": 1})
     assert [body["choices"][0][k] for k in ("prompt_token_ids", "token_ids", "prompt_logprobs")] \
         == [None] * 3
     for path, extra in (("/v1/completions", {"prompt": "hi"}),

@@ -22,6 +22,11 @@ from server_utils import Server, get
 
 from tests.integration import tp_utils
 
+try:  # the HTTP library the openai client is built on (httpx2 in its 3.x releases)
+    import httpx2 as httpx
+except ImportError:
+    import httpx
+
 pytestmark = pytest.mark.slow
 
 # Qwen3's template in small: ChatML, earlier reasoning rendered back, and the closed reasoning
@@ -76,6 +81,11 @@ def model(client):
     return client.models.list().data[0].id
 
 
+def _post(server, path: str, body: dict) -> tuple[int, dict]:
+    r = httpx.post(f"{server.url}{path}", json=body, timeout=600)
+    return r.status_code, r.json()
+
+
 def _id(tok, text: str) -> int:
     (token,) = tok.encode(text, add_special_tokens=False)
     return token
@@ -95,7 +105,8 @@ def _split(tok, token_ids: list[int]) -> tuple[str, str | None]:
 def test_reasoning_then_content_whole_and_streamed(client, model, tiny_reasoner):
     """Each choice's reasoning is its text up to ``</think>`` and its content the rest, under
     vLLM's field names (``reasoning`` and the older ``reasoning_content``); streamed deltas
-    carry the same, reasoning first, and join to the whole message."""
+    carry the same, reasoning first, and join to the whole message; ``include_reasoning:
+    false`` leaves the reasoning out."""
     tok = tiny_reasoner[1]
     allowed = [_id(tok, w) for w in WORDS] + [_id(tok, "</think>")]
     kw = dict(model=model, messages=QUESTION, n=4, max_tokens=8, temperature=1.0, seed=11,
@@ -124,6 +135,10 @@ def test_reasoning_then_content_whole_and_streamed(client, model, tiny_reasoner)
         s = streamed[choice.index]
         assert (s["reasoning"] or None, s["content"] or None) == (
             choice.message.reasoning, choice.message.content)
+    kw["extra_body"]["include_reasoning"] = False
+    hidden = client.chat.completions.create(**kw)
+    assert [(c.message.reasoning, c.message.content) for c in hidden.choices] == [
+        (None, c.message.content) for c in whole.choices]
 
 
 def test_enable_thinking_false_is_all_content(client, model, tiny_reasoner):
@@ -140,6 +155,18 @@ def test_enable_thinking_false_is_all_content(client, model, tiny_reasoner):
     assert r.choices[0].message.reasoning is None
     assert r.choices[0].message.content == tok.decode(r.choices[0].token_ids)
     assert end in r.choices[0].token_ids
+
+
+def test_earlier_reasoning_goes_back_to_the_template(server):
+    """An assistant message's ``reasoning`` (or vLLM's older ``reasoning_content``) reaches the
+    template as ``reasoning_content``, the key reasoning models' templates read."""
+    for key in ("reasoning", "reasoning_content"):
+        messages = [*QUESTION, {"role": "assistant", "content": "Apple.", key: "Red, round."},
+                    {"role": "user", "content": "Why?"}]
+        status, tok = _post(server, "/tokenize", {"messages": messages})
+        assert status == 200, tok
+        text = _post(server, "/detokenize", {"tokens": tok["tokens"]})[1]["prompt"]
+        assert "<|im_start|>assistant\n<think>\nRed, round.\n</think>\n\nApple.<|im_end|>" in text
 
 
 def test_output_constraint_starts_after_the_reasoning(client, model, tiny_reasoner):

@@ -51,9 +51,9 @@ def max_token_bytes(tokenizer) -> int:
 def chat_text_bytes(messages: Sequence[dict], tools: Sequence[dict] | None = None,
                     chat_template_kwargs: dict | None = None) -> int:
     """UTF-8 bytes of a chat's text, for ``InputProcessor.check_text_size``: the messages'
-    contents and reasoning, their tool calls' arguments, the tools' and the template
-    variables' JSON (all of it may reach the prompt)."""
-    size = sum(len(m["content"].encode("utf-8"))
+    roles (any string: vLLM's custom roles), contents and reasoning, their tool calls'
+    arguments, the tools' and the template variables' JSON (all of it may reach the prompt)."""
+    size = sum(len(m["role"].encode("utf-8")) + len(m["content"].encode("utf-8"))
                + len(m.get("reasoning_content", "").encode("utf-8")) for m in messages)
     calls = [c["function"] for m in messages for c in m.get("tool_calls") or ()]
     if calls or tools or chat_template_kwargs:

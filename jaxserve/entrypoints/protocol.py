@@ -410,6 +410,10 @@ def _json_text(value: dict) -> dict:
     return value
 
 
+# vLLM's chat_template_kwargs: JSON values the template may write into the prompt.
+TemplateKwargs = Annotated[dict[str, Any], AfterValidator(_json_text)]
+
+
 class FunctionDefinition(_Base):
     name: Annotated[str, Field(pattern=FUNCTION_NAME_PATTERN)]
     description: Text | None = None
@@ -457,7 +461,7 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: TemplateKwargs | None = None
     include_reasoning: bool = True
 
     def check(self) -> None:
@@ -549,7 +553,7 @@ class TokenizeRequest(_Base):
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: TemplateKwargs | None = None
     return_token_strs: bool = False
 
     def template_messages(self) -> list[dict]:

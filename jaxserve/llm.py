@@ -74,20 +74,26 @@ class LLM:
         *,
         use_tqdm: bool = True,
         tools: Sequence[dict] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
         """Answer one conversation (a list of {"role", "content"} messages; assistant
         ``tool_calls`` and ``tool`` messages as transformers' chat format has them) or a list of
-        them, through the model's chat template with the assistant turn opened. ``tools``
-        (OpenAI tool definitions) are rendered as the server renders them
-        (docs/tool_calling.md); the text comes back as the model wrote it, calls unparsed,
-        as vLLM's ``LLM.chat`` does.
+        them, through the model's chat template with the assistant turn opened (vLLM's
+        ``add_generation_prompt``, ``continue_final_message`` and ``chat_template_kwargs`` as
+        the server takes them). ``tools`` (OpenAI tool definitions) are rendered as the server
+        renders them (docs/tool_calling.md); the text comes back as the model wrote it, calls
+        unparsed, as vLLM's ``LLM.chat`` does.
 
         Raises:
           ValidationError: as ``generate``, or the chat template rejected the messages.
         """
         if messages and isinstance(messages[0], dict):
             messages = [messages]
-        items = [self.input_processor.tokenize_chat(conv, tools=tools) for conv in messages]
+        items = [self.input_processor.tokenize_chat(
+            conv, add_generation_prompt, tools=tools, continue_final_message=continue_final_message,
+            chat_template_kwargs=chat_template_kwargs) for conv in messages]
         return self._run(items, sampling_params, use_tqdm)
 
     def get_default_sampling_params(self) -> SamplingParams:

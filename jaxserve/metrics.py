@@ -7,6 +7,11 @@ inter-token latency are recorded as the tokens arrive (as vLLM does), so that a 
 them sees a long request's progress, not one jump when it ends; an aborted request's tokens count
 too. Each Metrics object has its own registry.
 
+Names: ``jaxserve:<name>`` by default. With ``--metrics-prefix vllm`` the metrics vLLM has too
+(``VLLM_NAMES``: the same name, the same meaning, as vLLM V1's ``vllm/v1/metrics/loggers.py``
+defines them) are ``vllm:<name>`` with vLLM's labels ``model_name`` and ``engine`` (``"0"``: one
+engine), so that a dashboard built for vLLM reads them; the others stay ``jaxserve:<name>``.
+
 When the engine process dies its gauges drop to 0 (nothing runs any more) and
 ``jaxserve:engine_alive`` reads 0 until a restarted engine is ready; the engine's cumulative
 counters (preemptions, prefix cache) carry the dead engine's totals over, so they never go back.
@@ -20,10 +25,30 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from jaxserve.engine import SchedulerStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+METRICS_PREFIXES = ("jaxserve", "vllm")
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
-# Finer at the low end: a GPU decode step takes milliseconds.
-_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
+# The inter-token latency histogram's buckets, seconds: vLLM's (every bound a vLLM dashboard may
+# query is there), finer below 10 ms, where a GPU decode step lands.
+_INTER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
+                        0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+# Metrics of the same name and meaning in vLLM V1.
+VLLM_NAMES = frozenset({
+    "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_preemptions",
+    "prefix_cache_queries", "prefix_cache_hits", "request_success", "prompt_tokens",
+    "generation_tokens", "time_to_first_token_seconds", "e2e_request_latency_seconds",
+    "inter_token_latency_seconds", "request_prompt_tokens", "request_generation_tokens"})
+
+
+def token_buckets(max_model_len: int) -> tuple[int, ...]:
+    """vLLM's 1-2-5 buckets of token counts (1, 2, 5, 10, 20, ...) up to ``max_model_len``."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_model_len:
+                return tuple(out)
+            out.append(m * scale)
+        scale *= 10
 
 
 class _EngineStatsCollector:
@@ -31,88 +56,109 @@ class _EngineStatsCollector:
         self.metrics = metrics
 
     def collect(self):
-        s = self.metrics.stats
-        labels = ["model_name"]
-        name = [self.metrics.model_name]
+        m = self.metrics
+        s = m.stats
 
-        def gauge(metric, doc, value):
-            g = GaugeMetricFamily(metric, doc, labels=labels)
-            g.add_metric(name, value)
+        def gauge(name, doc, value):
+            g = GaugeMetricFamily(m.name(name), doc, labels=m.label_names)
+            g.add_metric(m.label_values, value)
             return g
 
-        def counter(metric, doc, value):
-            c = CounterMetricFamily(metric, doc, labels=labels)
-            c.add_metric(name, value)
+        def counter(name, doc, value):
+            c = CounterMetricFamily(m.name(name), doc, labels=m.label_names)
+            c.add_metric(m.label_values, value)
             return c
 
-        yield gauge("jaxserve:num_requests_running", "Requests in the engine's running batch.",
+        yield gauge("num_requests_running", "Requests in the engine's running batch.",
                     s.num_running_reqs)
-        yield gauge("jaxserve:num_requests_waiting", "Requests waiting to be scheduled.",
+        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.",
                     s.num_waiting_reqs)
-        yield gauge("jaxserve:kv_cache_usage_perc",
+        yield gauge("kv_cache_usage_perc",
                     "Fraction of usable KV pages referenced by live requests (0..1).",
                     s.kv_cache_usage)
-        base = self.metrics.dead_engines_totals
-        yield counter("jaxserve:num_preemptions", "Requests preempted (recompute).",
+        base = m.dead_engines_totals
+        yield counter("num_preemptions", "Requests preempted (recompute).",
                       base.num_preemptions_total + s.num_preemptions_total)
-        yield counter("jaxserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                       base.prefix_cache_queries + s.prefix_cache_queries)
-        yield counter("jaxserve:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                       base.prefix_cache_hits + s.prefix_cache_hits)
-        yield counter("jaxserve:prompt_tokens_computed", "Prompt tokens whose K/V the engine "
+        yield counter("prompt_tokens_computed", "Prompt tokens whose K/V the engine "
                       "computed (prefix-cache hits and the shared prompt of a request's other "
                       "choices excluded; recomputation after preemption included).",
                       base.prompt_tokens_computed + s.prompt_tokens_computed)
-        yield gauge("jaxserve:engine_alive", "1 while the engine process serves, 0 after it died "
-                    "(until a restarted one is ready).", 1 if self.metrics.engine_alive else 0)
-        yield counter("jaxserve:engine_restarts", "Times the engine process was restarted after "
-                      "it died.", self.metrics.engine_restarts)
+        yield gauge("engine_alive", "1 while the engine process serves, 0 after it died "
+                    "(until a restarted one is ready).", 1 if m.engine_alive else 0)
+        yield counter("engine_restarts", "Times the engine process was restarted after "
+                      "it died.", m.engine_restarts)
 
 
 class Metrics:
-    """The server's metrics. ``render()`` gives the Prometheus text exposition."""
+    """The server's metrics. ``render()`` gives the Prometheus text exposition.
 
-    def __init__(self, model_name: str):
+    Args:
+      model_name: the ``model_name`` label's value.
+      prefix: "jaxserve", or "vllm" for vLLM's names and labels (module docstring).
+      max_model_len: the top of the per-request token-count histograms' buckets.
+    """
+
+    def __init__(self, model_name: str, prefix: str = "jaxserve", max_model_len: int = 32768):
+        if prefix not in METRICS_PREFIXES:
+            raise ValueError(f"metrics prefix must be one of {METRICS_PREFIXES}, got {prefix!r}")
         self.model_name = model_name
+        self.prefix = prefix
+        self.label_names = ["model_name"] + (["engine"] if prefix == "vllm" else [])
+        self.label_values = [model_name] + (["0"] if prefix == "vllm" else [])
         self.stats = SchedulerStats()
         self.dead_engines_totals = SchedulerStats()  # cumulative counters of engines that died
         self.engine_alive = True
         self.engine_restarts = 0
         self.registry = CollectorRegistry()
         self.registry.register(_EngineStatsCollector(self))
-        labels = ["model_name"]
+        labels, reg = self.label_names, self.registry
         self.request_success = Counter(
-            "jaxserve:request_success", "Finished requests, by finish reason.",
-            labels + ["finished_reason"], registry=self.registry)
-        self.prompt_tokens = Counter("jaxserve:prompt_tokens", "Prompt tokens of finished "
+            self.name("request_success"), "Finished requests, by finish reason.",
+            labels + ["finished_reason"], registry=reg)
+        self.prompt_tokens = Counter(self.name("prompt_tokens"), "Prompt tokens of finished "
                                      "requests (once per request, whatever its n).",
-                                     labels, registry=self.registry)
-        self.generation_tokens = Counter("jaxserve:generation_tokens",
+                                     labels, registry=reg)
+        self.generation_tokens = Counter(self.name("generation_tokens"),
                                          "Generated tokens, counted as they arrive.",
-                                         labels, registry=self.registry)
-        self.ttft = Histogram("jaxserve:time_to_first_token_seconds",
+                                         labels, registry=reg)
+        self.request_prompt_tokens = Histogram(
+            self.name("request_prompt_tokens"), "Prompt tokens of each finished request.",
+            labels, buckets=token_buckets(max_model_len), registry=reg)
+        self.request_generation_tokens = Histogram(
+            self.name("request_generation_tokens"), "Generated tokens of each finished request "
+            "(all its choices).", labels, buckets=token_buckets(max_model_len), registry=reg)
+        self.ttft = Histogram(self.name("time_to_first_token_seconds"),
                               "Time from arrival to the first token, seconds.", labels,
-                              buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.itl = Histogram("jaxserve:inter_token_latency_seconds",
-                             "Time between a sequence's consecutive outputs (one step's new "
-                             "tokens), seconds.", labels, buckets=_ITL_BUCKETS,
-                             registry=self.registry)
-        self.e2e = Histogram("jaxserve:e2e_request_latency_seconds",
+                              buckets=_LATENCY_BUCKETS, registry=reg)
+        self.inter_token = Histogram(
+            self.name("inter_token_latency_seconds"), "Time between a choice's successive "
+            "outputs of new tokens, seconds.", labels, buckets=_INTER_TOKEN_BUCKETS,
+            registry=reg)
+        self.e2e = Histogram(self.name("e2e_request_latency_seconds"),
                              "Time from arrival to the last token, seconds.", labels,
-                             buckets=_LATENCY_BUCKETS, registry=self.registry)
+                             buckets=_LATENCY_BUCKETS, registry=reg)
         self.rejected = Counter(
-            "jaxserve:request_rejected", "Requests refused or cut short by a limit: overloaded "
-            "(503 past --max-waiting-requests) or timeout (--request-timeout).",
-            labels + ["reason"], registry=self.registry)
+            self.name("request_rejected"), "Requests refused or cut short by a limit: "
+            "overloaded (503 past --max-waiting-requests) or timeout (--request-timeout).",
+            labels + ["reason"], registry=reg)
         # Create the labelled series now, so that they read 0 (not absent) before the first
         # request finishes: a client diffing the counters sees 0 tokens, not a missing metric.
-        for metric in (self.prompt_tokens, self.ttft, self.e2e):
-            metric.labels(model_name)
+        for metric in (self.prompt_tokens, self.request_prompt_tokens,
+                       self.request_generation_tokens, self.ttft, self.e2e):
+            metric.labels(*self.label_values)
         # The series recorded once per output, looked up once.
-        self._generation_tokens = self.generation_tokens.labels(model_name)
-        self._itl = self.itl.labels(model_name)
+        self._generation_tokens = self.generation_tokens.labels(*self.label_values)
+        self._inter_token = self.inter_token.labels(*self.label_values)
         for reason in ("overloaded", "timeout"):
-            self.rejected.labels(model_name, reason)
+            self.rejected.labels(*self.label_values, reason)
+
+    def name(self, base: str) -> str:
+        """The exposed name of metric ``base`` (module docstring)."""
+        return f"{self.prefix if base in VLLM_NAMES else 'jaxserve'}:{base}"
 
     def update_stats(self, stats: SchedulerStats) -> None:
         self.stats = stats
@@ -134,25 +180,31 @@ class Metrics:
         self.engine_restarts = restarts
 
     def record_rejected(self, reason: str) -> None:
-        self.rejected.labels(self.model_name, reason).inc()
+        self.rejected.labels(*self.label_values, reason).inc()
 
     def record_first_token(self, ttft_s: float) -> None:
         """A request's first token arrived ``ttft_s`` seconds after the request."""
-        self.ttft.labels(self.model_name).observe(ttft_s)
+        self.ttft.labels(*self.label_values).observe(ttft_s)
 
     def record_output(self, num_tokens: int, gap_s: float | None) -> None:
-        """A sequence's new tokens arrived, ``gap_s`` seconds after its previous ones (None for
-        its first)."""
+        """A choice's new tokens arrived, ``gap_s`` seconds after its previous ones (None for
+        its first): generated tokens, and one inter-token latency value per engine output after
+        the first (as vLLM records it)."""
         self._generation_tokens.inc(num_tokens)
         if gap_s is not None:
-            self._itl.observe(gap_s)
+            self._inter_token.observe(gap_s)
 
-    def record_finished(self, finish_reason: str, prompt_tokens: int, e2e_s: float) -> None:
-        """A request ended with ``finish_reason``, ``e2e_s`` seconds after it arrived."""
-        m = self.model_name
-        self.request_success.labels(m, finish_reason).inc()
-        self.prompt_tokens.labels(m).inc(prompt_tokens)
-        self.e2e.labels(m).observe(e2e_s)
+    def record_finished(self, finish_reason: str, prompt_tokens: int, output_tokens: int,
+                        e2e_s: float) -> None:
+        """A request ended with ``finish_reason``, ``e2e_s`` seconds after it arrived, with
+        ``output_tokens`` generated over all its choices (their tokens were counted as they
+        arrived: here only the per-request histograms)."""
+        v = self.label_values
+        self.request_success.labels(*v, finish_reason).inc()
+        self.prompt_tokens.labels(*v).inc(prompt_tokens)
+        self.request_prompt_tokens.labels(*v).observe(prompt_tokens)
+        self.request_generation_tokens.labels(*v).observe(output_tokens)
+        self.e2e.labels(*v).observe(e2e_s)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

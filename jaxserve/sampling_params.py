@@ -119,6 +119,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
       repetition_penalty: in (0, 100]; a token seen in the prompt or the output has its logit
         divided by it when positive, multiplied when negative (1 disables it).
       logit_bias: token id -> bias in [-100, 100] added to its logit, at most 1024 entries.
+      allowed_token_ids: only these tokens can be drawn (EOS too only when listed), a
+        non-empty list; applied as a bitmask with the structured outputs' (the InputProcessor
+        checks the ids against the vocabulary).
       seed: per-request RNG seed for reproducible sampling; None draws one at random. Choice i
         of a request with n > 1 uses seed + i.
       stop: up to 16 strings of 1..256 characters that end generation.
@@ -156,6 +159,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
     seed: int | None = None
     stop: list[str] = msgspec.field(default_factory=list)
     stop_token_ids: list[int] = msgspec.field(default_factory=list)
@@ -203,6 +207,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
             raise ValidationError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], "
                                   f"got {self.repetition_penalty}", parameter="repetition_penalty")
         self._check_logit_bias()
+        allowed = self.allowed_token_ids
+        if allowed is not None and not (allowed and all(0 <= t <= INT32_MAX for t in allowed)):
+            raise ValidationError("allowed_token_ids: give a non-empty list of token ids",
+                                  parameter="allowed_token_ids")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise ValidationError(f"seed must be a non-negative 63-bit integer, got {self.seed}",
                                   parameter="seed")

@@ -30,6 +30,8 @@ from jaxserve.distributed import check_hosts
 from jaxserve.engine.arg_utils import HelpFormatter, add_cli_args, bounded, from_cli_args
 from jaxserve.entrypoints.limits import ServerLimits
 from jaxserve.entrypoints.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS
+from jaxserve.metrics import METRICS_PREFIXES
+from jaxserve.reasoning import REASONING_PARSERS
 
 PROG = "python -m jaxserve.serve"
 EXIT_ENGINE_FAILED = 3
@@ -69,6 +71,16 @@ def build_parser() -> argparse.ArgumentParser:
                        "the format of the model's tool calls: hermes (Hermes 2 Pro, Qwen2.5, and "
                        "the format rendered for chat templates without tools, as the default "
                        "model's) or llama3_json (Llama 3.1 / 3.2); docs/tool_calling.md"))
+    p.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None, help=(
+        "split a reasoning model's output into `reasoning` (and `reasoning_content`) and "
+        "`content` in chat completions: deepseek_r1 (DeepSeek-R1, QwQ) or qwen3; output "
+        "constraints and tool parsing start after the reasoning; docs/reasoning.md"))
+    p.add_argument("--return-tokens-as-token-ids", action="store_true", help=(
+        "write tokens in log-probabilities as 'token_id:{id}' (a request's "
+        "return_tokens_as_token_ids overrides it)"))
+    p.add_argument("--metrics-prefix", choices=METRICS_PREFIXES, default="jaxserve", help=(
+        "vllm: the /metrics that vLLM has too are named vllm:* with vLLM's labels, for vLLM's "
+        "dashboards; docs/architecture.md, \"Engine stats\""))
     d = ServerLimits()
     g = p.add_argument_group("limits", "bounds on what clients may ask (docs/reliability.md)")
     g.add_argument("--max-waiting-requests", type=_count, default=d.max_waiting_requests, help=(
@@ -181,9 +193,12 @@ async def serve(args, sock: socket.socket) -> int:
     _say(f"connections: {min(limits.max_connections, max_open)} served at once "
          f"(--max-connections {limits.max_connections}); the open-files limit allows "
          f"{max_open} in all, those past --max-connections answered 503 with Retry-After")
-    llm = AsyncLLM(from_cli_args(args), max_engine_restarts=args.max_engine_restarts)
+    llm = AsyncLLM(from_cli_args(args), max_engine_restarts=args.max_engine_restarts,
+                   metrics_prefix=args.metrics_prefix)
     app = build_app(llm, served_model_name=args.served_model_name, api_key=args.api_key,
-                    limits=limits, tool_call_parser=args.tool_call_parser)
+                    limits=limits, tool_call_parser=args.tool_call_parser,
+                    reasoning_parser=args.reasoning_parser,
+                    return_tokens_as_token_ids=args.return_tokens_as_token_ids)
     # What each connection's protocol (limits.CappedSockSite makes them) is built with.
     protocol_kwargs = dict(access_log=None, keepalive_timeout=limits.keepalive_timeout_s,
                            lingering_time=limits.lingering_s)

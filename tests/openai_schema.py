@@ -2,6 +2,11 @@
 (tests/data/openai_openapi_subset.yaml: source and licence inside), with openapi-schema-validator's
 OpenAPI 3.0 validator (it knows ``nullable``, which plain JSON Schema does not).
 
+Where the document is narrower than OpenAI's service, the service wins: with ``echo`` and
+``logprobs``, the first prompt token of a completion has no log-probability, and OpenAI's legacy
+API (and vLLM) send null for it in ``token_logprobs`` and ``top_logprobs``, whose items the
+document types as a number and an object: both are read as nullable here.
+
 Two readings of the document, both for streamed chunks, where it contradicts OpenAI's own
 streams (every chunk before the last has ``finish_reason: null``):
 - a chat chunk's ``finish_reason`` is ``nullable: true`` with an ``enum``; OpenAPI 3.0.3 lets the
@@ -43,6 +48,9 @@ Validator = validators.extend(OAS30Validator, {"enum": _enum})
 def _document() -> dict:
     doc = yaml.safe_load(SUBSET.read_text())
     schemas = doc["components"]["schemas"]
+    logprobs = schemas[COMPLETION]["properties"]["choices"]["items"]["properties"]["logprobs"]
+    for key in ("token_logprobs", "top_logprobs"):
+        logprobs["properties"][key]["items"]["nullable"] = True
     chunk = copy.deepcopy(schemas[COMPLETION])
     chunk["properties"]["choices"]["items"]["properties"]["finish_reason"]["nullable"] = True
     schemas[COMPLETION_CHUNK] = chunk

@@ -43,9 +43,15 @@ class Request:
         advanced with each of its output tokens; None otherwise. Preemption keeps it as it
         is: recomputing replays tokens the matcher has already consumed, and samples only
         the next one.
+      reasoning_end_token_id: while the sequence is still in the model's reasoning, the token
+        that ends it (EngineCoreRequest's); its grammar neither constrains nor consumes until
+        that token is drawn, then this is None.
+      allowed_bitmask: [ceil(V / 32)] int32, the tokens ``allowed_token_ids`` lets it draw
+        (shared by a request's choices), or None.
     """
 
-    def __init__(self, req: EngineCoreRequest, seed: int, index: int = 0, grammar=None):
+    def __init__(self, req: EngineCoreRequest, seed: int, index: int = 0, grammar=None,
+                 allowed_bitmask=None):
         n = req.sampling_params.n
         self.request_id = child_request_id(req.request_id, index, n)
         self.index = index
@@ -67,6 +73,13 @@ class Request:
         wants = req.sampling_params.prompt_logprobs is not None and index == 0
         self.prompt_logprobs: LogprobsLists | None = LogprobsLists() if wants else None
         self.grammar = grammar
+        self.reasoning_end_token_id = req.reasoning_end_token_id if grammar is not None else None
+        self.allowed_bitmask = allowed_bitmask
+
+    @property
+    def constrained(self) -> bool:
+        """Its sampling takes a bitmask row: a grammar, or allowed_token_ids."""
+        return self.grammar is not None or self.allowed_bitmask is not None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -25,7 +25,10 @@ lists the constrained sequences that sample in the step, ``grammar_bitmask`` giv
 their grammars allow next (from the StructuredOutputManager), and ``update`` advances each
 matcher with the token drawn. So ``grammar_bitmask`` must come after the update with every
 earlier token: under async scheduling, after the previous step's (EngineCore.step,
-docs/structured_outputs.md).
+docs/structured_outputs.md). A sequence still in the model's reasoning (``--reasoning-parser``)
+gets an all-allowed row, and its matcher starts after the token that ends the reasoning. A
+sequence with ``allowed_token_ids`` is constrained too: its fixed row is ANDed into its grammar's
+(or an all-allowed) row.
 
 A request that wants prompt log-probabilities takes no prefix-cache hits (every prompt position
 must be computed), and its prompt chunks are capped so that one step never holds more than
@@ -81,8 +84,8 @@ class Scheduler:
         return bool(self.requests)
 
     def has_structured_requests(self) -> bool:
-        """Some unfinished sequence is constrained by a grammar."""
-        return any(r.grammar is not None for r in self.requests.values())
+        """Some unfinished sequence is constrained (a grammar or allowed_token_ids)."""
+        return any(r.constrained for r in self.requests.values())
 
     def abort_requests(self, request_ids) -> None:
         """Abort sequences by id (a choice's id aborts that choice alone). Choices that wait for
@@ -198,13 +201,13 @@ class Scheduler:
         out.total_num_scheduled_tokens = self.max_num_batched_tokens - budget
         out.structured_output_request_ids = [
             rid for rid, samples in out.samples.items()
-            if samples and self.requests[rid].grammar is not None]
+            if samples and self.requests[rid].constrained]
         return out
 
     def grammar_bitmask(self, out: SchedulerOutput) -> None:
         """Set ``out.grammar_bitmask``: the tokens each of its constrained sequences may draw.
-        A sequence that finished since ``schedule`` (its row's token will be dropped) gets an
-        all-allowed row.
+        A sequence that finished since ``schedule`` (its row's token will be dropped), or
+        whose reasoning has not ended, gets an all-allowed row (then its allowed_token_ids).
 
         Raises:
           RuntimeError: a sequence's matcher has not seen a token before this step's (an
@@ -214,12 +217,17 @@ class Scheduler:
             return
         reqs = [self.requests.get(rid) for rid in out.structured_output_request_ids]
         live = [i for i, r in enumerate(reqs) if r is not None]
-        if any(reqs[i].num_output_placeholders > 1 for i in live):
+        grammars = [i for i in live if reqs[i].grammar is not None
+                    and reqs[i].reasoning_end_token_id is None]
+        if any(reqs[i].num_output_placeholders > 1 for i in grammars):
             raise RuntimeError("a constrained sequence's grammar is behind its tokens")
         manager = self.structured_output_manager
         mask = np.full((len(reqs), manager.width), -1, np.int32)
-        if live:
-            mask[live] = manager.grammar_bitmask([reqs[i].grammar for i in live])
+        if grammars:
+            mask[grammars] = manager.grammar_bitmask([reqs[i].grammar for i in grammars])
+        for i in live:
+            if reqs[i].allowed_bitmask is not None:
+                mask[i] &= reqs[i].allowed_bitmask
         out.grammar_bitmask = mask
 
     def _cap(self, req: Request, n: int) -> int:
@@ -307,7 +315,10 @@ class Scheduler:
             token = int(output.sampled[rid])
             req.num_output_placeholders -= 1
             req.all_token_ids.append(token)
-            if req.grammar is not None and not req.grammar.is_stopped():
+            if req.reasoning_end_token_id is not None:
+                if token == req.reasoning_end_token_id:  # the grammar starts with the next
+                    req.reasoning_end_token_id = None
+            elif req.grammar is not None and not req.grammar.is_stopped():
                 # A token the mask allowed; EOS after a complete grammar stops the matcher.
                 req.grammar.consume_token(token)
             if req.status == running:

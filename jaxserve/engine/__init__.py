@@ -47,11 +47,15 @@ class EngineCoreRequest(msgspec.Struct, array_like=True):
       prompt_token_ids: the prompt, token ids (non-empty, in the vocabulary, shorter than
         max_model_len: the engine trusts the InputProcessor's checks).
       sampling_params: validated SamplingParams (stop strings are the OutputProcessor's job).
+      reasoning_end_token_id: for a request whose output starts with the model's reasoning
+        (``--reasoning-parser``), the token that ends it: its structured outputs constrain
+        only the tokens after that one (vLLM's rule); None: from the first token.
     """
 
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
+    reasoning_end_token_id: int | None = None
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):

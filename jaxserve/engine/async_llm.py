@@ -9,7 +9,7 @@ Usage (inside an event loop)::
 
     llm = AsyncLLM(EngineConfig(...))
     await llm.start()
-    ids = await llm.encode_chat([{"role": "user", "content": "Hi"}])
+    _, ids = await llm.encode_chat([{"role": "user", "content": "Hi"}])
     queue = llm.add_request(ids, SamplingParams(max_tokens=16), "req-1")
     async for out in llm.outputs("req-1", queue):
         print(out.outputs[0].text, end="")
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import shutil
 import time
@@ -69,10 +70,13 @@ class AsyncLLM:
     Args:
       config: the engine configuration.
       max_engine_restarts: how many times a dead engine process is started again (0: never).
+      metrics_prefix: the metrics' names (Metrics' ``prefix``: "jaxserve" or "vllm").
     """
 
-    def __init__(self, config: EngineConfig, max_engine_restarts: int = 0):
+    def __init__(self, config: EngineConfig, max_engine_restarts: int = 0,
+                 metrics_prefix: str = "jaxserve"):
         self.max_engine_restarts = max_engine_restarts
+        self.metrics_prefix = metrics_prefix
         self.engine_restarts = 0
         self.failed = asyncio.Event()
         self._restart_task: asyncio.Task | None = None
@@ -120,7 +124,7 @@ class AsyncLLM:
         self.vocab_size = ready.vocab_size
         self.generation_config = ready.generation_config
         self.allocator_fraction = ready.allocator_fraction
-        self.metrics = Metrics(ready.model_name)
+        self.metrics = Metrics(ready.model_name, self.metrics_prefix, ready.config.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer, ready.eos_token_ids, self.metrics)
         self.ready = True
 
@@ -140,22 +144,36 @@ class AsyncLLM:
                                     add_special_tokens)
 
     async def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                          add_special_tokens: bool = False,
-                          tools: list[dict] | None = None) -> list[int]:
-        """Chat messages (and tools) -> token ids (InputProcessor.tokenize_chat), off the
-        event loop.
+                          add_special_tokens: bool = False, tools: list[dict] | None = None,
+                          continue_final_message: bool = False,
+                          chat_template_kwargs: dict | None = None) -> tuple[str, list[int]]:
+        """Chat messages (and tools, template options) -> (the rendered text, its token ids)
+        (InputProcessor.tokenize_chat), off the event loop.
 
         Raises:
           ValidationError: on ``messages``: too long to fit max_model_len, or the template
-            rejected them.
+            rejected them; on ``chat_template_kwargs``: a key that cannot be set.
         """
-        self.input_processor.check_text_size(chat_text_bytes(messages, tools), "messages")
-        return (await self._tokenize(self.input_processor.tokenize_chat, messages,
-                                     add_generation_prompt, add_special_tokens, tools))[1]
+        self.input_processor.check_text_size(
+            chat_text_bytes(messages, tools, chat_template_kwargs), "messages")
+        return await self._tokenize(self.input_processor.tokenize_chat, messages,
+                                    add_generation_prompt, add_special_tokens, tools,
+                                    continue_final_message, chat_template_kwargs)
 
-    async def detokenize(self, token_ids: list[int]) -> str:
-        """Token ids -> text (special tokens kept, as vLLM's /detokenize), off the event loop."""
-        return await self._tokenize(self.tokenizer.decode, token_ids)
+    def vocabulary_id(self, token: str) -> int | None:
+        """The id of the vocabulary entry that is exactly ``token`` (an added token such as
+        ``</think>``), or None when there is none."""
+        token_id = self.tokenizer.convert_tokens_to_ids(token)
+        if token_id is None or self.tokenizer.convert_ids_to_tokens(token_id) != token:
+            return None
+        return token_id
+
+    async def detokenize(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        """Token ids -> text (special tokens kept unless skipped: vLLM's /detokenize keeps
+        them), off the event loop."""
+        return await self._tokenize(
+            functools.partial(self.tokenizer.decode, skip_special_tokens=skip_special_tokens),
+            token_ids)
 
     def check_request(self, prompt_token_ids: list[int], sp: SamplingParams) -> None:
         """InputProcessor.check_sampling_params and check_prompt with the server's rule.
@@ -180,19 +198,19 @@ class AsyncLLM:
     # -- generation ----------------------------------------------------------------------------
 
     def add_request(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                    request_id: str) -> asyncio.Queue:
+                    request_id: str, reasoning_end_token_id: int | None = None) -> asyncio.Queue:
         """Submit a request: it is on its way to the engine when this returns, so the engine
         starts on it while the caller sets up its response. Its RequestOutput deltas, then the
         exception that ends it if one does, arrive on the returned queue (read it with
-        ``outputs``); ``abort`` ends it early.
+        ``outputs``); ``abort`` ends it early. ``reasoning_end_token_id``: EngineCoreRequest's.
 
         Raises:
           EngineDeadError: the engine is gone (or the server is shutting down).
         """
         if not self.ready or self.shutting_down:
             raise EngineDeadError("the engine is not available")
-        self.engine_core.add_request(
-            EngineCoreRequest(request_id, prompt_token_ids, sampling_params))
+        self.engine_core.add_request(EngineCoreRequest(request_id, prompt_token_ids,
+                                                       sampling_params, reasoning_end_token_id))
         # Tracked after the send, so that the detokenizers' set-up overlaps the engine's work:
         # outputs are read on this event loop, so none can arrive before this returns.
         queue: asyncio.Queue = asyncio.Queue()

@@ -65,7 +65,8 @@ def _call_block(call: dict) -> str:
 
 def hermes_messages(messages: Sequence[dict], tools: Sequence[dict] | None) -> list[dict]:
     """Messages in the transformers chat format (``tool_calls``, ``tool`` roles) -> plain
-    ``{"role", "content"}`` messages in the Hermes format (module docstring).
+    ``{"role", "content"}`` messages in the Hermes format (module docstring); other keys of a
+    message (its reasoning) are kept.
 
     Args:
       messages: the conversation; a ``tool_calls`` entry's ``function.arguments`` is a dict,
@@ -83,9 +84,10 @@ def hermes_messages(messages: Sequence[dict], tools: Sequence[dict] | None) -> l
         elif m.get("tool_calls"):
             parts = [m["content"]] if m["content"] else []
             parts += [_call_block(c) for c in m["tool_calls"]]
-            out.append({"role": m["role"], "content": "\n".join(parts)})
+            kept = {k: v for k, v in m.items() if k != "tool_calls"}
+            out.append({**kept, "content": "\n".join(parts)})
         else:
-            out.append({"role": m["role"], "content": m["content"]})
+            out.append(dict(m))
     for m in out:
         m.pop("tool_results", None)
     if tools:

@@ -39,7 +39,7 @@ from jaxserve.models import sharding
 from jaxserve.models.fp8_checkpoint import resolve_method
 from jaxserve.models.registry import build_params, resolve_kv_cache_dtype
 from jaxserve.platforms import current_platform
-from jaxserve.structured_output.manager import StructuredOutputManager
+from jaxserve.structured_output.manager import StructuredOutputManager, token_bitmask
 from jaxserve.worker.executable_cache import ExecutableCache
 from jaxserve.worker.model_runner import ModelRunner
 from pallas_kernels import get_attention_fn, kv_quant
@@ -297,7 +297,8 @@ class EngineCore:
         shorter than max_model_len; a request id not in use). Its ``n`` choices run as
         sequences ``child_request_id(request_id, i, n)``; choice i draws with seed + i (vLLM's
         rule), choices 1.. fork from choice 0 once its prompt is computed (Scheduler). A
-        constrained request gets a grammar matcher per choice.
+        constrained request gets a grammar matcher per choice, and one with
+        ``allowed_token_ids`` their bitmask row.
 
         Raises:
           ValidationError: on ``structured_outputs``, "<kind>: <error>", for a constraint that
@@ -311,9 +312,13 @@ class EngineCore:
         if sp.structured_outputs is not None:
             grammars = [self.structured_output_manager.grammar_init(sp.structured_outputs)
                         for _ in range(sp.n)]
-        parent = Request(request, seed & 0xFFFFFFFF, grammar=grammars[0])
+        allowed = None
+        if sp.allowed_token_ids is not None:
+            allowed = token_bitmask(sp.allowed_token_ids, self.vocab_size)
+        parent = Request(request, seed & 0xFFFFFFFF, grammar=grammars[0], allowed_bitmask=allowed)
         for i in range(1, sp.n):
-            child = Request(request, (seed + i) & 0xFFFFFFFF, index=i, grammar=grammars[i])
+            child = Request(request, (seed + i) & 0xFFFFFFFF, index=i, grammar=grammars[i],
+                            allowed_bitmask=allowed)
             child.fork_parent = parent
             parent.fork_children.append(child)
         self.scheduler.add_request(parent)

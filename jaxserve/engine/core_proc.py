@@ -34,7 +34,7 @@ from multiprocessing.connection import Connection
 from jaxserve.config import EngineConfig
 from jaxserve.engine import EngineCoreRequest, child_request_id
 from jaxserve.engine import messages as M
-from jaxserve.engine.input_processor import check_token_ids
+from jaxserve.engine.input_processor import check_sampling_token_ids, check_token_ids
 from jaxserve.exceptions import ValidationError
 from jaxserve.tokenizer_io import save_tokenizer
 
@@ -74,8 +74,7 @@ def check_engine_request(req: EngineCoreRequest, vocab_size: int, max_model_len:
         raise ValidationError(f"prompt: {n} tokens; a prompt needs 1 to {max_model_len - 1}",
                               parameter="prompt")
     check_token_ids(req.prompt_token_ids, vocab_size, "prompt")
-    check_token_ids(req.sampling_params.stop_token_ids, vocab_size, "stop_token_ids")
-    check_token_ids(req.sampling_params.logit_bias or (), vocab_size, "logit_bias")
+    check_sampling_token_ids(req.sampling_params, vocab_size)
 
 
 class EngineCoreProc:

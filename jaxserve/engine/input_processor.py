@@ -7,10 +7,12 @@ through every entry point. The engine trusts what comes out of it.
 Tokenization follows vLLM:
 - a text prompt is encoded *with* the tokenizer's special tokens (a BOS where the tokenizer adds
   one, as the model saw in training);
-- a chat is rendered through the model's chat template with the assistant turn opened, and that
-  text is encoded *without* adding special tokens: the template writes its own BOS, so a prompt
-  never starts with two; tools go to the template, or into the messages for a template that
-  ignores them (``chat_tools``, docs/tool_calling.md);
+- a chat is rendered through the model's chat template with the assistant turn opened (or its
+  last message left open: vLLM's ``continue_final_message``), and that text is encoded *without*
+  adding special tokens: the template writes its own BOS, so a prompt never starts with two;
+  tools go to the template, or into the messages for a template that ignores them
+  (``chat_tools``, docs/tool_calling.md); a request's ``chat_template_kwargs`` reach the
+  template filtered to its own variables (``chat_template``);
 - a prompt given as token ids is taken as it is.
 
 Text is measured before it is tokenized (``check_text_size``): no token stands for more than
@@ -24,6 +26,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
+from jaxserve.engine.chat_template import template_kwargs, template_variables
 from jaxserve.engine.chat_tools import hermes_messages, template_handles_tools
 from jaxserve.exceptions import ValidationError
 
@@ -45,13 +48,17 @@ def max_token_bytes(tokenizer) -> int:
     return max(longest, 1)
 
 
-def chat_text_bytes(messages: Sequence[dict], tools: Sequence[dict] | None = None) -> int:
+def chat_text_bytes(messages: Sequence[dict], tools: Sequence[dict] | None = None,
+                    chat_template_kwargs: dict | None = None) -> int:
     """UTF-8 bytes of a chat's text, for ``InputProcessor.check_text_size``: the messages'
-    contents, their tool calls' arguments and the tools' JSON (all of it reaches the prompt)."""
-    size = sum(len(m["content"].encode("utf-8")) for m in messages)
+    roles (any string: vLLM's custom roles), contents and reasoning, their tool calls'
+    arguments, the tools' and the template variables' JSON (all of it may reach the prompt)."""
+    size = sum(len(m["role"].encode("utf-8")) + len(m["content"].encode("utf-8"))
+               + len(m.get("reasoning_content", "").encode("utf-8")) for m in messages)
     calls = [c["function"] for m in messages for c in m.get("tool_calls") or ()]
-    if calls or tools:
-        size += len(json.dumps([calls, tools or []], ensure_ascii=False).encode("utf-8"))
+    if calls or tools or chat_template_kwargs:
+        size += len(json.dumps([calls, tools or [], chat_template_kwargs or {}],
+                               ensure_ascii=False).encode("utf-8"))
     return size
 
 
@@ -61,6 +68,14 @@ def check_token_ids(ids: Sequence[int], vocab_size: int, field: str) -> None:
     if bad:
         raise ValidationError(f"{field}: token id {bad[0]} is out of range [0, {vocab_size})",
                               parameter=field)
+
+
+def check_sampling_token_ids(sp, vocab_size: int) -> None:
+    """Raises ValidationError on the field of a SamplingParams token id outside
+    [0, vocab_size)."""
+    check_token_ids(sp.stop_token_ids, vocab_size, "stop_token_ids")
+    check_token_ids(sp.logit_bias or (), vocab_size, "logit_bias")
+    check_token_ids(sp.allowed_token_ids or (), vocab_size, "allowed_token_ids")
 
 
 class InputProcessor:
@@ -78,6 +93,7 @@ class InputProcessor:
         self.max_text_bytes = max_model_len * max_token_bytes(tokenizer)
         self.template_handles_tools = (bool(getattr(tokenizer, "chat_template", None))
                                        and template_handles_tools(tokenizer))
+        self.template_variables = template_variables(tokenizer)
 
     def check_text_size(self, num_bytes: int, field: str = "prompt") -> None:
         """Refuse, before tokenizing, text too long to fit max_model_len tokens.
@@ -97,10 +113,9 @@ class InputProcessor:
                 parameter=field)
 
     def check_sampling_params(self, sp) -> None:
-        """Raises ValidationError, on ``stop_token_ids`` or ``logit_bias``, for a token id of
-        the SamplingParams outside the vocabulary."""
-        check_token_ids(sp.stop_token_ids, self.vocab_size, "stop_token_ids")
-        check_token_ids(sp.logit_bias or (), self.vocab_size, "logit_bias")
+        """Raises ValidationError, on ``stop_token_ids``, ``logit_bias`` or
+        ``allowed_token_ids``, for a token id of the SamplingParams outside the vocabulary."""
+        check_sampling_token_ids(sp, self.vocab_size)
 
     def tokenize_prompt(self, prompt: str | Sequence[int],
                         add_special_tokens: bool = True) -> list[int]:
@@ -110,23 +125,28 @@ class InputProcessor:
         return [int(t) for t in prompt]
 
     def tokenize_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True,
-                      add_special_tokens: bool = False,
-                      tools: Sequence[dict] | None = None) -> tuple[str, list[int]]:
+                      add_special_tokens: bool = False, tools: Sequence[dict] | None = None,
+                      continue_final_message: bool = False,
+                      chat_template_kwargs: dict | None = None) -> tuple[str, list[int]]:
         """Chat messages (the transformers chat format: ``{"role", "content"}``, assistant
         ``tool_calls``, ``tool`` messages) -> (the rendered template, with the assistant
         generation prompt appended unless ``add_generation_prompt`` is False, and its token
-        ids; ``add_special_tokens`` adds the tokenizer's own on top, vLLM's /tokenize option).
-        ``tools`` (OpenAI tool definitions) go to the template, or, for a template that ignores
-        them, into the messages in the Hermes format (``chat_tools``, docs/tool_calling.md).
+        ids; ``add_special_tokens`` adds the tokenizer's own on top, vLLM's option).
+        ``continue_final_message`` ends the text inside the last message, for the model to go
+        on with it (not with ``add_generation_prompt``). ``tools`` (OpenAI tool definitions)
+        go to the template, or, for a template that ignores them, into the messages in the
+        Hermes format (``chat_tools``, docs/tool_calling.md). ``chat_template_kwargs``: more
+        template variables (``chat_template.template_kwargs`` filters them).
 
         Raises:
           ValidationError: on ``messages``: the tokenizer has no chat template, or the template
-            rejected the messages (e.g. roles that do not alternate).
+            rejected the messages (e.g. roles that do not alternate); on
+            ``chat_template_kwargs``: a key that cannot be set.
         """
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValidationError("messages: this model has no chat template; use /v1/completions",
                                   parameter="messages")
-        kw = {}
+        kw = template_kwargs(chat_template_kwargs, self.template_variables)
         if self.template_handles_tools:
             kw["tools"] = list(tools) if tools else None
         else:
@@ -134,7 +154,7 @@ class InputProcessor:
         try:
             text = self.tokenizer.apply_chat_template(
                 list(messages), tokenize=False, add_generation_prompt=add_generation_prompt,
-                **kw)
+                continue_final_message=continue_final_message, **kw)
         except Exception as e:  # jinja errors, raised by the template itself
             raise ValidationError(f"messages: the chat template rejected them: {e}",
                                   parameter="messages") from e

@@ -239,6 +239,7 @@ class OutputProcessor:
             self._forget(st)
             if self.metrics is not None:
                 self.metrics.record_finished(finish_reason, len(st.prompt_token_ids),
+                                             sum(c.num_output_tokens for c in st.choices),
                                              now - st.arrival_time)
         return out, abort
 

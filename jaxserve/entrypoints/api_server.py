@@ -38,6 +38,7 @@ from jaxserve.entrypoints.serving_responses import (
 from jaxserve.entrypoints.serving_tokenization import detokenize, tokenize
 from jaxserve.entrypoints.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS
 from jaxserve.metrics import CONTENT_TYPE
+from jaxserve.reasoning import REASONING_PARSERS
 
 logger = logging.getLogger("jaxserve.api")
 # Paths the API key guards: the OpenAI API and the tokenizer endpoints (vLLM leaves the latter
@@ -106,7 +107,8 @@ async def _metrics(request: web.Request) -> web.Response:
 
 def build_app(llm: AsyncLLM, *, served_model_name: str | None = None,
               api_key: str | None = None, limits: ServerLimits | None = None,
-              tool_call_parser: str = DEFAULT_TOOL_PARSER) -> web.Application:
+              tool_call_parser: str = DEFAULT_TOOL_PARSER, reasoning_parser: str | None = None,
+              return_tokens_as_token_ids: bool = False) -> web.Application:
     """The aiohttp app serving ``llm``.
 
     Args:
@@ -115,6 +117,9 @@ def build_app(llm: AsyncLLM, *, served_model_name: str | None = None,
       api_key: if set, /v1/* requires ``Authorization: Bearer <api_key>`` (else 401).
       limits: the server's bounds (ServerLimits' defaults if None).
       tool_call_parser: the format of the model's tool calls (a key of TOOL_PARSERS).
+      reasoning_parser: how the model's reasoning is marked (a key of REASONING_PARSERS), or
+        None for a model whose output is all content.
+      return_tokens_as_token_ids: log-probability tokens as ``token_id:{id}`` by default.
     """
     limits = limits or ServerLimits()
     app = web.Application(middlewares=[_errors_middleware, _auth_middleware(api_key)],
@@ -123,7 +128,11 @@ def build_app(llm: AsyncLLM, *, served_model_name: str | None = None,
     store = ResponseStore(limits.max_stored_responses) if limits.max_stored_responses else None
     app[STATE_KEY] = {"served_model_name": served_model_name, "created": int(time.time()),
                       "limits": limits, "in_flight": 0,
-                      "tool_parser": TOOL_PARSERS[tool_call_parser], "responses_store": store}
+                      "tool_parser": TOOL_PARSERS[tool_call_parser],
+                      "reasoning_parser": (None if reasoning_parser is None
+                                           else REASONING_PARSERS[reasoning_parser]),
+                      "return_tokens_as_token_ids": return_tokens_as_token_ids,
+                      "responses_store": store}
     app.router.add_post("/v1/completions", create_completion)
     app.router.add_post("/v1/chat/completions", create_chat_completion)
     app.router.add_post("/v1/responses", create_response)

@@ -15,5 +15,7 @@ LLM_KEY = web.AppKey("llm", AsyncLLM)
 # {"served_model_name": str | None (None: the model's own name), "created": int (unix time),
 #  "limits": ServerLimits, "in_flight": int (generation requests admitted and not yet answered),
 #  "tool_parser": the ToolParser class of --tool-call-parser,
+#  "reasoning_parser": the ReasoningParser class of --reasoning-parser, or None,
+#  "return_tokens_as_token_ids": bool, --return-tokens-as-token-ids,
 #  "responses_store": the ResponseStore of /v1/responses, None with --max-stored-responses 0}
 STATE_KEY = web.AppKey("state", dict)

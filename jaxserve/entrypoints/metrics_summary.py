@@ -2,8 +2,10 @@
 dashboard at / (docs/architecture.md, "The playground"), which then parses no Prometheus text.
 
 Every value is read from the Metrics registry's ``collect()`` when asked: the samples /metrics
-renders, summed over their labels (finish reasons), with no state of its own. Like /metrics it
-needs no API key, and before the engine's first start it answers 503.
+renders, summed over their labels (finish reasons), with no state of its own, under whichever
+names the registry uses (``jaxserve:<name>``, or ``vllm:<name>`` for vLLM's metrics with
+``--metrics-prefix vllm``: jaxserve/metrics.py). Like /metrics it needs no API key, and before
+the engine's first start it answers 503.
 """
 
 from __future__ import annotations
@@ -17,8 +19,16 @@ from prometheus_client import CollectorRegistry
 
 from jaxserve.entrypoints.app_state import LLM_KEY
 from jaxserve.entrypoints.errors import APIError
+from jaxserve.metrics import METRICS_PREFIXES
 
-_PREFIX = "jaxserve:"
+# The names' prefixes, any of which a registry's name may carry (jaxserve/metrics.py).
+_PREFIXES = tuple(f"{prefix}:" for prefix in METRICS_PREFIXES)
+
+
+def _base_name(name: str) -> str:
+    """A sample's name without its metrics prefix."""
+    prefix = next((p for p in _PREFIXES if name.startswith(p)), "")
+    return name.removeprefix(prefix)
 
 
 def _histogram(values: dict[str, float], buckets: dict[float, float], name: str) -> dict:
@@ -47,7 +57,7 @@ def summarize(registry: CollectorRegistry, now: float) -> dict:
     buckets: dict[str, dict[float, float]] = defaultdict(lambda: defaultdict(float))
     for family in registry.collect():
         for s in family.samples:
-            name = s.name.removeprefix(_PREFIX)
+            name = _base_name(s.name)
             if name.endswith("_bucket"):
                 buckets[name.removesuffix("_bucket")][float(s.labels["le"])] += s.value
             elif not name.endswith("_created"):  # creation times do not add up

@@ -17,9 +17,12 @@ Responses: every body the server sends (completions and chat completions, their 
 usage, /v1/models, /tokenize, /detokenize, errors), shaped to validate against OpenAI's OpenAPI
 schema for the endpoint (``tests/data/openai_openapi_subset.yaml``; the tests check every body).
 Fields are declared in the order they go on the wire. Optional fields that OpenAI's format
-leaves out when unused (the token ids of vLLM's ``return_token_ids``, a chunk's ``usage``, a
-delta's ``role`` / ``content`` / ``tool_calls``, a message's ``tool_calls``) are omitted when None; the others (``logprobs``,
-``finish_reason``, a message's ``refusal``, error ``param`` / ``code``) are sent as null.
+leaves out when unused (a chunk's ``usage``, a delta's ``role`` / ``content`` / ``tool_calls``,
+a message's ``tool_calls``, and in stream chunks vLLM's token ids and reasoning) are omitted when
+None; the others (``logprobs``, ``finish_reason``, a message's ``refusal``, error ``param`` /
+``code``, and in whole responses vLLM's ``prompt_token_ids``, ``token_ids``,
+``prompt_logprobs`` and a message's ``reasoning`` / ``reasoning_content``) are sent as null, as
+vLLM sends them.
 """
 
 from __future__ import annotations
@@ -63,8 +66,12 @@ class _Base(BaseModel):
 
 
 class StreamOptions(_Base):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False
+    """``stream_options`` (only with ``stream: true``). vLLM's defaults: a given
+    ``stream_options`` asks for the usage chunk unless it says otherwise;
+    ``continuous_usage_stats`` (vLLM's) adds the usage so far to every chunk too."""
+
+    include_usage: bool | None = True
+    continuous_usage_stats: bool | None = False
 
 
 class JsonSchemaFormat(_Base):
@@ -104,7 +111,9 @@ GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_pen
 class _SamplingFields(_Base):
     """Fields shared by both endpoints: OpenAI's, plus vLLM's sampling extensions (top_k,
     min_p, repetition_penalty, min_tokens, stop_token_ids, include_stop_str_in_output,
-    ignore_eos, skip_special_tokens, spaces_between_special_tokens, return_token_ids)."""
+    ignore_eos, skip_special_tokens, spaces_between_special_tokens, allowed_token_ids,
+    prompt_logprobs) and output options (return_token_ids, return_tokens_as_token_ids,
+    use_beam_search with length_penalty)."""
 
     model: Text | None = None
     n: Int32 | None = 1
@@ -124,7 +133,14 @@ class _SamplingFields(_Base):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    allowed_token_ids: Items(TokenId) | None = None
+    prompt_logprobs: Int32 | None = None
     return_token_ids: bool = False  # vLLM's extension: token ids in each choice
+    # vLLM's: log-probability tokens as "token_id:{id}"; None: the server's
+    # --return-tokens-as-token-ids
+    return_tokens_as_token_ids: bool | None = None
+    use_beam_search: bool = False  # vLLM's: n beams (beam_search.py)
+    length_penalty: float = 1.0
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
     guided_json: dict[str, Any] | Text | None = None  # vLLM's older names
@@ -139,9 +155,40 @@ class _SamplingFields(_Base):
         """The first OpenAI field set to a value jaxserve does not support, or None."""
         return None
 
+    def check(self) -> None:
+        """Checks across fields (vLLM's request validators).
+
+        Raises:
+          ValidationError: ``stream_options`` without ``stream`` (OpenAI and vLLM refuse it);
+            ``prompt_logprobs`` above 0 in a stream (vLLM sends them in no chunk); beam
+            search with what it cannot honour (beam_search.py).
+        """
+        # vLLM's test: an empty object passes.
+        if self.stream_options is not None and self.stream_options.model_fields_set and (
+                not self.stream):
+            raise ValidationError("stream_options: stream options can only be given when "
+                                  "stream is true", parameter="stream_options")
+        if self.stream and self.prompt_logprobs:
+            raise ValidationError("prompt_logprobs: prompt log-probabilities are not "
+                                  "available when stream is true", parameter="prompt_logprobs")
+        if self.use_beam_search:
+            given = [f for f in ("stop", "logit_bias", "allowed_token_ids", "logprobs",
+                                 "prompt_logprobs", "response_format", "structured_outputs",
+                                 "guided_json", "guided_regex", "guided_choice",
+                                 "guided_grammar", "tools")
+                     if getattr(self, f, None)]
+            if given:
+                raise ValidationError(f"{given[0]}: not supported with use_beam_search",
+                                      parameter=given[0])
+
     def _logprobs(self) -> tuple[int | None, int | None]:
         """(SamplingParams.logprobs, .prompt_logprobs) the request asks for."""
-        return None, None
+        return None, self._prompt_logprobs()
+
+    def _prompt_logprobs(self) -> int | None:
+        # A stream sends no prompt log-probabilities: 0 there (which ``check`` lets through, as
+        # vLLM does) computes none.
+        return None if self.stream else self.prompt_logprobs
 
     def structured_outputs_params(self) -> tuple[StructuredOutputsParams | None, str | None]:
         """(the request's output constraint, the field it came from), or (None, None).
@@ -195,7 +242,8 @@ class _SamplingFields(_Base):
         for name in GENERATION_DEFAULTS:
             value = kw.get(name, getattr(self, name, None))
             kw[name] = defaults.get(name) if value is None else value
-        for name in ("n", "presence_penalty", "frequency_penalty", "seed", "stop_token_ids"):
+        for name in ("n", "presence_penalty", "frequency_penalty", "seed", "stop_token_ids",
+                     "allowed_token_ids"):
             if getattr(self, name) is not None:
                 kw[name] = getattr(self, name)
         if self.stop is not None:
@@ -239,7 +287,10 @@ class CompletionRequest(_SamplingFields):
 
     def _logprobs(self) -> tuple[int | None, int | None]:
         # Echoed prompt tokens carry their log-probabilities too (OpenAI's legacy format).
-        return self.logprobs, self.logprobs if self.echo else None
+        prompt = self._prompt_logprobs()
+        if self.echo and self.logprobs is not None:
+            prompt = max(prompt or 0, self.logprobs)
+        return self.logprobs, prompt
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts, one list entry each. Raises ValidationError on ``prompt`` for none."""
@@ -274,14 +325,18 @@ class ToolCallParam(_Base):
 
 class ChatCompletionMessageParam(_Base):
     """One message of a chat request: system / developer / user text, an assistant message
-    (its ``content`` may be null when it carries ``tool_calls``), or a ``tool`` message with
-    the result of the call ``tool_call_id``."""
+    (its ``content`` may be null when it carries ``tool_calls``; its ``reasoning``, or the
+    older ``reasoning_content``, goes to the template as templates of reasoning models read
+    it), a ``tool`` message with the result of the call ``tool_call_id``, or a message of any
+    other role, handed to the chat template as it is (vLLM's custom roles)."""
 
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Text
     content: Text | Items(TextPart) | None = None
     name: Text | None = None
     tool_calls: Items(ToolCallParam) | None = None
     tool_call_id: Text | None = None
+    reasoning: Text | None = None
+    reasoning_content: Text | None = None
 
     def text(self, where: str) -> str:
         """The message's text (its text parts joined).
@@ -306,7 +361,9 @@ class ChatCompletionMessageParam(_Base):
         """The message in the transformers chat format: ``{"role", "content"}`` ("developer"
         is OpenAI's new name for "system"), plus an assistant's ``tool_calls`` (each call's
         arguments as a dict where they are a JSON object, as chat templates expect: vLLM
-        does the same) or a tool message's ``tool_call_id``.
+        does the same), a tool message's ``tool_call_id``, or the message's reasoning (as
+        ``reasoning_content``, the key Qwen3's and DeepSeek-R1's templates read, and
+        ``reasoning``).
 
         Raises:
           ValidationError: on ``messages``, naming ``where``: a part that is not text,
@@ -327,6 +384,9 @@ class ChatCompletionMessageParam(_Base):
                 raise ValidationError(f"{where}.tool_call_id: a tool message needs the id of the "
                                       "call it answers", parameter="messages")
             out["tool_call_id"] = self.tool_call_id
+        reasoning = self.reasoning if self.reasoning is not None else self.reasoning_content
+        if reasoning is not None:
+            out["reasoning_content"] = out["reasoning"] = reasoning
         return out
 
 
@@ -348,6 +408,10 @@ def _json_text(value: dict) -> dict:
     except (ValueError, UnicodeEncodeError):
         raise ValueError("it holds a number out of range or a lone UTF-16 surrogate") from None
     return value
+
+
+# vLLM's chat_template_kwargs: JSON values the template may write into the prompt.
+TemplateKwargs = Annotated[dict[str, Any], AfterValidator(_json_text)]
 
 
 class FunctionDefinition(_Base):
@@ -375,7 +439,14 @@ class ChatCompletionNamedToolChoiceParam(_Base):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    """POST /v1/chat/completions: system / user / assistant messages, text content only."""
+    """POST /v1/chat/completions: messages, text content only, and vLLM's chat template
+    options: ``add_generation_prompt`` (open the assistant's turn, the default),
+    ``continue_final_message`` (leave the last message open for the model to continue; not
+    with ``add_generation_prompt``), ``chat_template_kwargs`` (more variables for the
+    template, as ``enable_thinking``), ``add_special_tokens`` (the tokenizer's on top of the
+    template's), ``echo`` (the reply starts with the last message's content when that message
+    has the reply's role) and ``include_reasoning`` (false drops the reasoning a
+    ``--reasoning-parser`` separates)."""
 
     messages: Annotated[list[ChatCompletionMessageParam], Field(min_length=1, fail_fast=True)]
     max_tokens: Int32 | None = None
@@ -386,14 +457,43 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: (Literal["none", "auto", "required"] | ChatCompletionNamedToolChoiceParam
                   | None) = None
     parallel_tool_calls: bool | None = None  # None: OpenAI's default, true
+    echo: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template_kwargs: TemplateKwargs | None = None
+    include_reasoning: bool = True
+
+    def check(self) -> None:
+        """_SamplingFields.check, and vLLM's: ``continue_final_message`` and
+        ``add_generation_prompt`` exclude each other."""
+        super().check()
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValidationError("continue_final_message: cannot be true together with "
+                                  "add_generation_prompt (set add_generation_prompt to false)",
+                                  parameter="continue_final_message")
 
     def _logprobs(self) -> tuple[int | None, int | None]:
         if not self.logprobs:
             if self.top_logprobs:
                 raise ValidationError("top_logprobs: set logprobs to true to use it",
                                       parameter="top_logprobs")
-            return None, None
-        return self.top_logprobs or 0, None
+            return None, self._prompt_logprobs()
+        return self.top_logprobs or 0, self._prompt_logprobs()
+
+    def response_role(self) -> str:
+        """The reply's role (vLLM's): the assistant's, or without a generation prompt the
+        last message's (the model continues it)."""
+        return "assistant" if self.add_generation_prompt else self.messages[-1].role
+
+    def echo_text(self) -> str | None:
+        """With ``echo``, the text the reply starts with: the last message's content when that
+        message has the reply's role (vLLM's rule), else ""; None without ``echo``."""
+        if not self.echo:
+            return None
+        last = self.messages[-1]
+        return last.text(f"messages.{len(self.messages) - 1}") if (
+            last.role == self.response_role()) else ""
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -444,7 +544,7 @@ def template_messages(messages: list[ChatCompletionMessageParam]) -> list[dict]:
 
 class TokenizeRequest(_Base):
     """POST /tokenize (vLLM's shapes): a ``prompt``, or chat ``messages`` rendered through the
-    chat template."""
+    chat template (with chat's template options)."""
 
     model: Text | None = None
     prompt: Text | None = None
@@ -452,6 +552,8 @@ class TokenizeRequest(_Base):
     tools: Items(ChatCompletionToolsParam) | None = None  # rendered with the messages
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: TemplateKwargs | None = None
     return_token_strs: bool = False
 
     def template_messages(self) -> list[dict]:
@@ -511,22 +613,39 @@ class UsageInfo(OpenAIBaseModel):
 
 
 class CompletionLogProbs(OpenAIBaseModel):
-    """OpenAI's legacy completions log-probabilities of a choice's tokens (or of a chunk's)."""
+    """OpenAI's legacy completions log-probabilities of a choice's tokens (or of a chunk's);
+    an echoed prompt's first token has null for both its log-probability and its top ones."""
 
     text_offset: list[int] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
     tokens: list[str] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class PromptLogprob(OpenAIBaseModel):
+    """vLLM's ``Logprob`` as its ``prompt_logprobs`` send it."""
+
+    logprob: float  # at least -9999.0
+    rank: int
+    decoded_token: str
+
+
+# vLLM's ``prompt_logprobs``: per prompt token, null for the first, then {token id (a JSON key):
+# PromptLogprob} holding the token and its most likely alternatives.
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
 
 
 class CompletionResponseChoice(OpenAIBaseModel):
+    """A choice of a whole completions response; vLLM's fields are null when not asked for."""
+
     index: int = 0
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     # vLLM's return_token_ids: the prompt's ids and the generated ids (EOS / stop token included).
-    prompt_token_ids: list[int] | None = _omitted_if_none()
-    token_ids: list[int] | None = _omitted_if_none()
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(OpenAIBaseModel):
@@ -590,13 +709,18 @@ class ToolCall(OpenAIBaseModel):
 
 
 class ChatMessage(OpenAIBaseModel):
-    """The assistant's message in a non-streamed chat completion (``refusal`` is required and
-    nullable in OpenAI's schema; ``content`` is null when the message is only tool calls)."""
+    """The reply's message in a non-streamed chat completion (``refusal`` is required and
+    nullable in OpenAI's schema; ``content`` is null when the message is only tool calls).
+    ``role`` is the assistant's unless the request had no generation prompt (vLLM's rule).
+    ``reasoning`` (vLLM's current name) and ``reasoning_content`` (its older one) hold the
+    text a ``--reasoning-parser`` separated, both null without it, as vLLM sends them."""
 
-    role: Literal["assistant"] = "assistant"
+    role: str = "assistant"
     content: str | None
     refusal: str | None = None
     tool_calls: list[ToolCall] | None = _omitted_if_none()
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatCompletionResponseChoice(OpenAIBaseModel):
@@ -604,17 +728,21 @@ class ChatCompletionResponseChoice(OpenAIBaseModel):
     message: ChatMessage
     logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None
-    prompt_token_ids: list[int] | None = _omitted_if_none()
-    token_ids: list[int] | None = _omitted_if_none()
+    token_ids: list[int] | None = None  # vLLM's return_token_ids; null when not asked for
 
 
 class ChatCompletionResponse(OpenAIBaseModel):
+    """A whole chat completion; vLLM's ``prompt_logprobs`` and ``prompt_token_ids`` (top
+    level, one prompt) are null when not asked for."""
+
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int
     model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class DeltaFunctionCall(OpenAIBaseModel):
@@ -633,11 +761,13 @@ class DeltaToolCall(OpenAIBaseModel):
 
 
 class DeltaMessage(OpenAIBaseModel):
-    """What a chat chunk adds: the role once (first chunk), then text or tool-call fragments;
-    ``{}`` when none."""
+    """What a chat chunk adds: the role once (first chunk), then reasoning, text or tool-call
+    fragments; ``{}`` when none. Reasoning goes under both of vLLM's names."""
 
-    role: Literal["assistant"] | None = _omitted_if_none()
+    role: str | None = _omitted_if_none()
     content: str | None = _omitted_if_none()
+    reasoning: str | None = _omitted_if_none()
+    reasoning_content: str | None = _omitted_if_none()
     tool_calls: list[DeltaToolCall] | None = _omitted_if_none()
 
 
@@ -647,11 +777,12 @@ class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
     logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None
     token_ids: list[int] | None = _omitted_if_none()
-    prompt_token_ids: list[int] | None = _omitted_if_none()
 
 
 class ChatCompletionStreamResponse(OpenAIBaseModel):
-    """One SSE chunk of /v1/chat/completions; the usage chunk has no choices."""
+    """One SSE chunk of /v1/chat/completions; the usage chunk has no choices. With
+    ``return_token_ids`` a choice's first chunk carries the prompt's ids (vLLM's top-level
+    ``prompt_token_ids``); with ``continuous_usage_stats`` every chunk has ``usage``."""
 
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
@@ -659,6 +790,7 @@ class ChatCompletionStreamResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionResponseStreamChoice]
     usage: UsageInfo | None = _omitted_if_none()
+    prompt_token_ids: list[int] | None = _omitted_if_none()
 
 
 class ModelCard(OpenAIBaseModel):

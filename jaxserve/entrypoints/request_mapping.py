@@ -6,6 +6,7 @@ the checks against the engine's limits; every refusal a 400 that names the reque
 from __future__ import annotations
 
 from jaxserve.engine.async_llm import AsyncLLM
+from jaxserve.entrypoints.beam_search import MAX_BEAM_WIDTH
 from jaxserve.entrypoints.errors import APIError
 from jaxserve.entrypoints.serving_engine import bad_request, max_sequences
 from jaxserve.exceptions import ValidationError
@@ -16,11 +17,11 @@ async def to_sampling_params(llm: AsyncLLM, req, max_tokens: int | None,
                              renames: dict[str, str],
                              tool_grammar: str | None = None) -> SamplingParams:
     """The request's SamplingParams, the model's generation config filling in what it leaves
-    out. A value out of range is a 400 naming the request's field (``renames``: SamplingParams'
-    name, or the constraint's field, -> the request's, where they differ); so is ``n`` above
-    the server's limit, and an output constraint (``response_format``, ``structured_outputs``,
-    ``guided_*``) that does not compile (checked off the event loop:
-    AsyncLLM.check_structured_outputs).
+    out. Fields that contradict each other are a 400 (``req.check``); a value out of range is
+    a 400 naming the request's field (``renames``: SamplingParams' name, or the constraint's
+    field, -> the request's, where they differ); so is ``n`` above the server's limit, and an
+    output constraint (``response_format``, ``structured_outputs``, ``guided_*``) that does not
+    compile (checked off the event loop: AsyncLLM.check_structured_outputs).
 
     ``tool_grammar``: the grammar that enforces the chat request's ``tool_choice``
     (serving_chat.py), its constraint instead: one that does not compile is a 400 on
@@ -28,6 +29,7 @@ async def to_sampling_params(llm: AsyncLLM, req, max_tokens: int | None,
     constraint of its own is a 400 on ``tool_choice`` (a reply cannot be both).
     """
     try:
+        req.check()
         so, so_field = req.structured_outputs_params()
     except ValidationError as e:
         raise bad_request(e, renames) from None
@@ -57,6 +59,10 @@ async def to_sampling_params(llm: AsyncLLM, req, max_tokens: int | None,
     if sp.n > limit:
         raise APIError(400, f"n: at most {limit} choices per request on this server (the "
                        "engine runs at most --max-num-seqs sequences at once)", param="n")
+    if req.use_beam_search and sp.n > MAX_BEAM_WIDTH:
+        raise APIError(400, f"n: at most {MAX_BEAM_WIDTH} beams with use_beam_search (each "
+                       f"step asks for 2n of at most {2 * MAX_BEAM_WIDTH} log-probabilities)",
+                       param="n")
     return sp
 
 

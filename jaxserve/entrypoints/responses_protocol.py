@@ -12,12 +12,13 @@ chat tools, ``text.format`` the chat ``response_format``, ``max_output_tokens``
 ``max_completion_tokens``. A function tool is ``strict`` unless it says ``strict: false`` (the
 Responses API's default, where chat's is false). ``check`` refuses what jaxserve does not serve,
 naming the field (a 400): built-in tools, ``background``, ``conversation``, ``prompt``,
-``truncation: auto``, log-probabilities, reasoning settings (the served models do not reason),
-a verbosity or service tier other than the default.
+``truncation: auto``, log-probabilities, reasoning settings (no served model's reasoning can be
+tuned), a verbosity or service tier other than the default.
 
 The response object (``Response``) carries every field of Open Responses' ``ResponseResource``
 (null where jaxserve has nothing to say); its ``output`` holds ``message`` items (one
-``output_text`` part) and ``function_call`` items. A streamed response is a sequence of
+``output_text`` part), ``function_call`` items, and with a ``--reasoning-parser`` a
+``reasoning`` item (one ``reasoning_text`` part) before them. A streamed response is a sequence of
 ``ResponseStreamEvent``s, each with ``type`` and ``sequence_number`` (responses_bodies.py).
 """
 
@@ -124,7 +125,8 @@ def _refusals(req: ResponsesRequest) -> list[tuple[str, bool, str]]:
     fields a request may set only to their neutral value."""
     text, reasoning = req.text or TextConfig(), req.reasoning or ReasoningParam()
     logprobs = "log-probabilities are not served on /v1/responses (/v1/chat/completions has them)"
-    thinking = "this model does not reason; leave it out (or null; effort may be 'none')"
+    thinking = ("reasoning settings are not supported: no served model's reasoning can be "
+                "tuned; leave it out (or null; effort may be 'none')")
     # OpenAI's words for background without store, which a client may look for.
     unstored = (" (and background can only be used when `store` is true)"
                 if req.store is False else "")
@@ -365,6 +367,24 @@ class OutputText(OpenAIBaseModel):
     logprobs: list = Field(default_factory=list)  # log-probabilities are not served here
 
 
+class ReasoningText(OpenAIBaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class ReasoningItem(OpenAIBaseModel):
+    """A reasoning model's reasoning, as the ``--reasoning-parser`` separates it (jaxserve
+    makes no summaries and encrypts nothing); a follow-up may send it back, and it is left out
+    of the prompt (``chat_messages``)."""
+
+    id: str  # rs_...
+    type: Literal["reasoning"] = "reasoning"
+    status: Literal["in_progress", "completed", "incomplete"]
+    summary: list = Field(default_factory=list)
+    content: list[ReasoningText]
+    encrypted_content: None = None
+
+
 class OutputMessage(OpenAIBaseModel):
     """The assistant's text: a response holds one at most."""
 
@@ -386,7 +406,7 @@ class FunctionCallItem(OpenAIBaseModel):
     arguments: str  # JSON text, as the model wrote it
 
 
-OutputItem = OutputMessage | FunctionCallItem
+OutputItem = OutputMessage | FunctionCallItem | ReasoningItem
 
 
 def output_messages(output: list[OutputItem]) -> list[ChatCompletionMessageParam]:
@@ -502,7 +522,7 @@ class _ContentEvent(_ItemEvent):
 
 class ContentPartEvent(_ContentEvent):
     type: Literal["response.content_part.added", "response.content_part.done"]
-    part: OutputText
+    part: OutputText | ReasoningText
 
 
 class OutputTextDeltaEvent(_ContentEvent):
@@ -515,6 +535,16 @@ class OutputTextDoneEvent(_ContentEvent):
     type: Literal["response.output_text.done"] = "response.output_text.done"
     text: str
     logprobs: list = Field(default_factory=list)
+
+
+class ReasoningTextDeltaEvent(_ContentEvent):
+    type: Literal["response.reasoning_text.delta"] = "response.reasoning_text.delta"
+    delta: str
+
+
+class ReasoningTextDoneEvent(_ContentEvent):
+    type: Literal["response.reasoning_text.done"] = "response.reasoning_text.done"
+    text: str
 
 
 class ArgumentsDeltaEvent(_ItemEvent):

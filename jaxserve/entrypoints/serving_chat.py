@@ -1,7 +1,10 @@
 """POST /v1/chat/completions (OpenAI's, SSE streaming): as serving_completion.py, with the
-chat template applied to the messages (off the event loop). A request with tools has its
-choices' text read by the ``--tool-call-parser``'s ToolParser, and runs under the grammar of
-tool_grammar.py when its ``tool_choice`` is enforced (docs/tool_calling.md).
+chat template applied to the messages (off the event loop, with vLLM's template options). With a
+``--reasoning-parser`` the choices' reasoning is split from their content (docs/reasoning.md).
+A request with tools has its choices' content read by the ``--tool-call-parser``'s ToolParser,
+and runs under the grammar of tool_grammar.py when its ``tool_choice`` is enforced
+(docs/tool_calling.md); like any output constraint, that grammar starts once the reasoning has
+ended.
 
 ``chat_inputs`` turns a chat request into what the engine runs; /v1/responses uses it too, on
 the chat request it converts its own into (serving_responses.py).
@@ -18,6 +21,7 @@ from aiohttp import web
 
 from jaxserve.engine.async_llm import AsyncLLM
 from jaxserve.entrypoints.app_state import STATE_KEY
+from jaxserve.entrypoints.beam_search import beam_search_outputs
 from jaxserve.entrypoints.bodies import ChatBodies
 from jaxserve.entrypoints.errors import APIError
 from jaxserve.entrypoints.protocol import ChatCompletionRequest
@@ -28,6 +32,7 @@ from jaxserve.entrypoints.serving_stream import make_bodies, run_request, submit
 from jaxserve.entrypoints.tool_grammar import tool_call_grammar
 from jaxserve.entrypoints.tool_parsers import ToolParser
 from jaxserve.exceptions import ValidationError
+from jaxserve.reasoning import ReasoningParser
 from jaxserve.sampling_params import SamplingParams
 
 
@@ -40,11 +45,19 @@ class ChatInputs:
       sp: its SamplingParams, ``max_tokens`` set.
       tool_parser: the ToolParser class that reads the reply's tool calls; None when the
         request has no tools, or ``tool_choice: none``.
+      reasoning_parser: the ReasoningParser class of ``--reasoning-parser``, or None.
+      in_reasoning: the reply starts in the reasoning (ReasoningParser.starts_in_reasoning).
+      reasoning_end_id: the token that ends the reasoning, for the engine to start the
+        request's output constraint after it (AsyncLLM.add_request); None when the constraint
+        (if any) starts at once.
     """
 
     ids: list[int]
     sp: SamplingParams
     tool_parser: type[ToolParser] | None
+    reasoning_parser: type[ReasoningParser] | None = None
+    in_reasoning: bool = False
+    reasoning_end_id: int | None = None
 
 
 @contextlib.asynccontextmanager
@@ -52,7 +65,8 @@ async def chat_inputs(request: web.Request, req: ChatCompletionRequest,
                       names: dict[str, str] | None = None) -> AsyncIterator[ChatInputs]:
     """The ChatInputs of ``req``, admitted (serving_engine.admitted) while the block runs:
     its tool choice and output constraint checked, its SamplingParams made, its messages
-    rendered and tokenized, the prompt checked against the engine's limits.
+    rendered (with vLLM's chat template options) and tokenized, the prompt checked against the
+    engine's limits, where the reply's reasoning starts and ends worked out.
 
     Args:
       request: the HTTP request (the app's settings, admission).
@@ -68,34 +82,53 @@ async def chat_inputs(request: web.Request, req: ChatCompletionRequest,
         tool_choice = req.effective_tool_choice()
     except ValidationError as e:
         raise bad_request(e, names) from None
-    tool_parser = None if tool_choice is None else request.app[STATE_KEY]["tool_parser"]
+    state = request.app[STATE_KEY]
+    tool_parser = None if tool_choice is None else state["tool_parser"]
     grammar = None if tool_parser is None else _tool_grammar(llm, tool_parser, req, tool_choice)
     field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     renames = {"logprobs": "top_logprobs", "max_tokens": field, "messages": "messages",
                "response_format": "response_format"}
     renames = {k: names.get(v, v) for k, v in renames.items()}
     sp = await to_sampling_params(llm, req, req.requested_max_tokens(), renames, grammar)
+    reasoning_parser = state["reasoning_parser"]
     with admitted(request, sp.n):
         messages = chat_messages(req, renames)
-        ids = await encode(llm.encode_chat(messages, tools=req.template_tools()), renames)
+        text, ids = await encode(llm.encode_chat(
+            messages, req.add_generation_prompt, req.add_special_tokens, req.template_tools(),
+            req.continue_final_message, req.chat_template_kwargs), renames)
         check_request(llm, ids, sp, renames["messages"], renames["max_tokens"])
         if sp.max_tokens is None:  # OpenAI's and vLLM's meaning: up to the context
             sp.max_tokens = llm.config.max_model_len - len(ids)
         if tool_parser is not None:
             tool_parser.adjust_sampling_params(sp)
-        yield ChatInputs(ids, sp, tool_parser)
+        in_reasoning = reasoning_parser is not None and reasoning_parser.starts_in_reasoning(
+            text, req.chat_template_kwargs)
+        # A constraint starts after the reasoning (vLLM's rule): the engine needs the token
+        # that ends it (an end tag that is no single token cannot be seen: it starts at once).
+        end_id = (llm.vocabulary_id(reasoning_parser.end_tag)
+                  if in_reasoning and sp.structured_outputs is not None else None)
+        yield ChatInputs(ids, sp, tool_parser, reasoning_parser, in_reasoning, end_id)
 
 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     llm, req, model, deadline = await take_in(request, ChatCompletionRequest)
     async with chat_inputs(request, req) as inputs:
+        ids, sp = inputs.ids, inputs.sp
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        with submitting(llm, [inputs.ids], inputs.sp, request_id) as submitted:
-            bodies = make_bodies(ChatBodies, request_id, model, llm, inputs.sp, req,
-                                 tool_parser=inputs.tool_parser)
-            return await run_request(request, llm, [inputs.ids], submitted, inputs.sp, bodies,
+        beams = req.use_beam_search  # its own engine requests (beam_search.py)
+        with submitting(llm, [] if beams else [ids], sp, request_id,
+                        inputs.reasoning_end_id) as submitted:
+            bodies = make_bodies(
+                ChatBodies, request_id, model, llm, sp, req,
+                request.app[STATE_KEY]["return_tokens_as_token_ids"],
+                tool_parser=inputs.tool_parser, reasoning_parser=inputs.reasoning_parser,
+                in_reasoning=inputs.in_reasoning, include_reasoning=req.include_reasoning,
+                role=req.response_role(), echo_text=req.echo_text())
+            outputs = (beam_search_outputs(llm, [ids], sp, request_id, req.length_penalty)
+                       if beams else None)
+            return await run_request(request, llm, [ids], submitted, sp, bodies,
                                      stream=bool(req.stream), echo_texts=None,
-                                     deadline=deadline)
+                                     deadline=deadline, outputs=outputs)
 
 
 def _tool_grammar(llm: AsyncLLM, tool_parser: type[ToolParser], req: ChatCompletionRequest,

@@ -1,5 +1,6 @@
 """POST /v1/completions (OpenAI's, SSE streaming): a prompt, token ids, or a list of either
-(one engine request per prompt, all at once, at most ``--max-num-seqs`` sequences in all).
+(one engine request per prompt, all at once, at most ``--max-num-seqs`` sequences in all; with
+``use_beam_search``, each prompt's beam search instead: beam_search.py).
 The body is read and validated, its sequences (prompts x ``n``) admitted, each text prompt
 tokenized off the event loop and checked against max_model_len, the requests submitted to the
 engine (before the response is set up: the engine starts on them meanwhile), then answered
@@ -12,6 +13,8 @@ import uuid
 
 from aiohttp import web
 
+from jaxserve.entrypoints.app_state import STATE_KEY
+from jaxserve.entrypoints.beam_search import beam_search_outputs
 from jaxserve.entrypoints.bodies import CompletionBodies
 from jaxserve.entrypoints.errors import APIError
 from jaxserve.entrypoints.protocol import CompletionRequest
@@ -42,12 +45,16 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
             check_request(llm, ids, sp, "prompt", "max_tokens")
             ids_list.append(ids)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        with submitting(llm, ids_list, sp, request_id) as submitted:
+        beams = req.use_beam_search  # its own engine requests (beam_search.py)
+        with submitting(llm, [] if beams else ids_list, sp, request_id) as submitted:
             echo_texts = None
             if req.echo:
                 echo_texts = [p if isinstance(p, str) else await llm.detokenize(p)
                               for p in prompts]
-            bodies = make_bodies(CompletionBodies, request_id, model, llm, sp, req)
+            bodies = make_bodies(CompletionBodies, request_id, model, llm, sp, req,
+                                 request.app[STATE_KEY]["return_tokens_as_token_ids"])
+            outputs = (beam_search_outputs(llm, ids_list, sp, request_id, req.length_penalty)
+                       if beams else None)
             return await run_request(request, llm, ids_list, submitted, sp, bodies,
                                      stream=bool(req.stream), echo_texts=echo_texts,
-                                     deadline=deadline)
+                                     deadline=deadline, outputs=outputs)

@@ -4,8 +4,9 @@ GET /v1/responses/{id}, DELETE /v1/responses/{id}, POST /v1/responses/{id}/cance
 A request runs as the chat request it converts into (responses_protocol.py): the previous
 response's conversation (``previous_response_id``, from the store), then its input, after its
 instructions, through the chat path (serving_chat.chat_inputs: tool grammar, structured
-outputs, chat template, admission) with the 400s naming the Responses API's fields; its reply
-is shaped by responses_bodies.py and, with ``store`` (the default) on a server that keeps
+outputs, chat template, admission, where a ``--reasoning-parser``'s reasoning ends) with the
+400s naming the Responses API's fields; its reply (the reasoning a ``reasoning`` item) is shaped
+by responses_bodies.py and, with ``store`` (the default) on a server that keeps
 responses (``--max-stored-responses``, responses_store.py), kept before it is sent.
 
 Errors (OpenAI's error body): an unknown ``previous_response_id`` is a 400 with code
@@ -75,9 +76,12 @@ async def create_response(request: web.Request) -> web.StreamResponse:
 
     async with chat_inputs(request, chat, CHAT_NAMES) as inputs:
         request_id = f"resp_{uuid.uuid4().hex}"
-        with submitting(llm, [inputs.ids], inputs.sp, request_id) as submitted:
+        with submitting(llm, [inputs.ids], inputs.sp, request_id,
+                        inputs.reasoning_end_id) as submitted:
             bodies = ResponsesBodies(request_id, model, req.echo(inputs.sp, store is not None),
-                                     inputs.tool_parser, on_done=None if store is None else keep)
+                                     inputs.tool_parser, on_done=None if store is None else keep,
+                                     reasoning_parser=inputs.reasoning_parser,
+                                     in_reasoning=inputs.in_reasoning)
             return await run_request(request, llm, [inputs.ids], submitted, inputs.sp, bodies,
                                      stream=bool(req.stream), echo_texts=None,
                                      deadline=deadline)

@@ -1,8 +1,9 @@
 """Running a generation request and answering it: each prompt's engine request submitted,
 their outputs fanned in, turned into per-choice updates, then either the whole response or a
 stream of Server-Sent Events: the endpoint's opening events, its events for each choice update
-(text, or with logprobs or ``return_token_ids`` any new token), then its closing events (for
-completions and chat: an optional usage chunk, then ``data: [DONE]``).
+(text, or with logprobs or ``return_token_ids`` any new token; with ``continuous_usage_stats``
+each with its choice's usage so far), then its closing events (for completions and chat: an
+optional usage chunk, then ``data: [DONE]``).
 
 Once a stream's headers are sent, any error (the engine's, a ``--request-timeout``, a bug)
 becomes the endpoint's error events (completions and chat: one SSE error event followed by
@@ -21,7 +22,7 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 
 from jaxserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestError
-from jaxserve.entrypoints.bodies import Bodies, ChoiceBodies, ChoiceState, usage
+from jaxserve.entrypoints.bodies import Bodies, ChoiceBodies, ChoiceState, token_id_piece, usage
 from jaxserve.entrypoints.errors import APIError, error_body
 from jaxserve.entrypoints.protocol import ErrorResponse
 from jaxserve.entrypoints.responses import SSEStream, json_response
@@ -62,11 +63,12 @@ Submitted = list[tuple[str, asyncio.Queue]]  # (engine request id, its AsyncLLM.
 
 
 @contextlib.contextmanager
-def submitting(llm: AsyncLLM, prompts: list[list[int]], sp: SamplingParams, request_id: str):
+def submitting(llm: AsyncLLM, prompts: list[list[int]], sp: SamplingParams, request_id: str,
+               reasoning_end_token_id: int | None = None):
     """Submits each prompt's engine request (``request_id``, or ``{request_id}-{i}`` for
     prompt i of several) and yields them as ``Submitted``; the requests still running are
     aborted when the block ends. Requests go to the engine before the response is set up, so
-    that the engine starts on them meanwhile.
+    that the engine starts on them meanwhile. ``reasoning_end_token_id``: AsyncLLM.add_request's.
 
     Raises:
       APIError: 503 when the engine is gone.
@@ -76,7 +78,7 @@ def submitting(llm: AsyncLLM, prompts: list[list[int]], sp: SamplingParams, requ
     try:
         try:
             for rid, prompt in zip(ids, prompts):
-                submitted.append((rid, llm.add_request(prompt, sp, rid)))
+                submitted.append((rid, llm.add_request(prompt, sp, rid, reasoning_end_token_id)))
         except EngineDeadError as e:
             _raise_for(e)
         yield submitted
@@ -136,12 +138,12 @@ class _Progress:
         self.choices = [ChoiceState(i, token_ids=[], entries=[] if self.want_logprobs else None)
                         for i in range(len(prompts) * sp.n)]
         self.num_cached = [0] * len(prompts)
-        self._prompt_entries: list[list | None] = [None] * len(prompts)
+        self.prompt_logprobs: list[list | None] = [None] * len(prompts)
 
     def updates(self, p: int, out: RequestOutput):
         """(choice, delta, new text, new entries or None) for each choice in ``out``."""
         if out.prompt_logprobs is not None:
-            self._prompt_entries[p] = list(zip(self.prompts[p], out.prompt_logprobs))
+            self.prompt_logprobs[p] = out.prompt_logprobs
         self.num_cached[p] = out.num_cached_tokens
         for c in out.outputs:
             ch = self.choices[p * self.n + c.index]
@@ -152,8 +154,8 @@ class _Progress:
                 if self.echo_texts is not None:
                     text = self.echo_texts[p] + text
                     if entries is not None:
-                        entries = (self._prompt_entries[p]
-                                   or [(t, None) for t in self.prompts[p]]) + entries
+                        entries = list(zip(self.prompts[p], self.prompt_logprobs[p]
+                                           or [None] * len(self.prompts[p]))) + entries
             ch.token_ids += c.token_ids
             ch.finish_reason = c.finish_reason
             yield ch, c, text, entries
@@ -162,17 +164,25 @@ class _Progress:
         return usage(sum(map(len, self.prompts)), sum(len(c.token_ids) for c in self.choices),
                      sum(self.num_cached))
 
+    def choice_usage(self, ch: ChoiceState):
+        """One choice's usage so far (continuous usage stats): its prompt, its tokens."""
+        p = ch.index // self.n
+        return usage(len(self.prompts[p]), len(ch.token_ids), self.num_cached[p])
+
 
 async def run_request(request, llm: AsyncLLM, prompts: list[list[int]], submitted: Submitted,
                       sp: SamplingParams, bodies: Bodies, *, stream: bool,
-                      echo_texts: list[str] | None, deadline: float | None):
+                      echo_texts: list[str] | None, deadline: float | None,
+                      outputs: AsyncIterator | None = None):
     """Shared body of the generation endpoints: reads every prompt's ``n`` choices from the
-    ``submitted`` requests, and answers with ``bodies``' response or events (Bodies says
+    ``submitted`` requests (or from ``outputs``, an iterator of (prompt index, RequestOutput)
+    of its own: beam search), and answers with ``bodies``' response or events (Bodies says
     which, in what order). ``echo_texts``: each prompt's text, to start its choices with
     (completions' ``echo``). ``deadline`` (event loop time, None for none) ends the request:
     504, or the error events in a stream."""
     progress = _Progress(prompts, echo_texts, sp)
-    gen = _outputs(llm, submitted)
+    gen = _outputs(llm, submitted) if outputs is None else outputs
+    continuous = bodies.continuous_usage
     if not stream:
         try:
             async with contextlib.aclosing(gen), asyncio.timeout_at(deadline):
@@ -186,7 +196,8 @@ async def run_request(request, llm: AsyncLLM, prompts: list[list[int]], submitte
         except TimeoutError:
             llm.metrics.record_rejected("timeout")
             raise APIError(504, _timeout_message(request), code="request_timeout") from None
-        return json_response(bodies.response(progress.choices, prompts, sp.n, progress.usage()))
+        return json_response(bodies.response(progress.choices, prompts, sp.n, progress.usage(),
+                                             progress.prompt_logprobs))
 
     sse = SSEStream(request)
     await sse.start()
@@ -194,15 +205,17 @@ async def run_request(request, llm: AsyncLLM, prompts: list[list[int]], submitte
     try:
         try:
             async with contextlib.aclosing(gen), asyncio.timeout_at(deadline):
-                for first in bodies.first_chunks(len(progress.choices)):
+                opening = usage(len(prompts[0]), 0, 0) if continuous else None
+                for first in bodies.first_chunks(len(progress.choices), prompts[0], opening):
                     await sse.send(first)
                 async for p, out in gen:
                     for ch, c, text, entries in progress.updates(p, out):
                         if text or c.finished or (token_news and c.token_ids):
                             # The prompt's ids ride along with the choice's first token ids.
                             first_ids = len(ch.token_ids) == len(c.token_ids)
-                            for chunk in bodies.chunks(ch, text, c, entries,
-                                                       prompts[p] if first_ids else None):
+                            for chunk in bodies.chunks(
+                                    ch, text, c, entries, prompts[p] if first_ids else None,
+                                    progress.choice_usage(ch) if continuous else None):
                                 await sse.send(chunk)
             for last in bodies.last_chunks(progress.usage()):
                 await sse.send(last)
@@ -219,9 +232,18 @@ async def run_request(request, llm: AsyncLLM, prompts: list[list[int]], submitte
 
 
 def make_bodies(cls, request_id: str, model: str, llm: AsyncLLM, sp: SamplingParams, req,
-                **kwargs) -> ChoiceBodies:
-    """The ChoiceBodies ``cls`` of a completions or chat request ``req``."""
-    piece = None if sp.logprobs is None else llm.output_processor.pieces.piece
+                as_token_ids: bool, **kwargs) -> ChoiceBodies:
+    """The ChoiceBodies ``cls`` of a completions or chat request ``req``; ``as_token_ids``: the
+    server's --return-tokens-as-token-ids, which the request's ``return_tokens_as_token_ids``
+    overrides."""
+    if req.return_tokens_as_token_ids is not None:
+        as_token_ids = req.return_tokens_as_token_ids
+    piece = None
+    if sp.logprobs is not None:
+        piece = token_id_piece if as_token_ids else llm.output_processor.pieces.piece
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    continuous = include_usage and bool(req.stream_options.continuous_usage_stats)
     return cls(request_id, model, num_logprobs=sp.logprobs, piece=piece,
-               return_token_ids=req.return_token_ids, include_usage=include_usage, **kwargs)
+               return_token_ids=req.return_token_ids,
+               prompt_logprobs=sp.prompt_logprobs is not None and not req.stream,
+               include_usage=include_usage, continuous_usage=continuous, **kwargs)

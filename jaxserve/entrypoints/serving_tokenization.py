@@ -27,8 +27,9 @@ async def tokenize(request: web.Request) -> web.Response:
     if req.prompt is not None:
         ids = await encode(llm.encode_prompt(req.prompt, req.add_special_tokens is not False))
     else:
-        ids = await encode(llm.encode_chat(chat_messages(req), req.add_generation_prompt,
-                                           bool(req.add_special_tokens), req.template_tools()))
+        _, ids = await encode(llm.encode_chat(
+            chat_messages(req), req.add_generation_prompt, bool(req.add_special_tokens),
+            req.template_tools(), req.continue_final_message, req.chat_template_kwargs))
     strs = llm.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
     return json_response(TokenizeResponse(count=len(ids), max_model_len=llm.config.max_model_len,
                                           tokens=ids, token_strs=strs))

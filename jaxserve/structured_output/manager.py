@@ -5,7 +5,8 @@ sequence that uses it (each choice of an ``n`` request) gets its own copy, which
 advances with the sequence's tokens. Each step that samples a constrained sequence, the
 scheduler asks ``grammar_bitmask`` for the allowed tokens of those sequences: one row of
 ceil(V / 32) int32 words each (bit j of word i allows token 32 i + j), filled by llguidance's
-threads into a buffer allocated once.
+threads into a buffer allocated once. ``token_bitmask`` gives the fixed row of a sequence's
+``allowed_token_ids``, which the scheduler ANDs into its rows.
 """
 
 from __future__ import annotations
@@ -26,6 +27,15 @@ MAX_CACHED_GRAMMARS = 256
 def bitmask_width(vocab_size: int) -> int:
     """int32 words of one bitmask row covering ``vocab_size`` tokens."""
     return -(-vocab_size // 32)
+
+
+def token_bitmask(token_ids, vocab_size: int) -> np.ndarray:
+    """[bitmask_width(vocab_size)] int32: a bitmask row allowing exactly ``token_ids`` (each
+    in [0, vocab_size)), as ``allowed_token_ids`` constrains a sequence."""
+    ids = np.unique(np.asarray(token_ids, np.int64))
+    words = np.zeros(bitmask_width(vocab_size), np.uint32)
+    np.bitwise_or.at(words, ids >> 5, (np.uint32(1) << (ids & 31).astype(np.uint32)))
+    return words.view(np.int32)
 
 
 class StructuredOutputManager:

@@ -114,7 +114,7 @@ def test_server_llm_and_offline_batch_agree(model, bos_llama, tmp_path, request)
         server.stop()
 
     assert by_server.choices[0].prompt_token_ids == by_llm.prompt_token_ids
-    assert chat_by_server.choices[0].prompt_token_ids == chat_by_llm.prompt_token_ids
+    assert chat_by_server.prompt_token_ids == chat_by_llm.prompt_token_ids
     assert by_script["prompt_tokens"] == len(by_llm.prompt_token_ids)
     assert chat_by_script["prompt_tokens"] == len(chat_by_llm.prompt_token_ids)
     text, chat_text = by_llm.outputs[0].text, chat_by_llm.outputs[0].text

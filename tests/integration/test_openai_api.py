@@ -83,11 +83,11 @@ def test_chat_logprobs_equal_hf_and_streaming(client, hf_smollm):
               logprobs=True, top_logprobs=5, extra_body={"return_token_ids": True})
     r = client.chat.completions.create(**kw)
     choice = r.choices[0]
-    ids = choice.prompt_token_ids + choice.token_ids
+    ids = r.prompt_token_ids + choice.token_ids  # vLLM's: the prompt's at the top level
     ref = _hf_log_softmax(hf_smollm, ids)
     entries = choice.logprobs.content
     assert len(entries) == len(choice.token_ids)
-    p = len(choice.prompt_token_ids)
+    p = len(r.prompt_token_ids)
     for k, (token_id, e) in enumerate(zip(choice.token_ids, entries)):
         assert abs(e.logprob - ref[p - 1 + k, token_id]) < 1e-3
         values = [t.logprob for t in e.top_logprobs]
@@ -105,8 +105,9 @@ def test_chat_logprobs_equal_hf_and_streaming(client, hf_smollm):
 
 def test_completion_logprobs_and_echo_equal_hf(client, hf_smollm):
     """Completions ``logprobs: int`` with ``echo``: the prompt tokens come first with their own
-    log-probabilities (the first is given: 0.0), then the generated ones; values equal HF's
-    log-softmax; text offsets count the token texts; streamed equals non-streamed."""
+    log-probabilities (the first has none: null, and null top ones, as OpenAI and vLLM send
+    them), then the generated ones; values equal HF's log-softmax; text offsets count the
+    token texts; streamed equals non-streamed."""
     prompt = "The quick brown fox jumps over the lazy dog because"
     kw = dict(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, logprobs=3, echo=True,
               extra_body={"return_token_ids": True})
@@ -116,7 +117,7 @@ def test_completion_logprobs_and_echo_equal_hf(client, hf_smollm):
     assert c.text.startswith(prompt)
     lp = c.logprobs
     assert len(lp.tokens) == len(ids) == len(lp.token_logprobs) == len(lp.text_offset)
-    assert lp.token_logprobs[0] == 0.0
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     ref = _hf_log_softmax(hf_smollm, ids)
     for i in range(1, len(ids)):
         assert abs(lp.token_logprobs[i] - ref[i - 1, ids[i]]) < 1e-3, i
@@ -155,7 +156,7 @@ def test_n_choices_follow_the_distribution_and_share_the_prompt(server, client, 
             seed=1000 + 8 * k, extra_body={"return_token_ids": True, "top_k": -1})
         assert sorted(c.index for c in r.choices) == list(range(8))
         first += [c.token_ids[0] for c in r.choices]
-        prompt_ids = r.choices[0].prompt_token_ids
+        prompt_ids = r.prompt_token_ids
     after = server.metrics()
     p = len(prompt_ids)
     computed = after["jaxserve:prompt_tokens_computed_total"] - before["jaxserve:prompt_tokens_computed_total"]
@@ -372,6 +373,235 @@ def test_content_parts_and_prompt_lists(client):
     streamed = list(client.completions.create(model=MODEL, prompt=[ids, ids], max_tokens=3,
                                               temperature=0, stream=True))
     assert {c.choices[0].index for c in streamed if c.choices} == {0, 1}
+
+
+# -- vLLM's request extensions and shapes ---------------------------------------------------------
+
+
+def _ranks_ok(position: dict, ref_row) -> bool:
+    """A prompt_logprobs position's alternatives have ranks 1, 2, ... in order of value, and
+    each value is HF's (1e-3)."""
+    entries = sorted(position.values(), key=lambda e: -e["logprob"])
+    values_ok = all(abs(e["logprob"] - ref_row[int(t)]) < 1e-3 for t, e in position.items())
+    return values_ok and [e["rank"] for e in entries][: len(entries) - 1] == list(
+        range(1, len(entries)))
+
+
+def test_prompt_logprobs_and_vllm_nulls(server, client, hf_smollm):
+    """vLLM's ``prompt_logprobs``: in each completions choice, at the top level of a chat
+    completion; null for the first prompt token, then the token and the k most likely with
+    their ranks and texts, HF's values. Fields not asked for are null in whole bodies, as
+    vLLM sends them; a stream refuses prompt log-probabilities above 0 (a 400), as vLLM does."""
+    r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=1,
+                                  temperature=0,
+                                  extra_body={"prompt_logprobs": 2, "return_token_ids": True})
+    c = r.choices[0]
+    ids, plp = c.prompt_token_ids, c.prompt_logprobs
+    ref = _hf_log_softmax(hf_smollm, ids)
+    assert len(plp) == len(ids) and plp[0] is None
+    for i in range(1, len(ids)):
+        assert str(ids[i]) in plp[i] and len(plp[i]) in (2, 3), plp[i]
+        assert _ranks_ok(plp[i], ref[i - 1]), (i, plp[i])
+    texts = [plp[i][str(ids[i])]["decoded_token"] for i in range(1, len(ids))]
+    assert "".join(texts) == " capital of France is"
+
+    chat = client.chat.completions.create(model=MODEL, messages=PARIS_Q, max_tokens=1,
+                                          extra_body={"prompt_logprobs": 0,
+                                                      "return_token_ids": True})
+    assert len(chat.prompt_logprobs) == len(chat.prompt_token_ids)
+    assert all(len(p) == 1 for p in chat.prompt_logprobs[1:])  # the token alone
+    status, body = _post(server, "/v1/chat/completions",
+                         {"model": MODEL, "messages": PARIS_Q, "max_tokens": 1})
+    assert status == 200 and body["prompt_token_ids"] is None and body["prompt_logprobs"] is None
+    choice = body["choices"][0]
+    assert choice["token_ids"] is None and "prompt_token_ids" not in choice
+    assert choice["message"]["reasoning"] is None and choice["message"]["reasoning_content"] is None
+    status, body = _post(server, "/v1/completions",
+                         {"model": MODEL, "prompt": "hi", "max_tokens": 1})
+    assert [body["choices"][0][k] for k in ("prompt_token_ids", "token_ids", "prompt_logprobs")] \
+        == [None] * 3
+    for path, extra in (("/v1/completions", {"prompt": "hi"}),
+                        ("/v1/chat/completions", {"messages": PARIS_Q})):
+        status, err = _post(server, path, {"model": MODEL, "stream": True, "prompt_logprobs": 1,
+                                           **extra})
+        assert status == 400 and err["error"]["param"] == "prompt_logprobs", err
+        status, err = _post(server, path, {"model": MODEL, "prompt_logprobs": -1, **extra})
+        assert status == 400 and err["error"]["param"] == "prompt_logprobs", err
+
+
+def test_return_tokens_as_token_ids(client):
+    """vLLM's ``return_tokens_as_token_ids``: log-probability tokens are ``token_id:{id}``
+    (an emoji split over tokens stays apart), in completions with echo and in chat."""
+    prompt = "Say 'Hello, world! 🎉'"
+    c = client.completions.create(
+        model=MODEL, prompt=prompt, echo=True, temperature=0, max_tokens=6, logprobs=1,
+        extra_body={"return_tokens_as_token_ids": True, "return_token_ids": True}).choices[0]
+    assert c.logprobs.tokens == [f"token_id:{t}" for t in c.prompt_token_ids + c.token_ids]
+    for token, top in zip(c.logprobs.tokens[1:], c.logprobs.top_logprobs[1:]):
+        assert token in top and all(k.startswith("token_id:") for k in top)
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": prompt}], temperature=0, max_tokens=6,
+        logprobs=True, top_logprobs=2,
+        extra_body={"return_tokens_as_token_ids": True, "return_token_ids": True})
+    entries = r.choices[0].logprobs.content
+    assert [int(e.token.removeprefix("token_id:")) for e in entries] == r.choices[0].token_ids
+    assert all(bytes(e.bytes).decode() == e.token for e in entries)
+    assert all(t.token.startswith("token_id:") for e in entries for t in e.top_logprobs)
+
+
+def test_allowed_token_ids_only_those_are_drawn(server, client):
+    """vLLM's ``allowed_token_ids``: sampled at temperature 1, every token is one of them
+    (EOS too is not allowed unless listed: the choices run to max_tokens), streamed or not;
+    an empty list or an id outside the vocabulary is a 400 naming the field."""
+    allowed = _post(server, "/tokenize", {"prompt": " red green blue"})[1]["tokens"]
+    kw = dict(model=MODEL, prompt="My favourite colours are", n=2, max_tokens=6,
+              temperature=1.0, seed=3,
+              extra_body={"allowed_token_ids": allowed, "return_token_ids": True, "top_k": -1})
+    r = client.completions.create(**kw)
+    assert all(set(c.token_ids) <= set(allowed) and c.finish_reason == "length"
+               for c in r.choices)
+    streamed = [t for ch in client.completions.create(**kw, stream=True) for c in ch.choices
+                for t in c.model_extra.get("token_ids") or ()]
+    assert len(streamed) == 12 and set(streamed) <= set(allowed)
+    for bad in ([], [10**6]):
+        status, err = _post(server, "/v1/completions", {"model": MODEL, "prompt": "hi",
+                                                        "allowed_token_ids": bad})
+        assert status == 400 and err["error"]["param"] == "allowed_token_ids", err
+
+
+def test_stream_options_and_continuous_usage_stats(server, client):
+    """``continuous_usage_stats`` (vLLM's, with ``include_usage``): every chunk carries its
+    choice's usage so far, the usage chunk the total; given ``stream_options`` without
+    ``include_usage`` asks for the usage chunk (vLLM's default); ``stream_options`` without
+    ``stream`` is a 400 (an empty object passes, as in vLLM)."""
+    for create, kw in ((client.completions.create, {"prompt": "One, two,"}),
+                       (client.chat.completions.create, {"messages": PARIS_Q})):
+        kw = dict(kw, model=MODEL, max_tokens=5, temperature=0, stream=True)
+        chunks = list(create(**kw, stream_options={"include_usage": True,
+                                                   "continuous_usage_stats": True}))
+        assert all(c.usage is not None for c in chunks) and chunks[-1].choices == []
+        counts = [c.usage.completion_tokens for c in chunks]
+        assert counts == sorted(counts) and counts[-1] == 5 and counts[-2] == 5
+        assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens
+                   for c in chunks)
+        chunks = list(create(**kw, stream_options={"include_usage": False,
+                                                   "continuous_usage_stats": True}))
+        assert all(c.usage is None for c in chunks)
+        assert list(create(**kw, stream_options={}))[-1].usage.completion_tokens == 5
+    for path, extra in (("/v1/completions", {"prompt": "hi"}),
+                        ("/v1/chat/completions", {"messages": PARIS_Q})):
+        body = {"model": MODEL, "max_tokens": 1, **extra}
+        for options in ({"include_usage": True}, {"continuous_usage_stats": True}):
+            status, err = _post(server, path, {**body, "stream_options": options})
+            assert status == 400 and err["error"]["param"] == "stream_options", err
+        assert _post(server, path, {**body, "stream_options": {}})[0] == 200
+
+
+SAYING = "Here is a common saying about apple. An apple a day, keeps"
+
+
+def test_continue_final_message_echo_and_generation_prompt(server, client):
+    """vLLM's chat template options: ``continue_final_message`` (with ``add_generation_prompt``
+    false) leaves the last message open, and the reply continues it as a completion of that
+    prompt would; ``echo`` starts the reply with that message (its own chunk in a stream);
+    without a generation prompt the reply takes the last message's role; both options at once
+    are a 400."""
+    messages = [{"role": "user", "content": "tell me a common saying"},
+                {"role": "assistant", "content": SAYING}]
+    options = {"continue_final_message": True, "add_generation_prompt": False}
+    ids = _post(server, "/tokenize", {"messages": messages, **options})[1]["tokens"]
+    assert _post(server, "/detokenize", {"tokens": ids})[1]["prompt"].endswith(SAYING)
+    kw = dict(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+    plain = client.chat.completions.create(
+        **kw, extra_body={**options, "return_token_ids": True})
+    echoed = client.chat.completions.create(**kw, extra_body={**options, "echo": True})
+    assert plain.prompt_token_ids == ids
+    assert plain.choices[0].message.role == "assistant"
+    text = plain.choices[0].message.content
+    assert SAYING not in text
+    assert text == client.completions.create(model=MODEL, prompt=ids, max_tokens=8,
+                                             temperature=0).choices[0].text
+    assert echoed.choices[0].message.content == SAYING + text
+    chunks = list(client.chat.completions.create(
+        **kw, stream=True, extra_body={**options, "echo": True}))
+    assert chunks[1].choices[0].delta.content == SAYING
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == SAYING + text
+    status, body = _post(server, "/v1/chat/completions", {
+        "model": MODEL, "messages": PARIS_Q, "add_generation_prompt": False, "max_tokens": 2})
+    assert status == 200 and body["choices"][0]["message"]["role"] == "user"
+    status, err = _post(server, "/v1/chat/completions", {
+        "model": MODEL, "messages": messages, "continue_final_message": True})
+    assert status == 400 and err["error"]["param"] == "continue_final_message", err
+
+
+def test_custom_roles_and_chat_template_kwargs_reach_the_template(server, client):
+    """A message of a role OpenAI does not define goes to the chat template as it is (vLLM's
+    custom roles); ``chat_template_kwargs`` keys the template does not read are dropped, and
+    ``tokenize`` / ``chat_template`` are a 400."""
+    messages = [{"role": "narrator", "content": "Once upon a time"}, *PARIS_Q]
+    ids = _post(server, "/tokenize", {"messages": messages})[1]["tokens"]
+    text = _post(server, "/detokenize", {"tokens": ids})[1]["prompt"]
+    assert "<|im_start|>narrator\nOnce upon a time<|im_end|>" in text
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2,
+                                       extra_body={"return_token_ids": True})
+    assert r.prompt_token_ids == ids
+    r = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=2,
+        extra_body={"return_token_ids": True, "chat_template_kwargs": {"not_read": 1}})
+    assert r.prompt_token_ids == ids
+    for key in ("tokenize", "chat_template"):
+        status, err = _post(server, "/v1/chat/completions", {
+            "model": MODEL, "messages": PARIS_Q, "chat_template_kwargs": {key: "x"}})
+        assert status == 400 and err["error"]["param"] == "chat_template_kwargs", err
+
+
+def _reference_beams(hf, prompt: list[int], width: int, steps: int, eos: int) -> list[list[int]]:
+    """Beam search over HF transformers' log-probabilities, by vLLM's rule (beam_search.py)."""
+    import torch
+
+    def score(tokens, cum):
+        return cum / (len(prompt) + len(tokens) - (tokens[-1:] == [eos]))
+
+    live, done = [([], 0.0)], []
+    for _ in range(steps):
+        grown = []
+        for tokens, cum in live:
+            with torch.no_grad():
+                logits = hf(torch.tensor([prompt + tokens])).logits[0, -1].double()
+            lps = torch.log_softmax(logits, -1)
+            top = torch.topk(lps, 2 * width)
+            for t, lp in zip(top.indices.tolist(), top.values.tolist()):
+                (done if t == eos else grown).append((tokens + [t], cum + lp))
+        live = sorted(grown, key=lambda b: score(*b), reverse=True)[:width]
+    return [t for t, _ in sorted(done + live, key=lambda b: score(*b), reverse=True)[:width]]
+
+
+def test_beam_search(server, client, hf_smollm):
+    """``use_beam_search`` with n beams (vLLM's): the beams HF's log-probabilities give, best
+    first; the same prompt twice gives the same beams (vLLM's test); chat and streams too;
+    what beam search cannot honour is a 400."""
+    prompt = "Hello, my name is"
+    r = client.completions.create(model=MODEL, prompt=[prompt, prompt], n=2, max_tokens=5,
+                                  temperature=0, extra_body={"use_beam_search": True,
+                                                             "return_token_ids": True})
+    c = r.choices
+    assert len(c) == 4 and c[0].text != c[1].text
+    assert (c[0].text, c[1].text) == (c[2].text, c[3].text)
+    ref = _reference_beams(hf_smollm, c[0].prompt_token_ids, 2, 5, eos=2)
+    assert [c[0].token_ids, c[1].token_ids] == ref
+    kw = dict(model=MODEL, messages=PARIS_Q, n=2, max_tokens=6,
+              extra_body={"use_beam_search": True})
+    whole = client.chat.completions.create(**kw)
+    texts = {}
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        for ch in chunk.choices:
+            texts[ch.index] = texts.get(ch.index, "") + (ch.delta.content or "")
+    assert [texts[0], texts[1]] == [ch.message.content for ch in whole.choices]
+    for extra, param in (({"n": 11}, "n"), ({"logprobs": 1}, "logprobs"),
+                         ({"stop": ["x"]}, "stop")):
+        status, err = _post(server, "/v1/completions", {
+            "model": MODEL, "prompt": prompt, "use_beam_search": True, **extra})
+        assert status == 400 and err["error"]["param"] == param, err
 
 
 # -- every body on the wire (last) ------------- -------------------------------------------------

@@ -157,7 +157,7 @@ def test_unconstrained_outputs_unchanged_by_constrained_neighbours(client, hf_sm
         r = client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": p}], max_tokens=24,
             temperature=0, extra_body={"return_token_ids": True})
-        return r.choices[0].prompt_token_ids, r.choices[0].token_ids
+        return r.prompt_token_ids, r.choices[0].token_ids
 
     def job(item):
         kind, p = item

@@ -72,6 +72,6 @@ def test_template_that_knows_tools_renders_them(tokenizer):
 
 
 def test_text_size_counts_tools_and_calls():
-    assert chat_text_bytes(HISTORY[:1]) == len(HISTORY[0]["content"])
+    assert chat_text_bytes(HISTORY[:1]) == len(HISTORY[0]["role"] + HISTORY[0]["content"])
     assert chat_text_bytes(HISTORY, [WEATHER]) > sum(len(m["content"]) for m in HISTORY) + \
         len(json.dumps(WEATHER))

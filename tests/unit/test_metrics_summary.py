@@ -1,5 +1,6 @@
 """GET /metrics/summary (entrypoints/metrics_summary.py): the dashboard's JSON equals what
-GET /metrics says in Prometheus text, after requests; it needs no API key (like /metrics), and
+GET /metrics says in Prometheus text, after requests, under either metrics prefix (jaxserve's,
+and vLLM's names with ``--metrics-prefix vllm``); it needs no API key (like /metrics), and
 answers 503 with the OpenAI error body before the engine's metrics exist. The playground's files
 are served (and nothing beside them); OutputProcessor records tokens as they arrive."""
 
@@ -13,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from jaxserve.engine import EngineCoreOutput, SchedulerStats
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.entrypoints.api_server import build_app
+from jaxserve.metrics import Metrics
 from jaxserve.sampling_params import SamplingParams
 from tests.unit.test_openai_serving import FakeLLM
 
@@ -62,27 +64,31 @@ def _serve_requests(llm, tokenizer):
                                             prefix_cache_queries=64, prefix_cache_hits=16))
 
 
-def test_summary_equals_the_prometheus_text(tokenizer):
+@pytest.mark.parametrize("prefix", ["jaxserve", "vllm"])
+def test_summary_equals_the_prometheus_text(tokenizer, prefix):
     llm = FakeLLM()
+    llm.metrics = m = Metrics(llm.model_name, prefix)
     _serve_requests(llm, tokenizer)
     (status, _, text), (summary_status, _, summary) = _get(llm, "/metrics", "/metrics/summary")
     assert status == summary_status == 200
     prom, s = _prometheus(text), json.loads(summary)
-    assert s["requests_running"] == prom["jaxserve:num_requests_running", None] == 3
-    assert s["requests_waiting"] == prom["jaxserve:num_requests_waiting", None] == 1
-    assert s["kv_cache_usage"] == prom["jaxserve:kv_cache_usage_perc", None] == 0.125
-    assert s["preemptions"] == prom["jaxserve:num_preemptions_total", None] == 2
+    assert m.name("num_requests_running") == f"{prefix}:num_requests_running"
+    assert s["requests_running"] == prom[m.name("num_requests_running"), None] == 3
+    assert s["requests_waiting"] == prom[m.name("num_requests_waiting"), None] == 1
+    assert s["kv_cache_usage"] == prom[m.name("kv_cache_usage_perc"), None] == 0.125
+    assert s["preemptions"] == prom[m.name("num_preemptions") + "_total", None] == 2
     assert s["prefix_cache_queries"] == 64 and s["prefix_cache_hits"] == 16
     assert s["prefix_cache_hit_rate"] == 0.25
-    assert s["engine_alive"] is True
-    assert s["requests_finished"] == (prom["jaxserve:request_success_total", "stop"]
-                                      + prom["jaxserve:request_success_total", "length"]) == 2
-    assert s["prompt_tokens"] == prom["jaxserve:prompt_tokens_total", None] == 5
+    assert s["engine_alive"] is True  # jaxserve:engine_alive under either prefix
+    success = m.name("request_success") + "_total"
+    assert s["requests_finished"] == (prom[success, "stop"] + prom[success, "length"]) == 2
+    assert s["prompt_tokens"] == prom[m.name("prompt_tokens") + "_total", None] == 5
     # a: 1 + 2 + 1 tokens, b: 2 choices of 2.
-    assert s["generation_tokens"] == prom["jaxserve:generation_tokens_total", None] == 8
+    assert s["generation_tokens"] == prom[m.name("generation_tokens") + "_total", None] == 8
     for name, firsts, laters in (("time_to_first_token_seconds", 2, 0),
                                  ("inter_token_latency_seconds", 0, 4)):
-        h, base = s[name], f"jaxserve:{name}"
+        h, base = s[name], m.name(name)
+        assert base == f"{prefix}:{name}"
         assert h["count"] == prom[f"{base}_count", None] == firsts + laters
         assert h["sum"] == prom[f"{base}_sum", None]
         assert len(h["counts"]) == len(h["le"]) + 1 and sum(h["counts"]) == h["count"]

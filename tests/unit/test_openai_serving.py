@@ -1,6 +1,7 @@
 """The OpenAI bodies on the wire (entrypoints/serving_*.py through protocol.py's response models),
 with a fake AsyncLLM behind the real aiohttp app: which optional fields are null and which are
-left out, the chat stream's role chunk and empty deltas, the usage chunk, token ids, errors."""
+left out (vLLM's fields null in whole responses, absent from chunks), the chat stream's role
+chunk and empty deltas, the usage chunk, token ids, errors."""
 
 import asyncio
 import json
@@ -37,13 +38,13 @@ class FakeLLM:
     async def encode_prompt(self, prompt):
         return list(PROMPT_IDS)
 
-    async def encode_chat(self, messages, tools=None):
-        return list(PROMPT_IDS)
+    async def encode_chat(self, messages, *args):
+        return "<prompt>", list(PROMPT_IDS)
 
     def check_request(self, ids, sp):
         pass
 
-    def add_request(self, ids, sp, request_id):
+    def add_request(self, ids, sp, request_id, reasoning_end_token_id=None):
         self.last_sampling_params = sp
         return ids  # the "queue" that outputs gets back
 
@@ -103,7 +104,8 @@ def test_completion_response():
     assert status == 200 and ctype.startswith("application/json")
     assert _body(text) == {
         "object": "text_completion", "model": "fake-model",
-        "choices": [{"index": 0, "text": "Hello é", "logprobs": None, "finish_reason": "stop"}],
+        "choices": [{"index": 0, "text": "Hello é", "logprobs": None, "finish_reason": "stop",
+                     "prompt_token_ids": None, "token_ids": None, "prompt_logprobs": None}],
         "usage": USAGE}
 
 
@@ -112,10 +114,10 @@ def test_chat_response_with_token_ids():
                                                 "return_token_ids": True})
     assert _body(text) == {
         "object": "chat.completion", "model": "fake-model",
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hello é", "refusal": None},
-                     "logprobs": None, "finish_reason": "stop",
-                     "prompt_token_ids": PROMPT_IDS, "token_ids": [10, 11, 12, 2]}],
-        "usage": USAGE}
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hello é", "refusal": None,
+                                             "reasoning": None, "reasoning_content": None},
+                     "logprobs": None, "finish_reason": "stop", "token_ids": [10, 11, 12, 2]}],
+        "usage": USAGE, "prompt_logprobs": None, "prompt_token_ids": PROMPT_IDS}
 
 
 def test_completion_stream():
@@ -144,9 +146,9 @@ def test_chat_stream_with_usage_and_token_ids():
                 **ids}
 
     assert _events(text) == [
-        {**head, "choices": [choice({"role": "assistant", "content": ""})]},
-        {**head, "choices": [choice({"content": "Hel"}, token_ids=[10],
-                                    prompt_token_ids=PROMPT_IDS)]},
+        {**head, "choices": [choice({"role": "assistant", "content": ""})],
+         "prompt_token_ids": PROMPT_IDS},
+        {**head, "choices": [choice({"content": "Hel"}, token_ids=[10])]},
         {**head, "choices": [choice({"content": "lo é"}, token_ids=[11, 12])]},
         {**head, "choices": [choice({}, "stop", token_ids=[2])]},
         {**head, "choices": [], "usage": USAGE},

@@ -2,8 +2,10 @@
 FakeLLM, scripted): every body and event validates against the ``openai`` package's own types;
 a reply of text and a Hermes tool call gives the same items whole and streamed, in OpenAI's
 event order; a reply cut by max_output_tokens leaves the response and its items incomplete; an
-empty reply is one empty message; the store evicts the least recently used and can be off;
-a stream that fails ends with an ``error`` event and keeps nothing."""
+empty reply is one empty message; with a ``--reasoning-parser`` the reasoning is a
+``reasoning`` item before the answer, whole and streamed, and a follow-up leaves it out of the
+prompt; the store evicts the least recently used and can be off; a stream that fails ends with an
+``error`` event and keeps nothing."""
 
 import asyncio
 import itertools
@@ -45,13 +47,13 @@ class ScriptedLLM(FakeLLM):
                 0, text, [10 + i], self.finish_reason if last else None)], finished=last)
 
 
-def _run(llm, requests, limits=None):
+def _run(llm, requests, limits=None, **app_kwargs):
     """(status, body: parsed JSON, or the SSE events' data as JSON) of each (method, path,
-    body) in turn, on one app."""
+    body) in turn, on one app (build_app's ``app_kwargs``)."""
 
     async def go():
         out = []
-        async with TestClient(TestServer(build_app(llm, limits=limits))) as client:
+        async with TestClient(TestServer(build_app(llm, limits=limits, **app_kwargs))) as client:
             for method, path, body in requests:
                 resp = await client.request(method, path, json=body)
                 text = await resp.text()
@@ -131,6 +133,43 @@ def test_a_cut_reply_is_incomplete():
 def test_an_empty_reply_is_one_empty_message():
     [(_, whole)] = _run(ScriptedLLM(""), [_create({"input": "Hi"})])
     assert _valid_response(whole).output_text == "" and _items(whole)[0]["type"] == "message"
+
+
+def test_reasoning_is_an_item_before_the_answer():
+    class ThinkingLLM(ScriptedLLM):
+        async def encode_chat(self, messages, *args):
+            self.messages = messages
+            return "<prompt><think>\n", [1, 2, 3]
+
+    llm = ThinkingLLM("Two and two.</think>Four.<tool_call>\n"
+                      '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
+    body = {"input": "Sum?", "tools": [WEATHER]}
+    [(_, whole), (_, events)] = _run(llm, [_create(body), _create({**body, "stream": True})],
+                                     reasoning_parser="qwen3")
+    _valid_response(whole)
+    assert [item["type"] for item in whole["output"]] == ["reasoning", "message", "function_call"]
+    reasoning = _items(whole)[0]
+    assert reasoning == {"type": "reasoning", "status": "completed", "summary": [],
+                         "content": [{"type": "reasoning_text", "text": "Two and two."}],
+                         "encrypted_content": None}
+    assert whole["output"][1]["content"][0]["text"] == "Four."
+    _valid_events(events)
+    assert [t for t, _ in itertools.groupby(e["type"] for e in events)][:8] == [
+        "response.created", "response.in_progress",
+        "response.output_item.added", "response.content_part.added",
+        "response.reasoning_text.delta", "response.reasoning_text.done",
+        "response.content_part.done", "response.output_item.done"]
+    final = events[-1]["response"]
+    assert _items(final) == _items(whole)
+    deltas = [e["delta"] for e in events if e["type"] == "response.reasoning_text.delta"]
+    assert "".join(deltas) == "Two and two." and len(deltas) > 1
+    # Sent back, the reasoning item stays out of the prompt (the template sees the rest).
+    [(status, again)] = _run(llm, [_create({
+        "input": [*whole["output"], {"type": "function_call_output",
+                                      "call_id": whole["output"][2]["call_id"], "output": "4"}],
+        "tools": [WEATHER]})], reasoning_parser="qwen3")
+    assert status == 200 and _valid_response(again).status == "completed"
+    assert [m["role"] for m in llm.messages] == ["assistant", "tool"]
 
 
 def test_the_store_evicts_the_least_recently_used():

@@ -109,6 +109,46 @@ def test_manager_caches_grammars_and_fills_masks(tokenizer, manager):
     assert yes[0] in first and tokenizer.eos_token_id not in first
 
 
+def test_scheduler_rows_allowed_token_ids_and_a_grammar_after_the_reasoning(tokenizer, manager):
+    """The scheduler's bitmask rows: a request's ``allowed_token_ids`` row (token_bitmask) holds
+    exactly those tokens; a grammar whose request starts in the model's reasoning allows every
+    token until the token that ends the reasoning is drawn, and constrains from the next."""
+    from jaxserve.core.kv_cache_manager import KVCacheManager
+    from jaxserve.core.request import Request
+    from jaxserve.core.scheduler import Scheduler
+    from jaxserve.core.scheduler_output import ModelRunnerOutput
+    from jaxserve.engine import EngineCoreRequest
+    from jaxserve.sampling_params import SamplingParams
+    from jaxserve.structured_output.manager import token_bitmask
+
+    vocab, end, eos = 49152, 100, tokenizer.eos_token_id  # end: the reasoning's end token
+    sched = Scheduler(KVCacheManager(64, 4), max_num_seqs=4, max_num_batched_tokens=64,
+                      max_model_len=128, eos_token_ids=(eos,), structured_output_manager=manager)
+    so = SO(choice=["yes", "no"])
+    sched.add_request(Request(EngineCoreRequest(
+        "g", [1, 2, 3], SamplingParams(max_tokens=10, structured_outputs=so), end), seed=0,
+        grammar=manager.grammar_init(so)))
+    allowed = [5, 7, 40000, eos]
+    sched.add_request(Request(EngineCoreRequest(
+        "a", [1, 2], SamplingParams(max_tokens=10, allowed_token_ids=allowed)), seed=0,
+        allowed_bitmask=token_bitmask(allowed, vocab)))
+
+    def step(tokens: dict) -> dict:
+        out = sched.schedule()
+        sched.grammar_bitmask(out)
+        rows = {rid: list(_allowed(row, vocab))
+                for rid, row in zip(out.structured_output_request_ids, out.grammar_bitmask)}
+        sched.update(out, ModelRunnerOutput(tokens, {}, {}))
+        return rows
+
+    yes = tokenizer.encode("yes", add_special_tokens=False)
+    for token in (42, end):  # reasoning, then its end: every token allowed
+        rows = step({"g": token, "a": 5})
+        assert len(rows["g"]) == vocab and rows["a"] == sorted(allowed)
+    rows = step({"g": yes[0], "a": 7})
+    assert yes[0] in rows["g"] and eos not in rows["g"] and len(rows["g"]) < 100
+
+
 def test_borrowed_tokenizer_without_the_models_eos(tokenizer):
     """A dummy Llama-3.1 (128,256 logits, EOS 128001) with the default model's tokenizer: the
     manager starts, and a complete grammar allows the tokenizer's EOS."""

@@ -39,7 +39,8 @@ class ToolCallLLM(FakeLLM):
     async def check_structured_outputs(self, so):
         await self.validator.check(so)
 
-    async def encode_chat(self, messages, tools=None):
+    async def encode_chat(self, messages, add_generation_prompt=True, add_special_tokens=False,
+                          tools=None, *args):
         self.last_tools = tools
         return await super().encode_chat(messages)
 

@@ -2,7 +2,7 @@
 (Gemma-3-4B and larger) as the ``Gemma3ForCausalLM`` its language model is.
 
 The language model's config is the nested ``text_config`` (HF fills the keys it leaves out
-with ``Gemma3TextConfig``'s defaults: ``jaxserve.config``), with the top level's token ids,
+with ``Gemma3TextConfig``'s defaults: ``jaxserve.models.families.gemma``), with the top level's token ids,
 embedding tie and quantization config; its tensors are those under ``language_model.model.``
 (the published layout) or ``model.language_model.`` (transformers 5's), renamed to the causal
 LM's ``model.``; the vision tower and the projector are left out.

@@ -1,8 +1,11 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, and the mixture-of-experts Mixtral,
-Qwen2-MoE and Qwen3-MoE): plain functions over a params dict and a paged KV pool.
+"""The decoder every family runs (``jaxserve.models.families``: Llama 2/3, Mistral, the Qwen
+families, Gemma 2/3, Phi-3, and the mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE):
+plain functions over a params dict and a paged KV pool, with the options a family's config sets
+(``ModelConfig``).
 
-Source: HF transformers' modeling_llama / modeling_qwen2 / modeling_qwen3 (pre-norm RMSNorm,
-rotate-half RoPE, SwiGLU MLP, grouped-query attention); the MoE families' sparse MLP blocks
+Source: HF transformers' modeling_llama / modeling_qwen2 / modeling_qwen3 / modeling_gemma2 /
+modeling_gemma3 / modeling_phi3 (pre-norm RMSNorm, rotate-half RoPE, gated MLP, grouped-query
+attention; Gemma's norms around both blocks and soft caps); the MoE families' sparse MLP blocks
 are ``jaxserve.models.moe``.
 
 Params: ``{"embed_tokens", "norm", "lm_head" (absent when tied), "layers": [one dict per

@@ -169,6 +169,19 @@ class EngineConfig:
         "repetition_penalty, max_tokens): auto: the model's generation_config.json (the default "
         "model: its model card's chat defaults); vllm: none (temperature 1.0, no top-p/top-k); "
         "or a folder holding a generation_config.json")})
+    enable_lora: bool = field(default=False, metadata={"help": (
+        "serve LoRA adapters (PEFT folders) over the model: requests pick one by name as "
+        "`model` (docs/lora.md)")})
+    max_loras: int = field(default=1, metadata={
+        "help": "LoRA adapters on the device at once (slots of the device pool; the most "
+                "distinct adapters among running requests)", "valid": _POSITIVE})
+    max_lora_rank: int = field(default=16, metadata={
+        "help": "largest LoRA rank served (the device pool's rank; smaller ranks are padded "
+                "with zeros)", "valid": _POSITIVE})
+    max_cpu_loras: int | None = field(default=None, metadata={
+        "help": "LoRA adapters kept in host memory (least recently used evicted, read again "
+                "from their folder when needed), at least --max-loras; None: --max-loras",
+        "valid": _POSITIVE})
     # Same range as SamplingParams.seed.
     seed: int = field(default=0, metadata={
         "help": "seed of the engine's default RNG (requests without their own seed) and of "
@@ -220,4 +233,6 @@ def resolve_config(config: EngineConfig, platform: Platform,
                          f"max_position_embeddings {max_position_embeddings}")
     if resolved["max_num_batched_tokens"] < resolved["max_num_seqs"]:
         raise ValueError("--max-num-batched-tokens must be at least --max-num-seqs")
+    if config.max_cpu_loras is not None and config.max_cpu_loras < config.max_loras:
+        raise ValueError("--max-cpu-loras must be at least --max-loras")
     return ResolvedConfig(**{**dataclasses.asdict(config), **resolved})

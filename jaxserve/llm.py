@@ -11,6 +11,7 @@ from jaxserve.engine.core import EngineCore
 from jaxserve.engine.input_processor import InputProcessor
 from jaxserve.engine.output_processor import OutputProcessor, merge_outputs
 from jaxserve.exceptions import ValidationError
+from jaxserve.lora.request import LoRARequest
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
@@ -47,6 +48,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Complete each prompt (text, or a list of token ids); results in input order, each
         with its ``n`` choices (CompletionOutputs by index) and, where asked, log-probabilities
@@ -54,18 +56,21 @@ class LLM:
 
         ``SamplingParams(structured_outputs=StructuredOutputsParams(json=schema))`` (or
         ``regex``, ``choice``, ``grammar``, ``json_object``) constrains the output.
+        ``lora_request`` (one for all prompts, or one per prompt; None: the base model) runs
+        them with LoRA adapters (``LLM(enable_lora=True, ...)``, docs/lora.md).
 
         Raises:
           ValidationError: a prompt that is empty, holds an id outside the vocabulary or does not
             fit max_model_len, a token id of its SamplingParams outside the vocabulary, or
             structured outputs that do not compile (before any work; the message names the
             prompt's index).
+          ValueError: a LoRA adapter that is missing or refused, before any work.
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         items = [(p if isinstance(p, str) else None, self.input_processor.tokenize_prompt(p))
                  for p in prompts]
-        return self._run(items, sampling_params, use_tqdm)
+        return self._run(items, sampling_params, use_tqdm, lora_request)
 
     def chat(
         self,
@@ -77,6 +82,7 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Answer one conversation (a list of {"role", "content"} messages; assistant
         ``tool_calls`` and ``tool`` messages as transformers' chat format has them) or a list of
@@ -88,20 +94,21 @@ class LLM:
 
         Raises:
           ValidationError: as ``generate``, or the chat template rejected the messages.
+          ValueError: as ``generate``.
         """
         if messages and isinstance(messages[0], dict):
             messages = [messages]
         items = [self.input_processor.tokenize_chat(
             conv, add_generation_prompt, tools=tools, continue_final_message=continue_final_message,
             chat_template_kwargs=chat_template_kwargs) for conv in messages]
-        return self._run(items, sampling_params, use_tqdm)
+        return self._run(items, sampling_params, use_tqdm, lora_request)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``generate`` / ``chat`` use when given no SamplingParams: the model's
         generation config (``generation_config``, as vLLM's), else SamplingParams' defaults."""
         return SamplingParams(**self.engine.generation_config)
 
-    def _run(self, items, sampling_params, use_tqdm) -> list[RequestOutput]:
+    def _run(self, items, sampling_params, use_tqdm, lora_request=None) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
@@ -110,6 +117,12 @@ class LLM:
             raise ValueError(
                 f"got {len(sampling_params)} SamplingParams for {len(items)} prompts"
             )
+        loras = (lora_request if isinstance(lora_request, Sequence)
+                 else [lora_request] * len(items))
+        if len(loras) != len(items):
+            raise ValueError(f"got {len(loras)} LoRA requests for {len(items)} prompts")
+        for lora in {r for r in loras if r is not None}:
+            self.engine.add_lora(lora)
         for i, ((_, ids), sp) in enumerate(zip(items, sampling_params)):
             try:
                 self.input_processor.check_prompt(ids)
@@ -120,12 +133,12 @@ class LLM:
                 raise ValidationError(f"prompt {i}: {e}", parameter=e.parameter) from None
         index: dict[str, int] = {}
         results: list[RequestOutput | None] = [None] * len(items)
-        for i, ((prompt, ids), sp) in enumerate(zip(items, sampling_params)):
+        for i, ((prompt, ids), sp, lora) in enumerate(zip(items, sampling_params, loras)):
             rid = str(self._next_id)
             self._next_id += 1
             index[rid] = i
             self.output_processor.add_request(rid, prompt, ids, sp)
-            self.engine.add_request(EngineCoreRequest(rid, ids, sp))
+            self.engine.add_request(EngineCoreRequest(rid, ids, sp, lora_request=lora))
         bar = tqdm(total=len(items), desc="generating", disable=not use_tqdm, unit="req")
         while index:
             processed = self.output_processor.process_outputs(self.engine.step())

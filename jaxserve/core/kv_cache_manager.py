@@ -3,7 +3,9 @@ automatic prefix cache (vLLM V1's design).
 
 Block hashes. Page i of a request (tokens ``[i*page_size, (i+1)*page_size)``) is keyed by
 ``sha256(hash of page i-1 || token ids of page i as little-endian int32)``; page 0 chains from a
-fixed root. The chain makes a page's key name its whole prefix, so equal keys mean equal K/V.
+fixed root, or under a LoRA adapter from a root of that adapter's (``root_hash``): K/V computed
+under one adapter differ from the base model's and another adapter's. The chain makes a page's
+key name its whole prefix and adapter, so equal keys mean equal K/V.
 Why SHA-256 rather than Python's ``hash`` of a tuple: ``hash`` is 64 bits and not collision
 resistant, and a collision here silently serves another prompt's K/V (a wrong answer, or a way to
 read across tenants with crafted prompts); SHA-256 costs about 1.4 us per page here (a
@@ -22,6 +24,14 @@ from jaxserve.core.block_pool import BlockPool
 from jaxserve.core.request import Request
 
 _ROOT_HASH = hashlib.sha256(b"jaxserve-prefix-cache-v1").digest()
+
+
+def root_hash(lora_int_id: int) -> bytes:
+    """The key page 0 chains from: the fixed root, or for LoRA adapter ``lora_int_id`` (> 0;
+    ids are never reused) the root's hash with the id."""
+    if lora_int_id == 0:
+        return _ROOT_HASH
+    return hashlib.sha256(_ROOT_HASH + b"lora" + lora_int_id.to_bytes(8, "little")).digest()
 
 
 def hash_page(parent: bytes, token_ids) -> bytes:
@@ -46,7 +56,7 @@ class KVCacheManager:
         hashes = request.block_hashes
         ps = self.page_size
         tokens = request.all_token_ids
-        parent = hashes[-1] if hashes else _ROOT_HASH
+        parent = hashes[-1] if hashes else root_hash(request.lora_int_id)
         for i in range(len(hashes), num_pages):
             parent = hash_page(parent, tokens[i * ps : (i + 1) * ps])
             hashes.append(parent)

@@ -48,6 +48,7 @@ class Request:
         that token is drawn, then this is None.
       allowed_bitmask: [ceil(V / 32)] int32, the tokens ``allowed_token_ids`` lets it draw
         (shared by a request's choices), or None.
+      lora_request: its LoRA adapter (EngineCoreRequest's); lora_int_id: its id, 0 for none.
     """
 
     def __init__(self, req: EngineCoreRequest, seed: int, index: int = 0, grammar=None,
@@ -75,6 +76,8 @@ class Request:
         self.grammar = grammar
         self.reasoning_end_token_id = req.reasoning_end_token_id if grammar is not None else None
         self.allowed_bitmask = allowed_bitmask
+        self.lora_request = req.lora_request
+        self.lora_int_id = req.lora_request.lora_int_id if req.lora_request else 0
 
     @property
     def constrained(self) -> bool:

@@ -33,6 +33,11 @@ sequence with ``allowed_token_ids`` is constrained too: its fixed row is ANDed i
 A request that wants prompt log-probabilities takes no prefix-cache hits (every prompt position
 must be computed), and its prompt chunks are capped so that one step never holds more than
 ``max_prompt_logprob_rows`` such positions (the runner turns them into logits chunk by chunk).
+
+LoRA (``max_loras`` > 0, docs/lora.md): the running requests use at most ``max_loras`` distinct
+adapters (vLLM's rule, counted over every running request so that any step of them fits the
+device pool); a waiting request whose adapter would be one too many waits, and so do the
+requests behind it (arrival order is kept).
 """
 
 from collections import deque
@@ -56,10 +61,12 @@ class Scheduler:
         eos_token_ids: tuple[int, ...],
         max_prompt_logprob_rows: int = 0,
         structured_output_manager=None,
+        max_loras: int = 0,
     ):
         self.kv = kv_cache_manager
         self.structured_output_manager = structured_output_manager
         self.max_prompt_logprob_rows = max_prompt_logprob_rows
+        self.max_loras = max_loras
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -177,8 +184,13 @@ class Scheduler:
         # As vLLM does: no new admissions in a step that had to preempt.
         waiting = self.waiting
         kv = self.kv
+        loras = {r.lora_int_id for r in running if r.lora_int_id} if self.max_loras else set()
         while waiting and budget > 0 and len(running) < self.max_num_seqs and not preempted:
             req = waiting[0]
+            if req.lora_int_id and req.lora_int_id not in loras:
+                if len(loras) == self.max_loras:
+                    break
+                loras.add(req.lora_int_id)
             plp = req.needs_prompt_logprobs
             computed = kv.get_computed_pages(req) if req.num_computed_tokens == 0 and not plp else []
             num_cached = len(computed) * kv.page_size
@@ -246,7 +258,7 @@ class Scheduler:
             stop_ids += sorted(self.eos_token_ids)
         return NewRequestData(req.request_id, list(req.all_token_ids), req.num_prompt_tokens,
                               sp, req.seed, list(req.block_ids), req.num_computed_tokens,
-                              stop_ids)
+                              stop_ids, req.lora_request)
 
     def _schedule(self, out: SchedulerOutput, req: Request, n: int, forks: list) -> None:
         samples = req.num_computed_tokens + n == req.num_tokens + req.num_output_placeholders

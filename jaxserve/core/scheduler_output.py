@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from jaxserve.engine import LogprobsLists
+from jaxserve.lora.request import LoRARequest
 from jaxserve.sampling_params import SamplingParams
 
 
@@ -28,6 +29,7 @@ class NewRequestData:
         cache hits; a forked choice's whole prompt).
       stop_token_ids: the ids ``min_tokens`` holds back (EOS unless ignore_eos, and the
         request's stop_token_ids).
+      lora_request: its LoRA adapter, or None for the base model.
     """
 
     req_id: str
@@ -38,6 +40,7 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     stop_token_ids: list[int] = field(default_factory=list)
+    lora_request: LoRARequest | None = None
 
 
 @dataclass

@@ -6,6 +6,7 @@ directly, and the in-process path (``jaxserve.LLM``) uses the same objects.
 
 import msgspec
 
+from jaxserve.lora.request import LoRARequest
 from jaxserve.sampling_params import SamplingParams
 
 
@@ -50,12 +51,14 @@ class EngineCoreRequest(msgspec.Struct, array_like=True):
       reasoning_end_token_id: for a request whose output starts with the model's reasoning
         (``--reasoning-parser``), the token that ends it: its structured outputs constrain
         only the tokens after that one (vLLM's rule); None: from the first token.
+      lora_request: the LoRA adapter the request runs with (docs/lora.md); None: the base model.
     """
 
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     reasoning_end_token_id: int | None = None
+    lora_request: LoRARequest | None = None
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):

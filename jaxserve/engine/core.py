@@ -28,6 +28,8 @@ from jaxserve.engine import (
     SchedulerStats,
     kv_sizing,
 )
+from jaxserve.exceptions import ValidationError
+from jaxserve.lora import manager as lora_manager
 from jaxserve.model_loader import (
     load_checkpoint,
     load_generation_config,
@@ -135,6 +137,10 @@ class EngineCore:
                                                  mesh, quantization, config.max_model_len)
         del ckpt
         mc = self.model_config
+        self.lora_manager = None
+        if config.enable_lora:
+            params, self.lora_manager = lora_manager.create(config, mc, params, quantization,
+                                                            mesh, log)
         t2 = time.perf_counter()
         weights = np.dtype(dtype).name + (f", {quantization} linear layers"
                                           if quantization else "")
@@ -155,6 +161,7 @@ class EngineCore:
             mesh=mesh,
             executable_cache=ExecutableCache(cache_dir() / "executables"),
             quantization=quantization,
+            lora=self.lora_manager,
         )
         del params
         per_page = kv_bytes_per_page(mc, self.runner.layout, config.page_size, kv_dtype)
@@ -205,6 +212,7 @@ class EngineCore:
             eos_token_ids=self.eos_token_ids,
             max_prompt_logprob_rows=self.runner.prompt_logprob_rows,
             structured_output_manager=self.structured_output_manager,
+            max_loras=config.max_loras if config.enable_lora else 0,
         )
         self._rng = random.Random(config.seed)
         self._in_flight = None  # (SchedulerOutput, StepHandle) dispatched, not yet updated
@@ -300,10 +308,15 @@ class EngineCore:
         constrained request gets a grammar matcher per choice, and one with
         ``allowed_token_ids`` their bitmask row.
 
+        A request with a LoRA adapter has it read onto the host here (``LoRAModelManager``).
+
         Raises:
           ValidationError: on ``structured_outputs``, "<kind>: <error>", for a constraint that
-            does not compile.
+            does not compile; on ``model``, an adapter without --enable-lora.
+          ValueError: the request's adapter is missing or refused (``lora.checkpoint``).
         """
+        if request.lora_request is not None:
+            self.add_lora(request.lora_request)
         sp = request.sampling_params
         seed = sp.seed
         if seed is None:
@@ -322,6 +335,19 @@ class EngineCore:
             child.fork_parent = parent
             parent.fork_children.append(child)
         self.scheduler.add_request(parent)
+
+    def add_lora(self, lora_request) -> None:
+        """Read a LoRA adapter onto the host (vLLM's ``EngineCore.add_lora``); requests that
+        name it load it into the device pool when they run.
+
+        Raises:
+          ValidationError: on ``model``, the engine runs without --enable-lora.
+          ValueError: the adapter is missing or refused (``lora.checkpoint``).
+        """
+        if self.lora_manager is None:
+            raise ValidationError(f"LoRA adapter {lora_request.lora_name!r}: the engine runs "
+                                  "without --enable-lora", parameter="model")
+        self.lora_manager.add_lora(lora_request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)

@@ -1,5 +1,6 @@
 """Linear projections and the weight formats they take (``linear``): a plain weight in the
-model's dtype, or FP8 (W8A8: ``--quantization fp8``, or an FP8 checkpoint, ``fp8_checkpoint``).
+model's dtype, or FP8 (W8A8: ``--quantization fp8``, or an FP8 checkpoint, ``fp8_checkpoint``); a plain weight
+may carry LoRA adapters beside it (``jaxserve.lora.layers.LoRALinear``).
 
 A plain weight is ``[in, out]`` and the projection is ``x @ w``. An FP8 weight (``Fp8Weight``)
 is ``[out, in]`` float8_e4m3fn with one float32 scale per output channel (row); at run time the
@@ -21,6 +22,8 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+
+from jaxserve.lora.layers import LoRALinear, lora_delta
 
 FP8_DTYPE = jnp.float8_e4m3fn
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
@@ -85,13 +88,17 @@ def _quantize_input(x: jax.Array, w: Fp8Weight) -> tuple[jax.Array, jax.Array]:
     return _saturating_fp8(x.astype(jnp.float32) / scale), scale
 
 
-def linear(x: jax.Array, w) -> jax.Array:
+def linear(x: jax.Array, w, lora_slots: jax.Array | None = None) -> jax.Array:
     """x [M, in] times a weight of ``in -> out`` -> [M, out] in x's dtype.
 
     Args:
       x: activations [M, in].
-      w: a plain ``[in, out]`` array (``x @ w``) or an ``Fp8Weight``.
+      w: a plain ``[in, out]`` array (``x @ w``), an ``Fp8Weight``, or a ``LoRALinear`` (a
+        plain weight plus each row's adapter delta, ``jaxserve.lora.layers``).
+      lora_slots: [M] int32, each row's adapter slot (0: none); read with a ``LoRALinear``.
     """
+    if isinstance(w, LoRALinear):
+        return linear(x, w.base) + lora_delta(x, w.a, w.b, lora_slots)
     if not isinstance(w, Fp8Weight):
         return x @ w
     xq, xs = _quantize_input(x, w)

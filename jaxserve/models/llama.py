@@ -145,7 +145,8 @@ def _write_and_attend(attention_fn: Callable, q, k, v, k_pages, v_pages, md: Att
 
 @partial(jax.jit, static_argnames=("opts", "attention_fn", "mesh", "sliding_window"))
 def _decoder_layer(hidden: jax.Array, p: dict, k_pages: jax.Array, v_pages: jax.Array,
-                   cos: jax.Array, sin: jax.Array, md: AttentionMetadata, *, opts: LayerOptions,
+                   cos: jax.Array, sin: jax.Array, md: AttentionMetadata,
+                   lora_slots: jax.Array | None = None, *, opts: LayerOptions,
                    attention_fn: Callable, mesh: Mesh | None, sliding_window: int | None = None):
     """One decoder layer: hidden [T, E] -> (hidden, k_pages, v_pages with this step's K/V).
 
@@ -159,13 +160,14 @@ def _decoder_layer(hidden: jax.Array, p: dict, k_pages: jax.Array, v_pages: jax.
     ``router`` runs the MoE block (``moe.sparse_mlp``) instead of the dense MLP. With
     ``opts.sandwich_norms`` (Gemma) the attention's and the MLP's outputs are normed before
     they join the residual, and ``pre_feedforward_layernorm`` norms the MLP's input.
+    Projections with LoRA adapters add each token's delta (``lora_slots``, ``linear``).
     """
     n = sharding.mesh_size(mesh)
     H, KV = opts.num_heads, k_pages.shape[0]  # the pool's KV heads (replicated past the model's)
     num_tokens, D = hidden.shape[0], k_pages.shape[-1]
     norm = partial(_rms_norm, eps=opts.eps, unit_offset=opts.norm_unit_offset)
     x = norm(hidden, p["input_layernorm"])
-    qkv = linear(x, p["qkv_proj"])
+    qkv = linear(x, p["qkv_proj"], lora_slots)
     if "qkv_bias" in p:
         qkv = qkv + p["qkv_bias"]
     # Columns shard by shard: [q heads | k heads | v heads] of each of the n shards.
@@ -183,7 +185,7 @@ def _decoder_layer(hidden: jax.Array, p: dict, k_pages: jax.Array, v_pages: jax.
     if mesh is not None:
         attend = sharding.per_shard_attention(attend, mesh)
     attn, k_pages, v_pages = attend(q, k, v, k_pages, v_pages, md)
-    attn = linear(attn.reshape(num_tokens, H * D), p["o_proj"])
+    attn = linear(attn.reshape(num_tokens, H * D), p["o_proj"], lora_slots)
     if opts.sandwich_norms:
         hidden = hidden + norm(attn, p["post_attention_layernorm"])
         x = norm(hidden, p["pre_feedforward_layernorm"])
@@ -194,8 +196,8 @@ def _decoder_layer(hidden: jax.Array, p: dict, k_pages: jax.Array, v_pages: jax.
         mlp = moe.sparse_mlp(x, p, opts.num_experts_per_tok, opts.norm_topk_prob, n,
                              opts.hidden_act)
     else:
-        gate_up = linear(x, p["gate_up_proj"])  # [gate | up] per shard
-        mlp = linear(moe.gated_act(gate_up, n, opts.hidden_act), p["down_proj"])
+        gate_up = linear(x, p["gate_up_proj"], lora_slots)  # [gate | up] per shard
+        mlp = linear(moe.gated_act(gate_up, n, opts.hidden_act), p["down_proj"], lora_slots)
     if opts.sandwich_norms:
         mlp = norm(mlp, p["post_feedforward_layernorm"])
     return hidden + mlp, k_pages, v_pages
@@ -223,6 +225,7 @@ def forward(
     attention_fn: Callable,
     mesh: Mesh | None = None,
     hidden_indices: jax.Array | None = None,
+    lora_slots: jax.Array | None = None,
 ):
     """One model step over a flattened ragged batch.
 
@@ -245,6 +248,8 @@ def forward(
         for one device.
       hidden_indices: optional [R] int32 rows whose last hidden states (before the final norm)
         are returned too, for ``compute_logits`` later (prompt log-probabilities).
+      lora_slots: [T] int32 each token's LoRA adapter slot (0: none), read by the projections
+        that carry adapters (``jaxserve.lora.layers.LoRALinear``).
 
     Returns:
       (logits [S, V] float32 over the whole vocabulary, replicated on a mesh; k_cache, v_cache
@@ -252,11 +257,11 @@ def forward(
     """
     with matmul_precision(params["embed_tokens"].dtype):
         return _forward(config, params, token_ids, md, k_cache, v_cache, logits_indices,
-                        attention_fn, mesh, hidden_indices)
+                        attention_fn, mesh, hidden_indices, lora_slots)
 
 
 def _forward(c: ModelConfig, params, token_ids, md, k_cache, v_cache, logits_indices,
-             attention_fn, mesh, hidden_indices):
+             attention_fn, mesh, hidden_indices, lora_slots):
     def cos_sin(theta: float, scaling: dict | None):
         inv_freq = jnp.asarray(rope_inv_freq(c.rotary_dim or c.head_dim, theta, scaling))
         angles = md.positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
@@ -277,7 +282,7 @@ def _forward(c: ModelConfig, params, token_ids, md, k_cache, v_cache, logits_ind
         window = c.layer_windows[i] if c.layer_windows else None
         hidden, k_cache[i], v_cache[i] = _decoder_layer(
             hidden, p, k_cache[i], v_cache[i], *(rope if window is None else local_rope), md,
-            opts=opts, attention_fn=attention_fn, mesh=mesh, sliding_window=window)
+            lora_slots, opts=opts, attention_fn=attention_fn, mesh=mesh, sliding_window=window)
 
     logits = compute_logits(c, params, hidden[logits_indices], mesh)
     if hidden_indices is None:

@@ -139,10 +139,23 @@ def _spec(path) -> P:
     with its columns, a row-parallel one's replicated; the input scale replicated)."""
     name = next(k.key for k in reversed(path) if isinstance(k, jax.tree_util.DictKey))
     spec = _SPECS[name]
-    if isinstance(path[-1], jax.tree_util.GetAttrKey):
+    attrs = [k.name for k in path if isinstance(k, jax.tree_util.GetAttrKey)]
+    if attrs[:1] == ["base"]:  # a LoRALinear's base weight splits as the weight itself
+        attrs = attrs[1:]
+    if attrs[:1] in (["a"], ["b"]):
+        return lora_pool_spec(name)[attrs[0] == "b"]
+    if attrs:
         rows, cols = spec  # of the [in, out] weight
-        spec = {"weight": P(cols, rows), "scale": P(cols)}.get(path[-1].name, P())
+        spec = {"weight": P(cols, rows), "scale": P(cols)}.get(attrs[-1], P())
     return spec
+
+
+def lora_pool_spec(name: str) -> tuple[P, P]:
+    """(a's, b's) specs of projection ``name``'s LoRA pool (``jaxserve.lora.layers``: a
+    ``[L, in, K]``, b ``[L, K, out]``): split as the base ``[in, out]`` weight splits, a by its
+    input rows, b by its output columns; the other replicated."""
+    rows, cols = _SPECS[name]
+    return P(None, rows, None), P(None, None, cols)
 
 
 def param_shardings(params_like, mesh: Mesh):

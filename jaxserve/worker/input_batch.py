@@ -25,6 +25,9 @@ class InputBatch:
         The model runner keeps a copy on the device and sends it only what changed
         (``take_block_table_changes``).
       num_blocks: [max_num_seqs] int32 valid entries of each block_table row.
+      lora_int_id: [max_num_seqs] int32, the request's LoRA adapter (``LoRARequest``'s id; 0:
+        the base model); lora_slot: its slot in the device pool this step (the model runner's
+        ``LoRAModelManager.activate`` sets it).
       one [max_num_seqs] array per ``sampling_fields.PER_SLOT`` field, by its name and of its
         dtype (temperature, top_k, ..., num_logprobs): the request's sampling settings.
       in_flight_row, in_flight_step: [max_num_seqs] int32, the row and the step (a counter)
@@ -41,6 +44,8 @@ class InputBatch:
         self.num_computed_tokens = np.zeros(n, np.int32)
         self.block_table = np.zeros((n, max_pages_per_seq), np.int32)
         self.num_blocks = np.zeros(n, np.int32)
+        self.lora_int_id = np.zeros(n, np.int32)
+        self.lora_slot = np.zeros(n, np.int32)
         for f in PER_SLOT:
             setattr(self, f.name, np.full(n, f.default, f.dtype))
         self.in_flight_row = np.full(n, -1, np.int32)
@@ -67,6 +72,7 @@ class InputBatch:
             self.num_tokens[i] = n
             self.num_prompt_tokens[i] = r.num_prompt_tokens
             self.num_computed_tokens[i] = r.num_computed_tokens
+            self.lora_int_id[i] = r.lora_request.lora_int_id if r.lora_request else 0
             # The slot's earlier request wrote its first num_blocks entries: they go back to 0.
             self._changed_blocks.append((i, 0, max(self.num_blocks[i], len(r.block_ids))))
             self.block_table[i] = 0

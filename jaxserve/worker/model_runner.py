@@ -129,6 +129,8 @@ class ModelRunner:
       quantization: the method of the params' linear weights (``--quantization`` or the
         checkpoint's, ``fp8_checkpoint.resolve_method``: all ``linear.Fp8Weight``), for the
         step's compiler options; None: plain weights.
+      lora: the LoRA adapters' manager when the params carry adapter pools (``--enable-lora``):
+        each step gets its adapters' pool slots from it; None: no adapters.
     """
 
     def __init__(
@@ -146,8 +148,10 @@ class ModelRunner:
         mesh: Mesh | None = None,
         executable_cache: ExecutableCache | None = None,
         quantization: str | None = None,
+        lora=None,
     ):
         self.config = config
+        self.lora = lora
         self.quantization = quantization
         self.executables = executable_cache or ExecutableCache(None)
         self.mesh = mesh
@@ -335,6 +339,10 @@ class ModelRunner:
         step = self.compiled.step.get(t)
         if step is None:
             raise RuntimeError(f"bucket tokens={t} was not compiled at start-up")
+        if self.lora is not None:  # the step's adapters into the device pool, if not there
+            slots = np.fromiter((b.req_index[r] for r in sched.num_scheduled_tokens), np.int32)
+            self.params, b.lora_slot[slots] = self.lora.activate(self.params,
+                                                                 b.lora_int_id[slots])
         x = self.inputs.build(sched, t, self._step_count - 1)
         for r, c, p in x.early_block_table_writes:
             self.block_table = self.compiled.block_table_write(self.block_table, r, c, p)

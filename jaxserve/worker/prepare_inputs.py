@@ -147,6 +147,8 @@ class InputBuilder:
         positions[:n_tok] = pos
         slot_mapping = np.zeros(t, np.int32)  # padding writes to the null page
         slot_mapping[:n_tok] = b.block_table[tok_slot, pos // ps] * ps + pos % ps
+        lora_slots = np.zeros(t, np.int32)  # padding: the base model
+        lora_slots[:n_tok] = b.lora_slot[tok_slot]
         qsl = np.full(s + 1, n_tok, np.int32)
         qsl[0] = 0
         qsl[1 : n_seq + 1] = ends
@@ -171,7 +173,7 @@ class InputBuilder:
         (bt_rows, bt_cols, bt_pages), early = self._block_table_writes()
         packed = layout.pack(dict(
             token_ids=token_ids, prev_rows=prev_rows, positions=positions,
-            slot_mapping=slot_mapping, query_start_loc=qsl, seq_lens=seq_lens,
+            slot_mapping=slot_mapping, lora_slots=lora_slots, query_start_loc=qsl, seq_lens=seq_lens,
             seq_slots=seq_slots, logits_indices=logits_indices, hidden_indices=hidden_indices,
             block_table_rows=bt_rows, block_table_cols=bt_cols, block_table_pages=bt_pages,
             **vars(sm)))

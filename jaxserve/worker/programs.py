@@ -128,7 +128,8 @@ def _step(config, attention_fn, mesh, max_num_seqs, branch_free, layout, params,
     sm = SamplingMetadata(**{f.name: x[f.name] for f in dataclasses.fields(SamplingMetadata)})
     logits, k_cache, v_cache, hidden = llama.forward(
         config, params, token_ids, md, k_cache, v_cache, x["logits_indices"],
-        attention_fn=attention_fn, mesh=mesh, hidden_indices=x["hidden_indices"])
+        attention_fn=attention_fn, mesh=mesh, hidden_indices=x["hidden_indices"],
+        lora_slots=x["lora_slots"])
     sampled = sample_unfiltered(logits, sm, branch_free=branch_free)
     return (jnp.pad(sampled, (0, max_num_seqs - sampled.shape[0])), logits, hidden, k_cache,
             v_cache, block_table)

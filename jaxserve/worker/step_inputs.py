@@ -22,7 +22,8 @@ from jaxserve.worker.sampling_fields import SAMPLING, fields_of
 # (name, length: "t" tokens, "s" sequences, "s+1", "r" prompt-logprob rows, "w" block table
 # writes, dtype); the SamplingMetadata fields as sampling_fields declares them
 FIELDS = (
-    *((name, "t", np.int32) for name in ("token_ids", "prev_rows", "positions", "slot_mapping")),
+    *((name, "t", np.int32)
+      for name in ("token_ids", "prev_rows", "positions", "slot_mapping", "lora_slots")),
     ("query_start_loc", "s+1", np.int32),
     *((name, "s", np.int32) for name in ("seq_lens", "seq_slots", "logits_indices")),
     *((f.name, "s", f.dtype) for f in fields_of(SAMPLING)),

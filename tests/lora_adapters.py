@@ -1,0 +1,59 @@
+"""Tiny random PEFT LoRA adapters on the tiny random Llama (``tiny_models``), for the LoRA tests
+(docs/lora.md): ranks, alphas and target modules differ across them, one uses rsLoRA, and
+every lora_B is random (PEFT initialises B to zeros, which would make an adapter a no-op)."""
+
+import pathlib
+
+import peft
+import torch
+
+from tests.tiny_models import save_tiny_model
+
+# name -> PEFT LoraConfig fields
+ADAPTERS = {
+    "sql": dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+    "chat": dict(r=8, lora_alpha=4, use_rslora=True,
+                 target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                 "up_proj", "down_proj"]),
+    "math": dict(r=2, lora_alpha=6, target_modules=["v_proj", "gate_proj", "up_proj",
+                                                    "down_proj"]),
+}
+MAX_RANK = 8
+
+
+def save_adapters(model, folder: pathlib.Path) -> dict[str, pathlib.Path]:
+    """Each of ADAPTERS on ``model`` saved as a PEFT folder under ``folder``; name -> folder."""
+    out = {}
+    for i, (name, fields) in enumerate(ADAPTERS.items()):
+        torch.manual_seed(100 + i)
+        wrapped = peft.get_peft_model(model, peft.LoraConfig(init_lora_weights=False, **fields))
+        with torch.no_grad():
+            for pname, p in wrapped.named_parameters():
+                if "lora_B" in pname:
+                    p.copy_(0.2 * torch.randn_like(p))
+        out[name] = folder / name
+        wrapped.save_pretrained(out[name])
+        wrapped.unload()  # the base model back, unchanged
+    return out
+
+
+def hf_logprobs(model, adapters: dict[str, pathlib.Path], ids: list[int]) -> dict:
+    """name (None: the base model) -> [len(ids) - 1] float64 log-probabilities of ids[1:]
+    teacher-forced through HF + PEFT in float32."""
+    def run(m):
+        with torch.no_grad():
+            logits = m(torch.tensor([ids])).logits[0].double()
+        return torch.log_softmax(logits, -1)[torch.arange(len(ids) - 1), ids[1:]].numpy()
+
+    out = {None: run(model)}
+    for name, path in adapters.items():
+        wrapped = peft.PeftModel.from_pretrained(model, path).eval()
+        out[name] = run(wrapped)
+        wrapped.unload()
+    return out
+
+
+def tiny_llama_with_adapters(folder: pathlib.Path, tokenizer):
+    """(HF model, name -> adapter folder) of the tiny Llama saved in ``folder / "base"``."""
+    model = save_tiny_model("llama", folder / "base", tokenizer)
+    return model, save_adapters(model, folder)

@@ -30,6 +30,7 @@ from jaxserve.distributed import check_hosts
 from jaxserve.engine.arg_utils import HelpFormatter, add_cli_args, bounded, from_cli_args
 from jaxserve.entrypoints.limits import ServerLimits
 from jaxserve.entrypoints.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS
+from jaxserve.lora.checkpoint import read_adapter
 from jaxserve.metrics import METRICS_PREFIXES
 from jaxserve.reasoning import REASONING_PARSERS
 
@@ -53,6 +54,16 @@ _count = bounded(int, lambda v: v >= 0, "non-negative")
 _positive_int = bounded(int, lambda v: v > 0, "positive")
 _positive = bounded(float, lambda v: v > 0, "positive")
 _grace = bounded(float, lambda v: v >= 0, "non-negative")
+# vLLM's switch for POST /v1/load_lora_adapter and /v1/unload_lora_adapter.
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+
+
+def _lora_module(text: str) -> tuple[str, str]:
+    """``--lora-modules`` item ``name=path`` -> (name, path)."""
+    name, sep, path = text.partition("=")
+    if not (sep and name and path):
+        raise argparse.ArgumentTypeError(f"expected name=path, got {text!r}")
+    return name, os.path.expanduser(path)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,6 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--return-tokens-as-token-ids", action="store_true", help=(
         "write tokens in log-probabilities as 'token_id:{id}' (a request's "
         "return_tokens_as_token_ids overrides it)"))
+    p.add_argument("--lora-modules", type=_lora_module, nargs="+", default=[],
+                   metavar="NAME=PATH", help=(
+                       "LoRA adapters (PEFT folders) served from the start under these names, "
+                       "with --enable-lora; POST /v1/load_lora_adapter adds more when "
+                       f"{RUNTIME_LORA_ENV}=1 (docs/lora.md)"))
     p.add_argument("--metrics-prefix", choices=METRICS_PREFIXES, default="jaxserve", help=(
         "vllm: the /metrics that vLLM has too are named vllm:* with vLLM's labels, for vLLM's "
         "dashboards; docs/architecture.md, \"Engine stats\""))
@@ -145,6 +161,13 @@ def parse_args(argv=None):
         args.model = path
     if args.api_key is None:
         args.api_key = os.environ.get("JAXSERVE_API_KEY") or None
+    if args.lora_modules and not args.enable_lora:
+        raise UsageError("argument --lora-modules: needs --enable-lora")
+    for name, path in args.lora_modules:  # what can be checked before the model is loaded
+        try:
+            read_adapter(path, None, args.max_lora_rank, with_weights=False)
+        except ValueError as e:
+            raise UsageError(f"argument --lora-modules: {name}={path}: {e}") from None
     try:
         check_hosts(from_cli_args(args))
     except ValueError as e:
@@ -198,7 +221,9 @@ async def serve(args, sock: socket.socket) -> int:
     app = build_app(llm, served_model_name=args.served_model_name, api_key=args.api_key,
                     limits=limits, tool_call_parser=args.tool_call_parser,
                     reasoning_parser=args.reasoning_parser,
-                    return_tokens_as_token_ids=args.return_tokens_as_token_ids)
+                    return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                    allow_runtime_lora_updating=os.environ.get(
+                        RUNTIME_LORA_ENV, "0").strip().lower() in ("1", "true"))
     # What each connection's protocol (limits.CappedSockSite makes them) is built with.
     protocol_kwargs = dict(access_log=None, keepalive_timeout=limits.keepalive_timeout_s,
                            lingering_time=limits.lingering_s)
@@ -228,7 +253,9 @@ async def serve(args, sock: socket.socket) -> int:
     failed = asyncio.ensure_future(llm.failed.wait())
     try:
         await asyncio.wait({start, stopper}, return_when=asyncio.FIRST_COMPLETED)
-        if start.done() and start.exception() is None:
+        started = start.done() and start.exception() is None
+        problem = await _serve_lora_modules(app, args.lora_modules) if started else None
+        if started and problem is None:
             # What start-up made (the tokenizer, the app) lives as long as the server: frozen, a
             # full collection no longer scans it (60-90 ms on 2 CPU cores, in a request's path
             # if unlucky; the engine process does the same).
@@ -246,6 +273,10 @@ async def serve(args, sock: socket.socket) -> int:
                       f"(--max-engine-restarts {args.max_engine_restarts})", file=sys.stderr,
                       flush=True)
                 code = EXIT_ENGINE_FAILED
+        elif started:
+            print(f"{PROG}: error: argument --lora-modules: {problem}", file=sys.stderr,
+                  flush=True)
+            code = 2
         elif start.done():
             e = start.exception()
             msg = str(e) if isinstance(e, EngineStartError) else f"{type(e).__name__}: {e}"
@@ -265,6 +296,20 @@ async def serve(args, sock: socket.socket) -> int:
     if code == 0:
         _say("stopped")
     return code
+
+
+async def _serve_lora_modules(app, modules: list[tuple[str, str]]) -> str | None:
+    """Serve ``--lora-modules``' adapters; the first one's problem, or None when all serve."""
+    from jaxserve.entrypoints.errors import APIError
+    from jaxserve.entrypoints.serving_models import add_lora
+
+    for name, path in modules:
+        try:
+            await add_lora(app, name, path)
+        except APIError as e:
+            return f"{name}={path}: {e.message}"
+        _say(f"serving LoRA adapter {name!r} from {path}")
+    return None
 
 
 def follow(args) -> int:

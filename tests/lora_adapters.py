@@ -57,3 +57,24 @@ def tiny_llama_with_adapters(folder: pathlib.Path, tokenizer):
     """(HF model, name -> adapter folder) of the tiny Llama saved in ``folder / "base"``."""
     model = save_tiny_model("llama", folder / "base", tokenizer)
     return model, save_adapters(model, folder)
+
+
+def save_bad_adapters(model, folder: pathlib.Path) -> dict[str, pathlib.Path]:
+    """Adapters the server refuses, by why: "rank" (above MAX_RANK), "target" (the LM head),
+    "shape" (made for a Llama of another hidden size), "missing" (no folder)."""
+    import transformers
+
+    from tests.tiny_models import TINY
+
+    other = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        **{**TINY, "hidden_size": 64, "head_dim": 16, "num_attention_heads": 4}))
+    made = {"rank": (model, dict(r=2 * MAX_RANK, lora_alpha=8, target_modules=["q_proj"])),
+            "target": (model, dict(r=2, lora_alpha=8, target_modules=["lm_head"])),
+            "shape": (other, dict(r=2, lora_alpha=8, target_modules=["q_proj"]))}
+    out = {"missing": folder / "missing"}
+    for why, (base, fields) in made.items():
+        wrapped = peft.get_peft_model(base, peft.LoraConfig(init_lora_weights=False, **fields))
+        out[why] = folder / f"bad-{why}"
+        wrapped.save_pretrained(out[why])
+        wrapped.unload()
+    return out

@@ -42,6 +42,8 @@ from jaxserve.engine import messages as M
 from jaxserve.engine.core_client import EngineCoreClient, EngineDeadError, EngineStartError
 from jaxserve.engine.input_processor import InputProcessor, chat_text_bytes
 from jaxserve.engine.output_processor import OutputProcessor, RequestError, merge_outputs
+from jaxserve.lora.checkpoint import LoRAShapes
+from jaxserve.lora.request import LoRARequest
 from jaxserve.metrics import Metrics
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
@@ -63,6 +65,8 @@ class AsyncLLM:
         sequence, prompt + output, tokens).
       metrics: the Metrics behind ``GET /metrics``.
       allocator_fraction: XLA_PYTHON_CLIENT_MEM_FRACTION the engine process runs with.
+      lora_shapes: what a LoRA adapter must fit (``lora.checkpoint.LoRAShapes``) with
+        --enable-lora, else None.
       ready: True once the engine is serving; False before, while it restarts, and after it
         died or shut down.
       failed: set when the engine is gone for good (restarts used up, or a restart failed).
@@ -89,6 +93,7 @@ class AsyncLLM:
         self.vocab_size: int = 0
         self.generation_config: dict = {}
         self.allocator_fraction: float = 0.0
+        self.lora_shapes: LoRAShapes | None = None
         self.metrics: Metrics | None = None
         self.input_processor: InputProcessor | None = None
         self.grammar_validator: GrammarValidator | None = None
@@ -124,6 +129,7 @@ class AsyncLLM:
         self.vocab_size = ready.vocab_size
         self.generation_config = ready.generation_config
         self.allocator_fraction = ready.allocator_fraction
+        self.lora_shapes = ready.lora_shapes
         self.metrics = Metrics(ready.model_name, self.metrics_prefix, ready.config.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer, ready.eos_token_ids, self.metrics)
         self.ready = True
@@ -198,11 +204,13 @@ class AsyncLLM:
     # -- generation ----------------------------------------------------------------------------
 
     def add_request(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                    request_id: str, reasoning_end_token_id: int | None = None) -> asyncio.Queue:
+                    request_id: str, reasoning_end_token_id: int | None = None,
+                    lora_request: LoRARequest | None = None) -> asyncio.Queue:
         """Submit a request: it is on its way to the engine when this returns, so the engine
         starts on it while the caller sets up its response. Its RequestOutput deltas, then the
         exception that ends it if one does, arrive on the returned queue (read it with
-        ``outputs``); ``abort`` ends it early. ``reasoning_end_token_id``: EngineCoreRequest's.
+        ``outputs``); ``abort`` ends it early. ``reasoning_end_token_id``, ``lora_request``:
+        EngineCoreRequest's.
 
         Raises:
           EngineDeadError: the engine is gone (or the server is shutting down).
@@ -210,7 +218,8 @@ class AsyncLLM:
         if not self.ready or self.shutting_down:
             raise EngineDeadError("the engine is not available")
         self.engine_core.add_request(EngineCoreRequest(request_id, prompt_token_ids,
-                                                       sampling_params, reasoning_end_token_id))
+                                                       sampling_params, reasoning_end_token_id,
+                                                       lora_request))
         # Tracked after the send, so that the detokenizers' set-up overlaps the engine's work:
         # outputs are read on this event loop, so none can arrive before this returns.
         queue: asyncio.Queue = asyncio.Queue()

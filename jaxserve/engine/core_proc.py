@@ -248,6 +248,7 @@ def run_engine_core(config: EngineConfig, conn: Connection, parent_pid: int | No
             vocab_size=core.vocab_size,
             allocator_fraction=core.allocator_fraction,
             generation_config=dict(core.generation_config),
+            lora_shapes=None if core.lora_manager is None else core.lora_manager.shapes,
         )))
         EngineCoreProc(core, conn).run()
     except (SystemExit, KeyboardInterrupt, BrokenPipeError, EOFError, OSError):

@@ -11,7 +11,7 @@ API -> engine:
 
 Engine -> API:
   ``ready``     {model_name, config, tokenizer_dir, eos_token_ids, vocab_size,
-                 allocator_fraction, generation_config}
+                 allocator_fraction, generation_config, lora_shapes}
   ``outputs``   {outputs: [EngineCoreOutput], stats: SchedulerStats | None}
   ``error``     {request_ids, message, kind, fatal}; ``kind`` is "invalid_request" (the request
                 was rejected) or "internal"; ``fatal`` means the engine is exiting (e.g. the
@@ -27,6 +27,7 @@ import msgspec
 
 from jaxserve.config import ResolvedConfig
 from jaxserve.engine import EngineCoreOutput, EngineCoreRequest, SchedulerStats
+from jaxserve.lora.checkpoint import LoRAShapes
 
 
 class AddRequest(msgspec.Struct, tag="add"):
@@ -57,6 +58,8 @@ class Ready(msgspec.Struct, tag="ready"):
       generation_config: sampling defaults for requests that leave them out (SamplingParams
         names: temperature, top_p, top_k, min_p, repetition_penalty, max_tokens), from the
         model's generation config (``--generation-config``); empty for none.
+      lora_shapes: with --enable-lora, what an adapter must fit (the API process checks an
+        adapter before it registers one); else None.
     """
 
     model_name: str
@@ -66,6 +69,7 @@ class Ready(msgspec.Struct, tag="ready"):
     vocab_size: int = 0
     allocator_fraction: float = 0.0
     generation_config: dict = msgspec.field(default_factory=dict)
+    lora_shapes: LoRAShapes | None = None
 
 
 class Outputs(msgspec.Struct, tag="outputs"):

@@ -2,7 +2,7 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses, GET and DELETE
 /v1/responses/{id}, POST /v1/responses/{id}/cancel, GET /v1/models, GET /v1/models/{model},
-POST /tokenize, POST /detokenize (handled in the serving_*.py modules), GET /health, GET /version,
+POST /v1/load_lora_adapter and /v1/unload_lora_adapter (with runtime LoRA updating), POST /tokenize, POST /detokenize (handled in the serving_*.py modules), GET /health, GET /version,
 GET /metrics, GET /metrics/summary (metrics_summary.py), and the playground's GET / and
 GET /static/{name} (playground.py). Every error, including unknown routes and unexpected
 exceptions, is an OpenAI error body ``{"error": {"message", "type", "param", "code"}}``;
@@ -17,6 +17,7 @@ files, which hold no data. ``/tokenize`` and ``/detokenize`` need it (vLLM leave
 from __future__ import annotations
 
 import hmac
+import itertools
 import logging
 import time
 
@@ -32,7 +33,8 @@ from jaxserve.entrypoints.safe_log import clip
 from jaxserve.entrypoints.serving_chat import create_chat_completion
 from jaxserve.entrypoints.serving_completion import create_completion
 from jaxserve.entrypoints.responses_store import ResponseStore
-from jaxserve.entrypoints.serving_models import retrieve_model, show_available_models
+from jaxserve.entrypoints.serving_models import (load_lora_adapter, retrieve_model,
+                                                 show_available_models, unload_lora_adapter)
 from jaxserve.entrypoints.serving_responses import (
     cancel_response, create_response, delete_response, retrieve_response)
 from jaxserve.entrypoints.serving_tokenization import detokenize, tokenize
@@ -108,7 +110,8 @@ async def _metrics(request: web.Request) -> web.Response:
 def build_app(llm: AsyncLLM, *, served_model_name: str | None = None,
               api_key: str | None = None, limits: ServerLimits | None = None,
               tool_call_parser: str = DEFAULT_TOOL_PARSER, reasoning_parser: str | None = None,
-              return_tokens_as_token_ids: bool = False) -> web.Application:
+              return_tokens_as_token_ids: bool = False,
+              allow_runtime_lora_updating: bool = False) -> web.Application:
     """The aiohttp app serving ``llm``.
 
     Args:
@@ -120,6 +123,8 @@ def build_app(llm: AsyncLLM, *, served_model_name: str | None = None,
       reasoning_parser: how the model's reasoning is marked (a key of REASONING_PARSERS), or
         None for a model whose output is all content.
       return_tokens_as_token_ids: log-probability tokens as ``token_id:{id}`` by default.
+      allow_runtime_lora_updating: serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter
+        (vLLM's ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``).
     """
     limits = limits or ServerLimits()
     app = web.Application(middlewares=[_errors_middleware, _auth_middleware(api_key)],
@@ -132,7 +137,8 @@ def build_app(llm: AsyncLLM, *, served_model_name: str | None = None,
                       "reasoning_parser": (None if reasoning_parser is None
                                            else REASONING_PARSERS[reasoning_parser]),
                       "return_tokens_as_token_ids": return_tokens_as_token_ids,
-                      "responses_store": store}
+                      "responses_store": store, "lora_requests": {},
+                      "lora_ids": itertools.count(1)}
     app.router.add_post("/v1/completions", create_completion)
     app.router.add_post("/v1/chat/completions", create_chat_completion)
     app.router.add_post("/v1/responses", create_response)
@@ -141,6 +147,9 @@ def build_app(llm: AsyncLLM, *, served_model_name: str | None = None,
     app.router.add_post("/v1/responses/{response_id}/cancel", cancel_response)
     app.router.add_get("/v1/models", show_available_models)
     app.router.add_get("/v1/models/{model}", retrieve_model)
+    if allow_runtime_lora_updating:
+        app.router.add_post("/v1/load_lora_adapter", load_lora_adapter)
+        app.router.add_post("/v1/unload_lora_adapter", unload_lora_adapter)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/health", _health)

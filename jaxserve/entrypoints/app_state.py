@@ -17,5 +17,7 @@ LLM_KEY = web.AppKey("llm", AsyncLLM)
 #  "tool_parser": the ToolParser class of --tool-call-parser,
 #  "reasoning_parser": the ReasoningParser class of --reasoning-parser, or None,
 #  "return_tokens_as_token_ids": bool, --return-tokens-as-token-ids,
-#  "responses_store": the ResponseStore of /v1/responses, None with --max-stored-responses 0}
+#  "responses_store": the ResponseStore of /v1/responses, None with --max-stored-responses 0,
+#  "lora_requests": {name: LoRARequest} the LoRA adapters served (serving_models.py),
+#  "lora_ids": itertools.count, their ids (never reused)}
 STATE_KEY = web.AppKey("state", dict)

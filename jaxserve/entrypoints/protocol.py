@@ -563,6 +563,20 @@ class TokenizeRequest(_Base):
         return template_tools(self.tools)
 
 
+class LoadLoRAAdapterRequest(_Base):
+    """POST /v1/load_lora_adapter (vLLM's): a PEFT folder served as ``lora_name``."""
+
+    lora_name: Text
+    lora_path: Text
+
+
+class UnloadLoRAAdapterRequest(_Base):
+    """POST /v1/unload_lora_adapter (vLLM's); ``lora_int_id`` is accepted and not needed."""
+
+    lora_name: Text
+    lora_int_id: int | None = None
+
+
 class DetokenizeRequest(_Base):
     """POST /detokenize."""
 
@@ -794,12 +808,12 @@ class ChatCompletionStreamResponse(OpenAIBaseModel):
 
 
 class ModelCard(OpenAIBaseModel):
-    id: str  # the served model name
+    id: str  # the served model name, or a LoRA adapter's
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "jaxserve"
-    root: str  # the model's own name
-    parent: None = None
+    root: str  # the model's own name, or a LoRA adapter's folder
+    parent: str | None = None  # a LoRA adapter's base: the served model name
     max_model_len: int
 
 

@@ -27,7 +27,7 @@ from jaxserve.entrypoints.errors import APIError
 from jaxserve.entrypoints.protocol import ChatCompletionRequest
 from jaxserve.entrypoints.request_mapping import chat_messages, check_request, to_sampling_params
 from jaxserve.entrypoints.serving_engine import (
-    admitted, bad_request, encode, llm_of, take_in)
+    admitted, bad_request, encode, llm_of, lora_request_of, take_in)
 from jaxserve.entrypoints.serving_stream import make_bodies, run_request, submitting
 from jaxserve.entrypoints.tool_grammar import tool_call_grammar
 from jaxserve.entrypoints.tool_parsers import ToolParser
@@ -116,16 +116,17 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
         ids, sp = inputs.ids, inputs.sp
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         beams = req.use_beam_search  # its own engine requests (beam_search.py)
+        lora = lora_request_of(request, model)
         with submitting(llm, [] if beams else [ids], sp, request_id,
-                        inputs.reasoning_end_id) as submitted:
+                        inputs.reasoning_end_id, lora) as submitted:
             bodies = make_bodies(
                 ChatBodies, request_id, model, llm, sp, req,
                 request.app[STATE_KEY]["return_tokens_as_token_ids"],
                 tool_parser=inputs.tool_parser, reasoning_parser=inputs.reasoning_parser,
                 in_reasoning=inputs.in_reasoning, include_reasoning=req.include_reasoning,
                 role=req.response_role(), echo_text=req.echo_text())
-            outputs = (beam_search_outputs(llm, [ids], sp, request_id, req.length_penalty)
-                       if beams else None)
+            outputs = (beam_search_outputs(llm, [ids], sp, request_id, req.length_penalty,
+                                           lora) if beams else None)
             return await run_request(request, llm, [ids], submitted, sp, bodies,
                                      stream=bool(req.stream), echo_texts=None,
                                      deadline=deadline, outputs=outputs)

@@ -20,7 +20,7 @@ from jaxserve.entrypoints.errors import APIError
 from jaxserve.entrypoints.protocol import CompletionRequest
 from jaxserve.entrypoints.request_mapping import check_request, to_sampling_params
 from jaxserve.entrypoints.serving_engine import (
-    admitted, bad_request, encode, max_sequences, take_in)
+    admitted, bad_request, encode, lora_request_of, max_sequences, take_in)
 from jaxserve.entrypoints.serving_stream import make_bodies, run_request, submitting
 from jaxserve.exceptions import ValidationError
 
@@ -46,15 +46,17 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
             ids_list.append(ids)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         beams = req.use_beam_search  # its own engine requests (beam_search.py)
-        with submitting(llm, [] if beams else ids_list, sp, request_id) as submitted:
+        lora = lora_request_of(request, model)
+        with submitting(llm, [] if beams else ids_list, sp, request_id,
+                        lora_request=lora) as submitted:
             echo_texts = None
             if req.echo:
                 echo_texts = [p if isinstance(p, str) else await llm.detokenize(p)
                               for p in prompts]
             bodies = make_bodies(CompletionBodies, request_id, model, llm, sp, req,
                                  request.app[STATE_KEY]["return_tokens_as_token_ids"])
-            outputs = (beam_search_outputs(llm, ids_list, sp, request_id, req.length_penalty)
-                       if beams else None)
+            outputs = (beam_search_outputs(llm, ids_list, sp, request_id, req.length_penalty,
+                                           lora) if beams else None)
             return await run_request(request, llm, ids_list, submitted, sp, bodies,
                                      stream=bool(req.stream), echo_texts=echo_texts,
                                      deadline=deadline, outputs=outputs)

@@ -25,6 +25,7 @@ from jaxserve.entrypoints.errors import APIError
 from jaxserve.entrypoints.limits import ServerLimits
 from jaxserve.entrypoints.safe_log import clip
 from jaxserve.exceptions import ValidationError
+from jaxserve.lora.request import LoRARequest
 
 logger = logging.getLogger("jaxserve.api")
 _MAX_LOGGED_FIELDS = 10  # unknown field names quoted in one warning
@@ -172,11 +173,24 @@ def bad_request(e: ValidationError, renames: dict[str, str] | None = None) -> AP
 
 
 def check_model(request: web.Request, model: str | None) -> str:
+    """The name a request's ``model`` is served under: the served model's (``model`` None or
+    that name) or a LoRA adapter's (``lora_request_of``).
+
+    Raises:
+      APIError: 404 for a name this server does not serve (vLLM's message).
+    """
     name = served_name(request)
+    if model in request.app[STATE_KEY]["lora_requests"]:
+        return model
     if model is not None and model != name:
         raise APIError(404, f"The model `{model}` does not exist. This server serves `{name}`.",
                        param="model", code="model_not_found")
     return name
+
+
+def lora_request_of(request: web.Request, model: str) -> LoRARequest | None:
+    """The LoRA adapter served as ``model`` (``check_model``'s name), or None for the model."""
+    return request.app[STATE_KEY]["lora_requests"].get(model)
 
 
 def max_sequences(llm: AsyncLLM) -> int:

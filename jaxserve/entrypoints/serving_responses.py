@@ -29,7 +29,7 @@ from jaxserve.entrypoints.responses_protocol import (
     Response, ResponseDeleted, ResponsesRequest, output_messages)
 from jaxserve.entrypoints.responses_store import ResponseStore, StoredResponse
 from jaxserve.entrypoints.serving_chat import chat_inputs
-from jaxserve.entrypoints.serving_engine import bad_request, take_in
+from jaxserve.entrypoints.serving_engine import bad_request, lora_request_of, take_in
 from jaxserve.entrypoints.serving_stream import run_request, submitting
 from jaxserve.exceptions import ValidationError
 
@@ -76,8 +76,8 @@ async def create_response(request: web.Request) -> web.StreamResponse:
 
     async with chat_inputs(request, chat, CHAT_NAMES) as inputs:
         request_id = f"resp_{uuid.uuid4().hex}"
-        with submitting(llm, [inputs.ids], inputs.sp, request_id,
-                        inputs.reasoning_end_id) as submitted:
+        with submitting(llm, [inputs.ids], inputs.sp, request_id, inputs.reasoning_end_id,
+                        lora_request_of(request, model)) as submitted:
             bodies = ResponsesBodies(request_id, model, req.echo(inputs.sp, store is not None),
                                      inputs.tool_parser, on_done=None if store is None else keep,
                                      reasoning_parser=inputs.reasoning_parser,

@@ -27,6 +27,7 @@ from jaxserve.entrypoints.errors import APIError, error_body
 from jaxserve.entrypoints.protocol import ErrorResponse
 from jaxserve.entrypoints.responses import SSEStream, json_response
 from jaxserve.entrypoints.serving_engine import limits_of
+from jaxserve.lora.request import LoRARequest
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
@@ -64,11 +65,13 @@ Submitted = list[tuple[str, asyncio.Queue]]  # (engine request id, its AsyncLLM.
 
 @contextlib.contextmanager
 def submitting(llm: AsyncLLM, prompts: list[list[int]], sp: SamplingParams, request_id: str,
-               reasoning_end_token_id: int | None = None):
+               reasoning_end_token_id: int | None = None,
+               lora_request: LoRARequest | None = None):
     """Submits each prompt's engine request (``request_id``, or ``{request_id}-{i}`` for
     prompt i of several) and yields them as ``Submitted``; the requests still running are
     aborted when the block ends. Requests go to the engine before the response is set up, so
-    that the engine starts on them meanwhile. ``reasoning_end_token_id``: AsyncLLM.add_request's.
+    that the engine starts on them meanwhile. ``reasoning_end_token_id``, ``lora_request``:
+    AsyncLLM.add_request's.
 
     Raises:
       APIError: 503 when the engine is gone.
@@ -78,7 +81,8 @@ def submitting(llm: AsyncLLM, prompts: list[list[int]], sp: SamplingParams, requ
     try:
         try:
             for rid, prompt in zip(ids, prompts):
-                submitted.append((rid, llm.add_request(prompt, sp, rid, reasoning_end_token_id)))
+                submitted.append((rid, llm.add_request(prompt, sp, rid, reasoning_end_token_id,
+                                                       lora_request)))
         except EngineDeadError as e:
             _raise_for(e)
         yield submitted

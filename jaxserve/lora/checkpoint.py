@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np
 import pydantic
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from jaxserve.config import ModelConfig
 
@@ -89,10 +89,11 @@ class LoRAAdapter:
     weights: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]
 
 
-def read_adapter(path: str, shapes: LoRAShapes, max_rank: int,
+def read_adapter(path: str, shapes: LoRAShapes | None, max_rank: int,
                  with_weights: bool = True) -> LoRAAdapter:
     """Read and check the PEFT folder ``path`` against ``shapes`` (without ``with_weights``
-    only its config and tensor shapes are read).
+    only its config and tensor shapes are read; without ``shapes``, before the model is known,
+    what can be checked without it).
 
     Raises:
       ValueError: the folder or a file is missing or unreadable, or the adapter is refused (the
@@ -133,6 +134,8 @@ def read_adapter(path: str, shapes: LoRAShapes, max_rank: int,
                     raise refuse(f"tensor {name}: not a LoRA weight of a target module "
                                  f"{list(TARGET_MODULES)}")
                 layer, module, which = int(m[1]), m[2], m[3]
+                if shapes is None:
+                    continue
                 if layer >= shapes.num_layers or module not in shapes.modules:
                     raise refuse(f"tensor {name}: the base model has {shapes.num_layers} layers"
                                  + ("" if module in shapes.modules else f" and no {module}"))
@@ -145,9 +148,10 @@ def read_adapter(path: str, shapes: LoRAShapes, max_rank: int,
                 pair = weights.setdefault((layer, module), [None, None])
                 pair[which == "B"] = (np.asarray(f.get_tensor(name), np.float32)
                                          if with_weights else shape)
-    except OSError as e:
+    except (OSError, SafetensorError) as e:
         raise refuse(f"unreadable {WEIGHTS_NAME}: {e}") from None
-    missing = sorted(f"layer {k[0]} {k[1]}" for k, (a, b) in weights.items() if a is None or b is None)
+    missing = sorted(f"layer {k[0]} {k[1]}" for k, (a, b) in weights.items()
+                     if a is None or b is None)
     if missing:
         raise refuse(f"lora_A or lora_B missing for {missing[:4]}")
     return LoRAAdapter(cfg.r, scaling, {k: tuple(v) for k, v in weights.items()}

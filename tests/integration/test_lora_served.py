@@ -1,0 +1,129 @@
+"""LoRA adapters through the real server (docs/lora.md), one server for all: two adapters of
+``--lora-modules`` and the base model in flight together, each request's teacher-forced prompt
+log-probabilities (completions ``echo`` with ``logprobs``) within 2e-3 of HF + PEFT's float32
+ones; ``/v1/models`` lists the adapters; a third adapter loaded at run time serves, then once
+unloaded its requests get vLLM's 404; bad adapters get a 400 on load and a usage error at
+start-up, naming the adapter and why."""
+
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import openai
+import pytest
+
+from tests.integration.server_utils import REPO, Server
+from tests.lora_adapters import (MAX_RANK, hf_logprobs, save_bad_adapters,
+                                 tiny_llama_with_adapters)
+from tests.tiny_models import TINY
+
+try:  # the HTTP library the openai client is built on (httpx2 in its 3.x releases)
+    import httpx2 as httpx
+except ImportError:
+    import httpx
+
+pytestmark = pytest.mark.slow
+
+PROMPT_LEN = 48
+
+
+@pytest.fixture(scope="module")
+def lora(tmp_path_factory, smollm):
+    """(server, base folder, adapter folders, bad adapter folders, prompt ids, HF + PEFT
+    log-probabilities by adapter name, None for the base model)."""
+    root = tmp_path_factory.mktemp("lora")
+    model, adapters = tiny_llama_with_adapters(root, smollm.tokenizer)
+    bad = save_bad_adapters(model, root)
+    ids = np.random.default_rng(5).integers(3, TINY["vocab_size"], PROMPT_LEN).tolist()
+    ref = hf_logprobs(model, adapters, ids)
+    # Two slots for three adapters, two on the host: the LRU paths of both caches run.
+    server = Server("--model", str(root / "base"), "--dtype", "float32", "--enable-lora",
+                    "--max-loras", "2", "--max-cpu-loras", "2", "--max-lora-rank", str(MAX_RANK),
+                    "--lora-modules", f"sql={adapters['sql']}", f"chat={adapters['chat']}",
+                    "--max-num-batched-tokens", "64", "--max-num-seqs", "8",
+                    "--max-model-len", "128", "--kv-cache-gib", "0.01",
+                    env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"})
+    yield server, root / "base", adapters, bad, ids, ref
+    server.stop()
+
+
+def _client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+
+
+def _prompt_logprobs(client, model: str, ids: list[int]) -> np.ndarray:
+    out = client.completions.create(model=model, prompt=ids, max_tokens=1, echo=True,
+                                    logprobs=0, temperature=0)
+    return np.array(out.choices[0].logprobs.token_logprobs[1:len(ids)])
+
+
+def test_models_lists_adapters_with_parent(lora):
+    server, base, adapters, *_ = lora
+    cards = {m.id: m for m in _client(server).models.list().data}
+    base_name = next(name for name, m in cards.items() if m.parent is None)
+    assert set(cards) == {base_name, "sql", "chat"}
+    for name in ("sql", "chat"):
+        assert cards[name].parent == base_name and cards[name].root == str(adapters[name])
+
+
+def test_adapters_and_base_in_flight_together_match_hf_peft(lora):
+    server, base, adapters, _, ids, ref = lora
+    client = _client(server)
+    base_name = client.models.list().data[0].id
+    names = [None, "sql", "chat", None, "chat", "sql"]
+    with ThreadPoolExecutor(len(names)) as pool:
+        served = list(pool.map(lambda n: _prompt_logprobs(client, n or base_name, ids), names))
+    for name, got in zip(names, served):
+        np.testing.assert_allclose(got, ref[name], atol=2e-3, rtol=0, err_msg=str(name))
+    assert np.abs(ref["sql"] - ref[None]).max() > 0.1  # the adapters do change the outputs
+
+
+def test_runtime_load_serves_then_unload_gives_404(lora):
+    server, _, adapters, _, ids, ref = lora
+    client = _client(server)
+    load = httpx.post(f"{server.url}/v1/load_lora_adapter",
+                      json={"lora_name": "math", "lora_path": str(adapters["math"])})
+    assert load.status_code == 200 and "math" in load.text
+    again = httpx.post(f"{server.url}/v1/load_lora_adapter",
+                       json={"lora_name": "math", "lora_path": str(adapters["math"])})
+    assert again.status_code == 400 and "already been loaded" in again.text
+    # Three adapters in flight over two slots: the scheduler holds one back.
+    with ThreadPoolExecutor(3) as pool:
+        served = dict(zip(("math", "sql", "chat"), pool.map(
+            lambda n: _prompt_logprobs(client, n, ids), ("math", "sql", "chat"))))
+    for name, got in served.items():
+        np.testing.assert_allclose(got, ref[name], atol=2e-3, rtol=0, err_msg=name)
+    assert httpx.post(f"{server.url}/v1/unload_lora_adapter",
+                      json={"lora_name": "math"}).status_code == 200
+    with pytest.raises(openai.NotFoundError) as e:
+        _prompt_logprobs(client, "math", ids)
+    assert "The model `math` does not exist." in e.value.body["message"]
+    gone = httpx.post(f"{server.url}/v1/unload_lora_adapter", json={"lora_name": "math"})
+    assert gone.status_code == 404 and gone.json()["error"]["type"] == "invalid_request_error"
+    assert "math" not in {m.id for m in client.models.list().data}
+
+
+@pytest.mark.parametrize("why, says", [
+    ("missing", "no adapter_config.json"), ("rank", f"exceeds --max-lora-rank {MAX_RANK}"),
+    ("target", "unsupported target modules ['lm_head']"), ("shape", "another base model")])
+def test_bad_adapter_load_is_400_naming_it(lora, why, says):
+    server, _, _, bad, ids, _ = lora
+    r = httpx.post(f"{server.url}/v1/load_lora_adapter",
+                   json={"lora_name": f"bad-{why}", "lora_path": str(bad[why])})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert str(bad[why]) in error["message"] and says in error["message"]
+    assert error["param"] == "lora_path"
+    _prompt_logprobs(_client(server), "sql", ids)  # the server still serves
+
+
+def test_bad_lora_modules_is_a_usage_error(lora):
+    _, base, _, bad, _, _ = lora
+    for why in ("missing", "rank", "target"):
+        out = subprocess.run(
+            [sys.executable, "-m", "jaxserve.serve", "--model", str(base), "--enable-lora",
+             "--max-lora-rank", str(MAX_RANK), "--lora-modules", f"x={bad[why]}"],
+            capture_output=True, text=True, cwd=REPO, timeout=120)
+        assert out.returncode == 2, out.stderr
+        assert "argument --lora-modules: x=" in out.stderr and str(bad[why]) in out.stderr

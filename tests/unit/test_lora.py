@@ -1,0 +1,161 @@
+"""LoRA's pieces without a server (docs/lora.md): the batched delta against a per-token loop,
+an adapter's pool rows against its merged weights (fused q/k/v and gate/up, shard by shard,
+KV heads replicated), the same logits at tensor-parallel sizes 1 and 2 (fake CPU devices), the
+scheduler's ``max_loras`` rule, and prefix-cache keys per adapter."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.config import ModelConfig
+from jaxserve.core.kv_cache_manager import KVCacheManager
+from jaxserve.core.request import Request
+from jaxserve.core.scheduler import Scheduler
+from jaxserve.engine import EngineCoreRequest
+from jaxserve.lora.checkpoint import LoRAAdapter, LoRAShapes
+from jaxserve.lora.layers import FUSED, LoRALinear, lora_delta, slot_rows
+from jaxserve.lora.request import LoRARequest
+from jaxserve.models import llama, sharding
+from jaxserve.models.linear import linear
+from jaxserve.sampling_params import SamplingParams
+from tests.integration import tp_utils
+from tests.unit.kv_fakes import FakeRunner, run_to_completion
+
+CONFIG = dict(architectures=["LlamaForCausalLM"], vocab_size=301, hidden_size=64,
+              intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=1, max_position_embeddings=64)
+
+
+def test_delta_equals_a_per_token_loop():
+    rng = np.random.default_rng(0)
+    L, T, n_in, k, n_out = 3, 7, 10, 4, 5
+    x = rng.normal(size=(T, n_in)).astype(np.float32)
+    a = rng.normal(size=(L, n_in, k)).astype(np.float32)
+    b = rng.normal(size=(L, k, n_out)).astype(np.float32)
+    slots = np.array([0, 1, 3, 2, 0, 3, 1], np.int32)
+    ref = np.stack([x[t] @ a[s - 1] @ b[s - 1] if s else np.zeros(n_out, np.float32)
+                    for t, s in enumerate(slots)])
+    np.testing.assert_allclose(np.asarray(lora_delta(x, a, b, slots)), ref, rtol=1e-5, atol=1e-5)
+    w = rng.normal(size=(n_in, n_out)).astype(np.float32)
+    np.testing.assert_allclose(np.asarray(linear(x, LoRALinear(w, a, b), slots)), x @ w + ref,
+                               rtol=1e-5, atol=1e-5)
+
+
+def _adapter(shapes: LoRAShapes, rank: int, seed: int) -> LoRAAdapter:
+    """A random adapter on every module of every layer but layer 1's k_proj."""
+    rng = np.random.default_rng(seed)
+    weights = {(i, m): (rng.normal(size=(rank, n_in)).astype(np.float32),
+                        rng.normal(size=(n_out, rank)).astype(np.float32))
+               for i in range(shapes.num_layers) for m, (n_in, n_out) in shapes.modules.items()
+               if (i, m) != (1, "k_proj")}
+    return LoRAAdapter(rank, 0.5, weights)
+
+
+@pytest.mark.parametrize("tp", [1, 2])  # 2: one KV head replicated on both devices
+def test_pool_rows_give_the_merged_weights(tp):
+    """x through a fused projection with the adapter in slot 2 of 3 equals x through the fused
+    merged weights W + s B A, built as the base weights are (``llama._fuse``, shard by shard)."""
+    config = ModelConfig.from_hf_config(CONFIG)
+    shapes, layout, max_rank = LoRAShapes.of(config), sharding.Layout.of(config, tp), 4
+    adapter = _adapter(shapes, rank=3, seed=tp)
+    rows = slot_rows(adapter, shapes, layout, max_rank, np.float32)
+    rng = np.random.default_rng(9)
+    for layer in range(config.num_layers):
+        for name, modules in FUSED.items():
+            base, merged = [], []
+            for m in modules:
+                n_in, n_out = shapes.modules[m]
+                w = rng.normal(size=(n_out, n_in)).astype(np.float32)
+                a_b = adapter.weights.get((layer, m))
+                delta = 0 if a_b is None else adapter.scaling * a_b[1] @ a_b[0]
+                kv = m in ("k_proj", "v_proj")
+                rep = (lambda t: llama._repeat_kv_heads(t, layout)) if kv else (lambda t: t)
+                base.append(rep(w))
+                merged.append(rep(w + delta))
+            a, b = rows[layer][name]
+            pool_a = np.zeros((3, *a.shape), np.float32)
+            pool_b = np.zeros((3, *b.shape), np.float32)
+            pool_a[1], pool_b[1] = a, b
+            x = rng.normal(size=(4, a.shape[0])).astype(np.float32)
+            got = linear(x, LoRALinear(llama._fuse(base, tp), pool_a, pool_b),
+                         np.full(4, 2, np.int32))
+            np.testing.assert_allclose(np.asarray(got), np.asarray(x @ llama._fuse(merged, tp)),
+                                       rtol=1e-4, atol=1e-4)
+
+
+TP_CODE = """
+import json
+import jax, jax.numpy as jnp, numpy as np
+from jaxserve.config import ModelConfig
+from jaxserve.lora.checkpoint import LoRAShapes
+from jaxserve.lora.layers import add_pool, slot_rows
+from jaxserve.lora.manager import LoRAModelManager
+from jaxserve.models import llama, sharding
+from pallas_kernels import get_attention_fn
+from tests.unit.test_lora import CONFIG, _adapter
+cfg = ModelConfig.from_hf_config(CONFIG)
+shapes = LoRAShapes.of(cfg)
+out = {}
+for tp in (1, 2):
+    mesh = sharding.make_mesh(tp)
+    layout = sharding.Layout.of(cfg, tp)
+    params = add_pool(llama.random_params(cfg, jnp.float32, seed=3, mesh=mesh), 2, 4,
+                      jnp.float32, mesh)
+    manager = LoRAModelManager(params, shapes, layout, 2, 4, 2, mesh)
+    manager.host[7] = slot_rows(_adapter(shapes, 3, 0), shapes, layout, 4, np.float32)
+    params, slots = manager.activate(params, np.array([7, 0], np.int32))
+    pool = jnp.zeros((layout.num_kv_heads, 3, 16, cfg.head_dim), jnp.float32)
+    if mesh is not None:
+        pool = jax.device_put(pool, sharding.kv_sharding(mesh))
+    n = 12  # two sequences of 6 tokens: the adapter's, then the base model's
+    md = llama.AttentionMetadata(positions=np.tile(np.arange(6, dtype=np.int32), 2),
+        slot_mapping=np.r_[16:22, 32:38].astype(np.int32),
+        query_start_loc=np.array([0, 6, 12], np.int32), seq_lens=np.array([6, 6], np.int32),
+        block_tables=np.array([[1], [2]], np.int32))
+    lora_slots = np.repeat(slots, 6)
+    logits, _, _ = jax.jit(lambda p, k, v: llama.forward(cfg, p, jnp.arange(n) * 7 % 301, md,
+        [k] * 2, [v] * 2, jnp.array([5, 11]), attention_fn=get_attention_fn("reference"),
+        mesh=mesh, lora_slots=lora_slots))(params, pool, pool)
+    out[tp] = np.asarray(logits).tolist()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_logits_equal_at_tp1_and_tp2():
+    """A step of an adapter's row and a base row: the same logits over 2 fake devices (the
+    pools split with their base weights) as on one."""
+    out = tp_utils.run_python(TP_CODE, devices=2)
+    a, b = np.array(out["1"]), np.array(out["2"])
+    np.testing.assert_allclose(b, a, atol=1e-4, rtol=1e-4)
+
+
+def _request(rid: str, prompt: list[int], lora_id: int) -> Request:
+    lora = LoRARequest(f"a{lora_id}", lora_id, "/nowhere") if lora_id else None
+    sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    return Request(EngineCoreRequest(rid, prompt, sp, lora_request=lora), seed=0)
+
+
+def test_running_requests_use_at_most_max_loras_adapters():
+    sched = Scheduler(KVCacheManager(256, 4), max_num_seqs=8, max_num_batched_tokens=64,
+                      max_model_len=128, eos_token_ids=(0,), max_loras=2)
+    for i, lora_id in enumerate([1, 2, 0, 3, 1, 2, 3, 0]):
+        sched.add_request(_request(str(i), [10 + i] * 5, lora_id))
+
+    def check(out):
+        assert len({r.lora_int_id for r in sched.running} - {0}) <= 2
+
+    done = run_to_completion(sched, FakeRunner(256, 4), on_step=check)
+    assert len(done) == 8
+
+
+def test_prefix_cache_pages_are_keyed_by_adapter():
+    kv = KVCacheManager(64, 4)
+    prompt = list(range(20, 33))
+    first = _request("a", prompt, 1)
+    assert kv.allocate_slots(first, len(prompt))
+    first.num_computed_tokens = len(prompt)  # as the scheduler has it after the step
+    kv.cache_full_pages(first)
+    assert len(kv.get_computed_pages(_request("b", prompt, 1))) == 3  # same adapter: hits
+    assert kv.get_computed_pages(_request("c", prompt, 2)) == []  # another adapter
+    assert kv.get_computed_pages(_request("d", prompt, 0)) == []  # the base model

@@ -37,19 +37,28 @@ def save_adapters(model, folder: pathlib.Path) -> dict[str, pathlib.Path]:
     return out
 
 
-def hf_logprobs(model, adapters: dict[str, pathlib.Path], ids: list[int]) -> dict:
-    """name (None: the base model) -> [len(ids) - 1] float64 log-probabilities of ids[1:]
-    teacher-forced through HF + PEFT in float32."""
+def hf_logits(model, adapters: dict[str, pathlib.Path], ids: list[int]) -> dict:
+    """name (None: the base model) -> [len(ids), V] float32 logits of ``ids`` through HF + PEFT
+    in float32."""
     def run(m):
         with torch.no_grad():
-            logits = m(torch.tensor([ids])).logits[0].double()
-        return torch.log_softmax(logits, -1)[torch.arange(len(ids) - 1), ids[1:]].numpy()
+            return m(torch.tensor([ids])).logits[0].numpy()
 
     out = {None: run(model)}
     for name, path in adapters.items():
         wrapped = peft.PeftModel.from_pretrained(model, path).eval()
         out[name] = run(wrapped)
         wrapped.unload()
+    return out
+
+
+def hf_logprobs(model, adapters: dict[str, pathlib.Path], ids: list[int]) -> dict:
+    """name (None: the base model) -> [len(ids) - 1] float64 log-probabilities of ids[1:]
+    teacher-forced through HF + PEFT in float32."""
+    out = {}
+    for name, logits in hf_logits(model, adapters, ids).items():
+        lp = torch.log_softmax(torch.from_numpy(logits).double(), -1)
+        out[name] = lp[torch.arange(len(ids) - 1), ids[1:]].numpy()
     return out
 
 

@@ -26,7 +26,7 @@ def test_pack_then_unpack_in_a_jit_is_the_identity():
     fields = _fields(layout, np.random.default_rng(0))
     packed = layout.pack(fields)
     assert packed.shape == (layout.size,) and packed.dtype == np.int32
-    assert layout.size == 4 * 16 + 9 * 4 + 1 + 8 + 3 * 5
+    assert layout.size == 5 * 16 + 9 * 4 + 1 + 8 + 3 * 5
     unpacked = jax.jit(layout.unpack)(packed)
     for name, value in fields.items():
         got = np.asarray(unpacked[name])

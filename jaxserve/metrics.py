@@ -19,6 +19,8 @@ counters (preemptions, prefix cache) carry the dead engine's totals over, so the
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -37,7 +39,8 @@ VLLM_NAMES = frozenset({
     "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_preemptions",
     "prefix_cache_queries", "prefix_cache_hits", "request_success", "prompt_tokens",
     "generation_tokens", "time_to_first_token_seconds", "e2e_request_latency_seconds",
-    "inter_token_latency_seconds", "request_prompt_tokens", "request_generation_tokens"})
+    "inter_token_latency_seconds", "request_prompt_tokens", "request_generation_tokens",
+    "lora_requests_info"})
 
 
 def token_buckets(max_model_len: int) -> tuple[int, ...]:
@@ -87,6 +90,15 @@ class _EngineStatsCollector:
                       "computed (prefix-cache hits and the shared prompt of a request's other "
                       "choices excluded; recomputation after preemption included).",
                       base.prompt_tokens_computed + s.prompt_tokens_computed)
+        if m.max_loras:  # vLLM's: its labels say which adapters run and wait; its value when
+            g = GaugeMetricFamily(m.name("lora_requests_info"), "LoRA adapters of the running "
+                                  "and waiting requests (labels); the value is when the engine "
+                                  "reported them, Unix seconds.",
+                                  labels=["max_lora", "waiting_lora_adapters",
+                                          "running_lora_adapters"])
+            g.add_metric([str(m.max_loras), ",".join(s.waiting_lora_adapters),
+                          ",".join(s.running_lora_adapters)], m.stats_time)
+            yield g
         yield gauge("engine_alive", "1 while the engine process serves, 0 after it died "
                     "(until a restarted one is ready).", 1 if m.engine_alive else 0)
         yield counter("engine_restarts", "Times the engine process was restarted after "
@@ -100,9 +112,11 @@ class Metrics:
       model_name: the ``model_name`` label's value.
       prefix: "jaxserve", or "vllm" for vLLM's names and labels (module docstring).
       max_model_len: the top of the per-request token-count histograms' buckets.
+      max_loras: --max-loras with --enable-lora (the ``lora_requests_info`` gauge), else 0.
     """
 
-    def __init__(self, model_name: str, prefix: str = "jaxserve", max_model_len: int = 32768):
+    def __init__(self, model_name: str, prefix: str = "jaxserve", max_model_len: int = 32768,
+                 max_loras: int = 0):
         if prefix not in METRICS_PREFIXES:
             raise ValueError(f"metrics prefix must be one of {METRICS_PREFIXES}, got {prefix!r}")
         self.model_name = model_name
@@ -110,6 +124,8 @@ class Metrics:
         self.label_names = ["model_name"] + (["engine"] if prefix == "vllm" else [])
         self.label_values = [model_name] + (["0"] if prefix == "vllm" else [])
         self.stats = SchedulerStats()
+        self.stats_time = time.time()  # when the engine sent them
+        self.max_loras = max_loras
         self.dead_engines_totals = SchedulerStats()  # cumulative counters of engines that died
         self.engine_alive = True
         self.engine_restarts = 0
@@ -161,7 +177,7 @@ class Metrics:
         return f"{self.prefix if base in VLLM_NAMES else 'jaxserve'}:{base}"
 
     def update_stats(self, stats: SchedulerStats) -> None:
-        self.stats = stats
+        self.stats, self.stats_time = stats, time.time()
 
     def engine_down(self) -> None:
         """The engine process died: nothing runs, waits or holds KV pages any more."""

@@ -385,4 +385,12 @@ class Scheduler:
             prefix_cache_queries=self.prefix_cache_queries,
             prefix_cache_hits=self.prefix_cache_hits,
             prompt_tokens_computed=self.prompt_tokens_computed,
+            running_lora_adapters=self._lora_names(self.running),
+            waiting_lora_adapters=self._lora_names(self.waiting),
         )
+
+    def _lora_names(self, requests) -> list[str]:
+        """The LoRA adapters' names among ``requests``, sorted (none without LoRA)."""
+        if not self.max_loras:
+            return []
+        return sorted({r.lora_request.lora_name for r in requests if r.lora_request})

@@ -103,3 +103,6 @@ class SchedulerStats(msgspec.Struct):
     # prompt tokens whose K/V the engine computed (cache hits and forked choices excluded,
     # recomputation after a preemption included), cumulative
     prompt_tokens_computed: int = 0
+    # LoRA adapters (names, sorted) of the running and of the waiting requests (--enable-lora)
+    running_lora_adapters: list[str] = msgspec.field(default_factory=list)
+    waiting_lora_adapters: list[str] = msgspec.field(default_factory=list)

@@ -130,7 +130,8 @@ class AsyncLLM:
         self.generation_config = ready.generation_config
         self.allocator_fraction = ready.allocator_fraction
         self.lora_shapes = ready.lora_shapes
-        self.metrics = Metrics(ready.model_name, self.metrics_prefix, ready.config.max_model_len)
+        self.metrics = Metrics(ready.model_name, self.metrics_prefix, ready.config.max_model_len,
+                               ready.config.max_loras if ready.config.enable_lora else 0)
         self.output_processor = OutputProcessor(self.tokenizer, ready.eos_token_ids, self.metrics)
         self.ready = True
 

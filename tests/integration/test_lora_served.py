@@ -13,7 +13,7 @@ import numpy as np
 import openai
 import pytest
 
-from tests.integration.server_utils import REPO, Server
+from tests.integration.server_utils import REPO, Server, get
 from tests.lora_adapters import (MAX_RANK, hf_logprobs, save_bad_adapters,
                                  tiny_llama_with_adapters)
 from tests.tiny_models import TINY
@@ -102,6 +102,8 @@ def test_runtime_load_serves_then_unload_gives_404(lora):
     gone = httpx.post(f"{server.url}/v1/unload_lora_adapter", json={"lora_name": "math"})
     assert gone.status_code == 404 and gone.json()["error"]["type"] == "invalid_request_error"
     assert "math" not in {m.id for m in client.models.list().data}
+    status, text = get(f"{server.url}/metrics")
+    assert status == 200 and 'jaxserve:lora_requests_info{max_lora="2"' in text
 
 
 @pytest.mark.parametrize("why, says", [

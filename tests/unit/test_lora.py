@@ -1,7 +1,8 @@
 """LoRA's pieces without a server (docs/lora.md): the batched delta against a per-token loop,
 an adapter's pool rows against its merged weights (fused q/k/v and gate/up, shard by shard,
 KV heads replicated), the same logits at tensor-parallel sizes 1 and 2 (fake CPU devices), the
-scheduler's ``max_loras`` rule, and prefix-cache keys per adapter."""
+scheduler's ``max_loras`` rule, prefix-cache keys per adapter, and vLLM's
+``lora_requests_info`` gauge."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -159,3 +160,17 @@ def test_prefix_cache_pages_are_keyed_by_adapter():
     assert len(kv.get_computed_pages(_request("b", prompt, 1))) == 3  # same adapter: hits
     assert kv.get_computed_pages(_request("c", prompt, 2)) == []  # another adapter
     assert kv.get_computed_pages(_request("d", prompt, 0)) == []  # the base model
+
+
+def test_lora_requests_info_gauge_has_vllms_name_and_labels():
+    from jaxserve.engine import SchedulerStats
+    from jaxserve.metrics import Metrics
+
+    m = Metrics("m", "vllm", max_loras=4)
+    m.update_stats(SchedulerStats(running_lora_adapters=["a", "b"], waiting_lora_adapters=["c"]))
+    (family,) = [f for f in m.registry.collect() if f.name == "vllm:lora_requests_info"]
+    (sample,) = family.samples
+    assert sample.labels == {"max_lora": "4", "waiting_lora_adapters": "c",
+                             "running_lora_adapters": "a,b"}
+    assert sample.value == m.stats_time
+    assert not [f for f in Metrics("m").registry.collect() if "lora" in f.name]

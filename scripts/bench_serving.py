@@ -291,20 +291,24 @@ async def one_request(session, url, model, req: Request) -> Outcome:
 async def send_all(session, url, model, requests, offsets, max_concurrency, t0,
                    desc) -> list[Outcome]:
     """Send `requests[i]` at `t0 + offsets[i]` (perf_counter s), at most `max_concurrency` in
-    flight (None: no cap); a request's timing starts once it has a slot, as in vLLM. Shows a
-    progress bar labelled `desc` on stderr."""
+    flight (None: no cap); a request's timing starts once it has a slot, as in vLLM. `model`
+    names the model, or several separated by commas, taken in turn (LoRA adapters, spread
+    evenly). Shows a progress bar labelled `desc` on stderr."""
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
     bar = tqdm(total=len(requests), desc=desc, unit="req")
 
-    async def scheduled(req, offset):
+    models = model.split(",")
+
+    async def scheduled(i, req, offset):
         await asyncio.sleep(t0 + offset - time.perf_counter())
         async with limit:
-            outcome = await one_request(session, url, model, req)
+            outcome = await one_request(session, url, models[i % len(models)], req)
         bar.update()
         return outcome
 
     try:
-        return await asyncio.gather(*(scheduled(r, o) for r, o in zip(requests, offsets)))
+        return await asyncio.gather(*(scheduled(i, r, o)
+                                      for i, (r, o) in enumerate(zip(requests, offsets))))
     finally:
         bar.close()
 
@@ -552,7 +556,9 @@ def save_result(r, result_dir, name) -> None:
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--base-url", default="http://127.0.0.1:8000", help="default: %(default)s")
-    ap.add_argument("--model", default=None, help="default: the server's first model")
+    ap.add_argument("--model", default=None, help=(
+        "default: the server's first model; several names separated by commas are taken in "
+        "turn (requests spread evenly over LoRA adapters)"))
     ap.add_argument("--dataset-name", choices=("random", "sharegpt", "shared-prefix"),
                     default="random", help="default: %(default)s")
     ap.add_argument("--dataset-path", default=str(SAMPLE),

@@ -136,7 +136,9 @@ def _spec(path) -> P:
     """The spec of the param leaf at ``path``: by its name, and for the fields of an FP8 weight
     (``linear.Fp8Weight``: ``[out, in]`` weight, ``[out]`` scale, scalar input scale) the plain
     ``[in, out]`` weight's spec turned to that layout (a column-parallel weight's scales split
-    with its columns, a row-parallel one's replicated; the input scale replicated)."""
+    with its columns, a row-parallel one's replicated; the input scale replicated); for a
+    ``LoRALinear`` (``jaxserve.lora.layers``) its base weight's as above, its pools'
+    ``lora_pool_spec``."""
     name = next(k.key for k in reversed(path) if isinstance(k, jax.tree_util.DictKey))
     spec = _SPECS[name]
     attrs = [k.name for k in path if isinstance(k, jax.tree_util.GetAttrKey)]

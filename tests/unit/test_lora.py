@@ -2,7 +2,10 @@
 an adapter's pool rows against its merged weights (fused q/k/v and gate/up, shard by shard,
 KV heads replicated), the same logits at tensor-parallel sizes 1 and 2 (fake CPU devices), the
 scheduler's ``max_loras`` rule, prefix-cache keys per adapter, and vLLM's
-``lora_requests_info`` gauge."""
+``lora_requests_info`` gauge, and what ``--enable-lora`` refuses."""
+
+import dataclasses
+import re
 
 import jax.numpy as jnp
 import numpy as np
@@ -174,3 +177,19 @@ def test_lora_requests_info_gauge_has_vllms_name_and_labels():
                              "running_lora_adapters": "a,b"}
     assert sample.value == m.stats_time
     assert not [f for f in Metrics("m").registry.collect() if "lora" in f.name]
+
+
+@pytest.mark.parametrize("change, says", [
+    ({"num_experts": 4}, "a mixture-of-experts model"),
+    ({"quantization": "fp8"}, "FP8 weights (fp8; --quantization)"),
+    ({"num_hosts": 2}, "--num-hosts 2")])
+def test_what_lora_refuses_at_start_up_names_the_flags(change, says):
+    from types import SimpleNamespace
+
+    from jaxserve.lora import manager
+
+    model_config = dataclasses.replace(ModelConfig.from_hf_config(CONFIG),
+                                       num_experts=change.get("num_experts", 0))
+    config = SimpleNamespace(num_hosts=change.get("num_hosts", 1))
+    with pytest.raises(ValueError, match=f"^--enable-lora does not support {re.escape(says)}$"):
+        manager.create(config, model_config, {}, change.get("quantization"), None, print)

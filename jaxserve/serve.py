@@ -248,14 +248,12 @@ async def serve(args, sock: socket.socket) -> int:
     _say(f"listening on {url} (503 until the engine is ready); starting the engine process")
 
     code = 0
-    start = asyncio.ensure_future(llm.start())
+    start = asyncio.ensure_future(llm.start(lambda: _serve_lora_modules(app, args.lora_modules)))
     stopper = asyncio.ensure_future(stop.wait())
     failed = asyncio.ensure_future(llm.failed.wait())
     try:
         await asyncio.wait({start, stopper}, return_when=asyncio.FIRST_COMPLETED)
-        started = start.done() and start.exception() is None
-        problem = await _serve_lora_modules(app, args.lora_modules) if started else None
-        if started and problem is None:
+        if start.done() and start.exception() is None:
             # What start-up made (the tokenizer, the app) lives as long as the server: frozen, a
             # full collection no longer scans it (60-90 ms on 2 CPU cores, in a request's path
             # if unlucky; the engine process does the same).
@@ -273,9 +271,8 @@ async def serve(args, sock: socket.socket) -> int:
                       f"(--max-engine-restarts {args.max_engine_restarts})", file=sys.stderr,
                       flush=True)
                 code = EXIT_ENGINE_FAILED
-        elif started:
-            print(f"{PROG}: error: argument --lora-modules: {problem}", file=sys.stderr,
-                  flush=True)
+        elif start.done() and isinstance(start.exception(), UsageError):  # --lora-modules
+            print(f"{PROG}: error: {start.exception()}", file=sys.stderr, flush=True)
             code = 2
         elif start.done():
             e = start.exception()
@@ -298,8 +295,12 @@ async def serve(args, sock: socket.socket) -> int:
     return code
 
 
-async def _serve_lora_modules(app, modules: list[tuple[str, str]]) -> str | None:
-    """Serve ``--lora-modules``' adapters; the first one's problem, or None when all serve."""
+async def _serve_lora_modules(app, modules: list[tuple[str, str]]) -> None:
+    """Serve ``--lora-modules``' adapters (once the engine is up, before the server is ready).
+
+    Raises:
+      UsageError: the first adapter that does not serve, and why.
+    """
     from jaxserve.entrypoints.errors import APIError
     from jaxserve.entrypoints.serving_models import add_lora
 
@@ -307,9 +308,8 @@ async def _serve_lora_modules(app, modules: list[tuple[str, str]]) -> str | None
         try:
             await add_lora(app, name, path)
         except APIError as e:
-            return f"{name}={path}: {e.message}"
+            raise UsageError(f"argument --lora-modules: {name}={path}: {e.message}") from None
         _say(f"serving LoRA adapter {name!r} from {path}")
-    return None
 
 
 def follow(args) -> int:

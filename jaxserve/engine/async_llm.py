@@ -34,7 +34,7 @@ import functools
 import logging
 import shutil
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from jaxserve.config import EngineConfig, ResolvedConfig
 from jaxserve.engine import EngineCoreRequest, child_request_id
@@ -102,11 +102,14 @@ class AsyncLLM:
         self.errored = False
         self.shutting_down = False
 
-    async def start(self) -> None:
-        """Start the engine process and load the tokenizer it saved.
+    async def start(self, before_ready: Callable[[], Awaitable[None]] | None = None) -> None:
+        """Start the engine process and load the tokenizer it saved, then await
+        ``before_ready`` (the server's ``--lora-modules``: served before the first request can
+        come) and turn ready.
 
         Raises:
           EngineStartError: with a one-line reason (bad model path, out of memory, ...).
+          whatever ``before_ready`` raises.
         """
         loop = asyncio.get_running_loop()
         # Import the tokenizer's code (seconds on a GPU machine) while the engine process
@@ -133,6 +136,8 @@ class AsyncLLM:
         self.metrics = Metrics(ready.model_name, self.metrics_prefix, ready.config.max_model_len,
                                ready.config.max_loras if ready.config.enable_lora else 0)
         self.output_processor = OutputProcessor(self.tokenizer, ready.eos_token_ids, self.metrics)
+        if before_ready is not None:
+            await before_ready()
         self.ready = True
 
     # -- prompts -------------------------------------------------------------------------------

@@ -41,7 +41,7 @@ def lora(tmp_path_factory, smollm):
     server = Server("--model", str(root / "base"), "--dtype", "float32", "--enable-lora",
                     "--max-loras", "2", "--max-cpu-loras", "2", "--max-lora-rank", str(MAX_RANK),
                     "--lora-modules", f"sql={adapters['sql']}", f"chat={adapters['chat']}",
-                    "--max-num-batched-tokens", "16", "--max-num-seqs", "4",
+                    "--max-num-batched-tokens", "8", "--max-num-seqs", "4",
                     "--max-model-len", "128", "--kv-cache-gib", "0.01",
                     env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"})
     yield server, root / "base", adapters, bad, ids, ref

@@ -43,6 +43,7 @@ class StubEngineCore:
         self.vocab_size = len(self.tokenizer)
         self.allocator_fraction = 0.0  # the stub starts no JAX backend
         self.generation_config = {}
+        self.lora_manager = None  # no --enable-lora
         self.text_ids = self.tokenizer.encode(TEXT, add_special_tokens=False)
         self.reqs = {}
         self.failed = []  # (request id, usable) of the step that raised

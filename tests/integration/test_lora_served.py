@@ -65,6 +65,7 @@ def test_models_lists_adapters_with_parent(lora):
     assert set(cards) == {base_name, "sql", "chat"}
     for name in ("sql", "chat"):
         assert cards[name].parent == base_name and cards[name].root == str(adapters[name])
+    assert _client(server).models.retrieve("sql").parent == base_name
 
 
 def test_adapters_and_base_in_flight_together_match_hf_peft(lora):

@@ -87,6 +87,26 @@ def test_pool_rows_give_the_merged_weights(tp):
                                        rtol=1e-4, atol=1e-4)
 
 
+def test_pool_specs_follow_the_base_weights():
+    """The step's in_shardings (``sharding.param_shardings``) of a layer with pools: the base
+    weight as without adapters, b split with a column-parallel weight's columns, a with a
+    row-parallel weight's rows."""
+    import jax
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()[:1]), (sharding.AXIS,))
+    w, pool = jnp.zeros((4, 8)), jnp.zeros((2, 4, 3))
+    layer = {name: LoRALinear(w, pool, pool) for name in FUSED}
+    specs = sharding.param_shardings(layer, mesh)
+    tp = sharding.AXIS
+    for name in ("qkv_proj", "gate_up_proj"):
+        assert (specs[name].base.spec, specs[name].a.spec, specs[name].b.spec) == (
+            P(None, tp), P(None, None, None), P(None, None, tp))
+    for name in ("o_proj", "down_proj"):
+        assert (specs[name].base.spec, specs[name].a.spec, specs[name].b.spec) == (
+            P(tp, None), P(None, tp, None), P(None, None, None))
+
+
 TP_CODE = """
 import json
 import jax, jax.numpy as jnp, numpy as np

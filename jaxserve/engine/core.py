@@ -347,7 +347,8 @@ class EngineCore:
         if self.lora_manager is None:
             raise ValidationError(f"LoRA adapter {lora_request.lora_name!r}: the engine runs "
                                   "without --enable-lora", parameter="model")
-        self.lora_manager.add_lora(lora_request)
+        self.lora_manager.add_lora(lora_request, lambda: {
+            r.lora_int_id for r in self.scheduler.requests.values() if r.lora_int_id})
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)

@@ -2,8 +2,9 @@
 ``LRUCacheWorkerLoRAManager`` / ``LoRAModelManager``, in one object).
 
 Host: up to ``--max-cpu-loras`` adapters read and laid out as pool rows (``layers.slot_rows``),
-least recently used evicted first; an evicted adapter is read again from its folder when a
-request needs it. Device: ``--max-loras`` slots of the pool inside the params
+least recently used evicted first, but never one that a waiting or running request uses (the
+cache then holds more for a while): every adapter a step needs is on the host, so a step never
+reads a file, and an adapter whose folder went bad fails only the request that reads it. Device: ``--max-loras`` slots of the pool inside the params
 (``layers.add_pool``). ``activate`` gives each adapter of a step a slot, writing the adapters
 that are not resident into free slots or over the least recently used adapter that the step
 does not use. The scheduler never puts more than ``--max-loras`` adapters in one step, so a
@@ -12,6 +13,7 @@ adapter compiles nothing.
 """
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -45,7 +47,6 @@ class LoRAModelManager:
         self.max_loras, self.max_rank, self.max_cpu_loras = max_loras, max_rank, max_cpu_loras
         pool = pool_of(params)
         self.dtype = pool[0]["o_proj"][0].dtype
-        self.requests: dict[int, LoRARequest] = {}  # every adapter a request named
         self.host: OrderedDict[int, list] = OrderedDict()  # id -> slot rows, LRU first
         self.resident: OrderedDict[int, int] = OrderedDict()  # id -> pool row, LRU first
         where = jax.tree.map(lambda x: x.sharding, pool)
@@ -57,21 +58,26 @@ class LoRAModelManager:
             pool, jax.ShapeDtypeStruct((), np.int32), rows).compile()
         self._row_where = row_where
 
-    def add_lora(self, lora_request: LoRARequest) -> None:
-        """Have the adapter on the host (read from its folder unless it is already there).
+    def add_lora(self, lora_request: LoRARequest,
+                 in_use: Callable[[], set[int]] = frozenset) -> None:
+        """Have the adapter on the host (read from its folder unless it is already there),
+        then evict least recently used adapters past ``max_cpu_loras``, sparing the ids that
+        ``in_use()`` gives (those of the waiting and running requests).
 
         Raises:
           ValueError: the adapter is missing or refused (``checkpoint.read_adapter``).
         """
         i = lora_request.lora_int_id
-        self.requests[i] = lora_request
         if i in self.host:
             self.host.move_to_end(i)
             return
         adapter = read_adapter(lora_request.lora_path, self.shapes, self.max_rank)
         self.host[i] = slot_rows(adapter, self.shapes, self.layout, self.max_rank, self.dtype)
-        while len(self.host) > self.max_cpu_loras:
-            self.host.popitem(last=False)
+        excess = len(self.host) - self.max_cpu_loras
+        if excess > 0:
+            keep = set(in_use()) | {i}
+            for j in [j for j in self.host if j not in keep][:excess]:
+                del self.host[j]
 
     def activate(self, params: dict, lora_ids: np.ndarray) -> tuple[dict, np.ndarray]:
         """Slots for a step's rows.
@@ -86,8 +92,8 @@ class LoRAModelManager:
           base model, 1 + the pool row otherwise).
 
         Raises:
-          ValueError: more adapters than slots (a scheduling bug), or an adapter that is no
-            longer on the host could not be read again.
+          ValueError: more adapters than slots (a scheduling bug).
+          KeyError: an adapter that ``add_lora`` did not read (a request that bypassed it).
         """
         wanted = [int(i) for i in np.unique(lora_ids) if i != 0]
         if len(wanted) > self.max_loras:
@@ -103,8 +109,6 @@ class LoRAModelManager:
             else:  # the least recently used adapter that this step does not need
                 victim = next(j for j in self.resident if j not in wanted)
                 row = self.resident.pop(victim)
-            if i not in self.host:
-                self.add_lora(self.requests[i])
             self.host.move_to_end(i)
             params = self._write_rows(params, row, self.host[i])
             self.resident[i] = row

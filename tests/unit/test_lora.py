@@ -213,3 +213,33 @@ def test_what_lora_refuses_at_start_up_names_the_flags(change, says):
     config = SimpleNamespace(num_hosts=change.get("num_hosts", 1))
     with pytest.raises(ValueError, match=f"^--enable-lora does not support {re.escape(says)}$"):
         manager.create(config, model_config, {}, change.get("quantization"), None, print)
+
+
+def test_host_cache_spares_the_adapters_in_use(tmp_path):
+    """Past --max-cpu-loras the least recently used adapters leave the host, except those of
+    waiting or running requests (``in_use``); the device slots go least recently used first,
+    sparing the step's own."""
+    from jaxserve.lora.layers import add_pool
+    from jaxserve.lora.manager import LoRAModelManager
+    from scripts.make_lora_adapters import write_adapter
+
+    config = ModelConfig.from_hf_config(CONFIG)
+    shapes = LoRAShapes.of(config)
+    params = add_pool(llama.random_params(config, jnp.float32), 2, 4, jnp.float32)
+    manager = LoRAModelManager(params, shapes, sharding.Layout.of(config, 1), 2, 4, 1)
+    loras = {}
+    for i in (1, 2, 3):
+        write_adapter(tmp_path / str(i), shapes, 2, 0.1, np.float32, seed=i)
+        loras[i] = LoRARequest(str(i), i, str(tmp_path / str(i)))
+    manager.add_lora(loras[1])
+    manager.add_lora(loras[2], in_use=lambda: {1})
+    assert list(manager.host) == [1, 2]  # 1 is in use: the cache holds two for now
+    params, slots = manager.activate(params, np.array([1, 0, 2], np.int32))
+    assert slots.tolist() == [1, 0, 2]
+    manager.add_lora(loras[3], in_use=lambda: {3})
+    assert list(manager.host) == [3]
+    params, slots = manager.activate(params, np.array([3, 2], np.int32))
+    assert slots.tolist() == [1, 2]  # 3 took 1's slot (the least recently used), 2 kept its
+    assert list(manager.resident) == [2, 3]
+    o_proj = params["layers"][0]["o_proj"]
+    assert np.asarray(o_proj.a[0])[:, :2].any() and np.asarray(o_proj.b[1]).any()

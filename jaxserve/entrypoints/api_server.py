@@ -1,12 +1,13 @@
 """The aiohttp application: routes, API-key check, OpenAI error bodies.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses, GET and DELETE
-/v1/responses/{id}, POST /v1/responses/{id}/cancel, GET /v1/models, GET /v1/models/{model},
-POST /v1/load_lora_adapter and /v1/unload_lora_adapter (with runtime LoRA updating), POST /tokenize, POST /detokenize (handled in the serving_*.py modules), GET /health, GET /version,
-GET /metrics, GET /metrics/summary (metrics_summary.py), and the playground's GET / and
-GET /static/{name} (playground.py). Every error, including unknown routes and unexpected
-exceptions, is an OpenAI error body ``{"error": {"message", "type", "param", "code"}}``;
-tracebacks go to the server log only.
+/v1/responses/{id}, POST /v1/responses/{id}/cancel, GET /v1/models, GET /v1/models/{model}, POST
+/v1/load_lora_adapter and /v1/unload_lora_adapter (with runtime LoRA updating), POST /tokenize,
+POST /detokenize (handled in the serving_*.py modules), GET /health, GET /version, GET /metrics,
+GET /metrics/summary (metrics_summary.py), and the playground's GET / and GET /static/{name}
+(playground.py). Every error, including unknown routes and unexpected exceptions, is an OpenAI
+error body ``{"error": {"message", "type", "param", "code"}}``; tracebacks go to the server log
+only.
 
 ``/health``, ``/version``, ``/metrics`` and ``/metrics/summary`` need no API key, as in vLLM:
 Prometheus scrapers seldom send one, and the metrics hold counts, no request content

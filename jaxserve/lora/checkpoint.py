@@ -120,8 +120,9 @@ def read_adapter(path: str, shapes: LoRAShapes | None, max_rank: int,
         raise refuse(f"unsupported target modules {unsupported}; supported: "
                      f"{list(TARGET_MODULES)}")
     options = {"use_dora": cfg.use_dora, "bias": cfg.bias != "none",
-               "modules_to_save": bool(cfg.modules_to_save), "rank_pattern": bool(cfg.rank_pattern),
-               "alpha_pattern": bool(cfg.alpha_pattern), "fan_in_fan_out": cfg.fan_in_fan_out}
+               "modules_to_save": bool(cfg.modules_to_save),
+               "rank_pattern": bool(cfg.rank_pattern), "alpha_pattern": bool(cfg.alpha_pattern),
+               "fan_in_fan_out": cfg.fan_in_fan_out}
     if any(options.values()):
         raise refuse(f"unsupported PEFT options {[k for k, v in options.items() if v]}")
     scaling = cfg.lora_alpha / (math.sqrt(cfg.r) if cfg.use_rslora else cfg.r)
@@ -147,7 +148,7 @@ def read_adapter(path: str, shapes: LoRAShapes | None, max_rank: int,
                                  f"{list(expected)} (an adapter for another base model?)")
                 pair = weights.setdefault((layer, module), [None, None])
                 pair[which == "B"] = (np.asarray(f.get_tensor(name), np.float32)
-                                         if with_weights else shape)
+                                      if with_weights else shape)
     except (OSError, SafetensorError) as e:
         raise refuse(f"unreadable {WEIGHTS_NAME}: {e}") from None
     missing = sorted(f"layer {k[0]} {k[1]}" for k, (a, b) in weights.items()

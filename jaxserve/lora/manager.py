@@ -4,12 +4,12 @@
 Host: up to ``--max-cpu-loras`` adapters read and laid out as pool rows (``layers.slot_rows``),
 least recently used evicted first, but never one that a waiting or running request uses (the
 cache then holds more for a while): every adapter a step needs is on the host, so a step never
-reads a file, and an adapter whose folder went bad fails only the request that reads it. Device: ``--max-loras`` slots of the pool inside the params
-(``layers.add_pool``). ``activate`` gives each adapter of a step a slot, writing the adapters
-that are not resident into free slots or over the least recently used adapter that the step
-does not use. The scheduler never puts more than ``--max-loras`` adapters in one step, so a
-step always finds its slots. Writing a slot is one program compiled at start-up, so loading an
-adapter compiles nothing.
+reads a file, and an adapter whose folder went bad fails only the request that reads it. Device:
+``--max-loras`` slots of the pool inside the params (``layers.add_pool``). ``activate`` gives
+each adapter of a step a slot, writing the adapters that are not resident into free slots or
+over the least recently used adapter that the step does not use. The scheduler never puts more
+than ``--max-loras`` adapters in one step, so a step always finds its slots. Writing a slot is
+one program compiled at start-up, so loading an adapter compiles nothing.
 """
 
 from collections import OrderedDict

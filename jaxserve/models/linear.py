@@ -1,6 +1,6 @@
-"""Linear projections and the weight formats they take (``linear``): a plain weight in the
-model's dtype, or FP8 (W8A8: ``--quantization fp8``, or an FP8 checkpoint, ``fp8_checkpoint``); a plain weight
-may carry LoRA adapters beside it (``jaxserve.lora.layers.LoRALinear``).
+"""Linear projections and the weight formats they take (``linear``): a plain weight in the model's
+dtype, or FP8 (W8A8: ``--quantization fp8``, or an FP8 checkpoint, ``fp8_checkpoint``); a plain
+weight may carry LoRA adapters beside it (``jaxserve.lora.layers.LoRALinear``).
 
 A plain weight is ``[in, out]`` and the projection is ``x @ w``. An FP8 weight (``Fp8Weight``)
 is ``[out, in]`` float8_e4m3fn with one float32 scale per output channel (row); at run time the

@@ -173,10 +173,10 @@ class InputBuilder:
         (bt_rows, bt_cols, bt_pages), early = self._block_table_writes()
         packed = layout.pack(dict(
             token_ids=token_ids, prev_rows=prev_rows, positions=positions,
-            slot_mapping=slot_mapping, lora_slots=lora_slots, query_start_loc=qsl, seq_lens=seq_lens,
+            slot_mapping=slot_mapping, query_start_loc=qsl, seq_lens=seq_lens,
             seq_slots=seq_slots, logits_indices=logits_indices, hidden_indices=hidden_indices,
             block_table_rows=bt_rows, block_table_cols=bt_cols, block_table_pages=bt_pages,
-            **vars(sm)))
+            lora_slots=lora_slots, **vars(sm)))
         return StepInputs(packed, early, req_ids, slots, context, samples, steps, sm,
                           prompt_spans, targets)
 

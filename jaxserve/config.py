@@ -16,6 +16,7 @@ from typing import Literal, NamedTuple
 import msgspec
 
 from jaxserve.platforms import CPU, GPU, Platform
+from jaxserve.spec_decode.config import parse_speculative_config
 
 
 @dataclass(frozen=True)
@@ -169,6 +170,11 @@ class EngineConfig:
         "repetition_penalty, max_tokens): auto: the model's generation_config.json (the default "
         "model: its model card's chat defaults); vllm: none (temperature 1.0, no top-p/top-k); "
         "or a folder holding a generation_config.json")})
+    speculative_config: dict | None = field(default=None, metadata={"help": (
+        "speculative decoding as a JSON object, vLLM's fields (docs/spec_decode.md): "
+        "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, "
+        "\"prompt_lookup_min\": 2}'; also disable_by_batch_size (default 16); None: off"),
+        "parse": parse_speculative_config})
     # Same range as SamplingParams.seed.
     seed: int = field(default=0, metadata={
         "help": "seed of the engine's default RNG (requests without their own seed) and of "

@@ -6,6 +6,8 @@ directly, and the in-process path (``jaxserve.LLM``) uses the same objects.
 
 import msgspec
 
+from jaxserve.spec_decode.metrics import SpecDecodingStats
+
 from jaxserve.sampling_params import SamplingParams
 
 
@@ -100,3 +102,4 @@ class SchedulerStats(msgspec.Struct):
     # prompt tokens whose K/V the engine computed (cache hits and forked choices excluded,
     # recomputation after a preemption included), cumulative
     prompt_tokens_computed: int = 0
+    spec_decoding: SpecDecodingStats = msgspec.field(default_factory=SpecDecodingStats)

@@ -65,7 +65,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
 
     Attributes:
       request_id: the choice (``child_request_id``: the request's id when it has one choice).
-      new_token_ids: tokens sampled this step (one per step today).
+      new_token_ids: tokens emitted this step: one, or with speculative decoding the accepted
+        drafts and the sampled token.
       finish_reason: None while running; "stop" (EOS or a stop token id), "length"
         (max_tokens or max_model_len) or "abort".
       stop_reason: the stop token id that ended it, if any.

@@ -16,7 +16,10 @@ max_model_len sequence. Attention reads pages only as far as each sequence's len
 its cost follows the real contexts, not P; that keeps the number of compiled shapes to the token
 buckets alone (docs/architecture.md, "Buckets and the executable cache"; P buckets would
 multiply start-up compilation). Every program is compiled ahead of time by ``compile_buckets``;
-``execute`` never compiles (it raises if asked to).
+``execute`` never compiles (it raises if asked to). With speculative decoding a sequence's
+draft tokens are scheduled tokens with a logits row each, so a bucket has a fixed number of
+logits rows L at least S (``logits_rows_for``; docs/spec_decode.md), and ``get_output`` returns
+the tokens of the rows ``rejection_sampler.emitted_rows`` picks.
 """
 
 from collections.abc import Callable

@@ -11,7 +11,7 @@ from jaxserve.sampling_params import SamplingParams
 from tests.greedy import compare_greedy
 from tests.spec_engine import SPEC_CONFIG, SPEC_ENGINE, spec_prompts, top2_margin
 
-MAX_TOKENS = 32
+MAX_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +26,7 @@ def chats(prompts):
 
 
 def test_greedy_equals_plain_engine(spec_llm, smollm_llm):
-    prompts = chats(spec_prompts())
+    prompts = chats(spec_prompts()[::2])  # repeat, correct and summarise requests
     sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=2)
     ref = smollm_llm.chat(prompts, sp, use_tqdm=False)
     before = spec_llm.engine.scheduler.num_preemptions
@@ -44,11 +44,11 @@ def test_greedy_equals_plain_engine(spec_llm, smollm_llm):
         for i in range(n):  # logprobs of the emitted tokens, accepted drafts' included
             tok = b.token_ids[i]
             assert abs(b.logprobs[i][tok].logprob - a.logprobs[i][tok].logprob) < 1e-2
-    assert full >= len(ref) - 2, "most comparisons ran to the end without a near-tie"
+    assert full >= len(ref) - 1, "most comparisons ran to the end without a near-tie"
 
 
 def test_seeded_sampling_equals_plain_engine(spec_llm, smollm_llm):
-    prompts = chats(spec_prompts()[:3])
+    prompts = chats(spec_prompts()[:2])
     sp = SamplingParams(temperature=0.7, top_p=0.9, top_k=40, presence_penalty=0.3,
                         frequency_penalty=0.1, n=2, seed=7, max_tokens=MAX_TOKENS)
     ref = smollm_llm.chat(prompts, sp, use_tqdm=False)

@@ -209,3 +209,75 @@ def test_penalized_rows_count_emitted_tokens_only():
                                        init_state(1, V, 1, 1), None, 2)
     assert np.asarray(tokens).tolist() == [1, 5, 6]
     assert np.asarray(state.output_counts[0]).tolist() == [0, 1, 0, 0, 0, 1, 0, 0]
+
+
+def _scheduler(**spec):
+    from jaxserve.core.kv_cache_manager import KVCacheManager
+    from jaxserve.core.scheduler import Scheduler
+
+    config = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3,
+                                          "prompt_lookup_min": 2, **spec})
+    return Scheduler(KVCacheManager(64, 4, True), max_num_seqs=4, max_num_batched_tokens=32,
+                     max_model_len=64, eos_token_ids=(0,), spec_config=config)
+
+
+def _step(s, sampled, accepted):
+    """Schedule a step and apply its output: ``sampled`` / ``accepted`` by request id."""
+    from jaxserve.core.scheduler_output import ModelRunnerOutput
+
+    out = s.schedule()
+    return out, s.update(out, ModelRunnerOutput(sampled, {}, {}, accepted))
+
+
+def test_scheduler_drafts_takes_accepted_and_rolls_back_rejected():
+    from tests.unit.kv_fakes import make_request
+
+    s = _scheduler()
+    req = make_request("a", [5, 6, 7, 8, 9, 5, 6], max_tokens=10)
+    s.add_request(req)
+    out, _ = _step(s, {"a": 7}, {})  # the prompt; tokens now ... 5, 6, 7
+    assert not out.scheduled_spec_decode_tokens
+    out, outputs = _step(s, {"a": 3}, {"a": [8]})  # drafts 8, 9, 5: accepts 8, draws 3
+    assert out.scheduled_spec_decode_tokens == {"a": [8, 9, 5]}
+    assert out.num_scheduled_tokens == {"a": 4}
+    assert outputs[0].new_token_ids == [8, 3]
+    assert req.num_tokens == 10 and req.num_computed_tokens == 9  # 9 and 5 taken back
+    # prefix caching registered the 2 full pages of computed, accepted tokens, not the drafts'
+    assert req.num_registered_pages == 2
+    stats = s.get_stats().spec_decoding
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens,
+            stats.num_accepted_tokens_per_pos) == (1, 3, 1, [1, 0, 0])
+
+
+def test_scheduler_caps_drafts_and_stops_inside_them():
+    from tests.unit.kv_fakes import make_request
+
+    s = _scheduler()
+    # max_tokens 3: after the first output, at most 3 - 1 - 1 = 1 draft
+    req = make_request("a", [1, 2, 3, 1, 2], max_tokens=3)
+    s.add_request(req)
+    _step(s, {"a": 3}, {})
+    out, outputs = _step(s, {"a": 9}, {"a": [1]})
+    assert out.scheduled_spec_decode_tokens == {"a": [1]}
+    assert outputs[0].new_token_ids == [1, 9] and outputs[0].finish_reason == "length"
+    # a stop token among the accepted drafts ends the request there
+    s = _scheduler()
+    req = make_request("b", [1, 2, 3, 4, 1, 2], max_tokens=10, stop_token_ids=[4])
+    s.add_request(req)
+    _step(s, {"b": 3}, {})
+    out, outputs = _step(s, {"b": 2}, {"b": [4, 1]})
+    assert out.scheduled_spec_decode_tokens == {"b": [4, 1, 2]}
+    assert outputs[0].new_token_ids == [4] and outputs[0].finish_reason == "stop"
+    assert not s.has_unfinished_requests()
+
+
+def test_scheduler_turns_speculation_off_by_batch_size():
+    from tests.unit.kv_fakes import make_request
+
+    s = _scheduler(disable_by_batch_size=1)
+    for rid in "ab":
+        s.add_request(make_request(rid, [1, 2, 3, 1, 2], max_tokens=10))
+    assert not s.speculates()
+    _step(s, {"a": 3, "b": 3}, {})
+    out, _ = _step(s, {"a": 4, "b": 4}, {})
+    assert not out.scheduled_spec_decode_tokens

@@ -205,8 +205,9 @@ def test_penalized_rows_count_emitted_tokens_only():
     fm = neutral(FilterMetadata, 3, rows=np.ones(3, bool), count=np.ones(3, bool),
                  presence_penalty=np.full(3, 0.1, np.float32),
                  draft_ids=np.array([1, 4, -1], np.int32))  # accepts 1, rejects 4 (draws 5)
-    tokens, state, _ = sample_filtered(logits, jnp.zeros(3, jnp.int32), sm, fm,
-                                       init_state(1, V, 1, 1), None, 2)
+    run = jax.jit(lambda lg, sm, fm, st: sample_filtered(lg, jnp.zeros(3, jnp.int32), sm, fm,
+                                                         st, None, 2)[:2])
+    tokens, state = run(logits, sm, fm, init_state(1, V, 1, 1))
     assert np.asarray(tokens).tolist() == [1, 5, 6]
     assert np.asarray(state.output_counts[0]).tolist() == [0, 1, 0, 0, 0, 1, 0, 0]
 

@@ -40,7 +40,8 @@ VLLM_NAMES = frozenset({
     "prefix_cache_queries", "prefix_cache_hits", "request_success", "prompt_tokens",
     "generation_tokens", "time_to_first_token_seconds", "e2e_request_latency_seconds",
     "inter_token_latency_seconds", "request_prompt_tokens", "request_generation_tokens",
-    "lora_requests_info"})
+    "lora_requests_info", "spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+    "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos"})
 
 
 def token_buckets(max_model_len: int) -> tuple[int, ...]:
@@ -99,6 +100,19 @@ class _EngineStatsCollector:
             g.add_metric([str(m.max_loras), ",".join(s.waiting_lora_adapters),
                           ",".join(s.running_lora_adapters)], m.stats_time)
             yield g
+        spec = base.spec_decoding.plus(s.spec_decoding)
+        yield counter("spec_decode_num_drafts", "Sequence-steps that verified draft tokens "
+                      "(speculative decoding).", spec.num_drafts)
+        yield counter("spec_decode_num_draft_tokens", "Draft tokens verified.",
+                      spec.num_draft_tokens)
+        yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                      spec.num_accepted_tokens)
+        per_pos = CounterMetricFamily(m.name("spec_decode_num_accepted_tokens_per_pos"),
+                                      "Draft tokens accepted, by position in the draft (0: "
+                                      "the first).", labels=m.label_names + ["position"])
+        for pos, n in enumerate(spec.num_accepted_tokens_per_pos):
+            per_pos.add_metric(m.label_values + [str(pos)], n)
+        yield per_pos
         yield gauge("engine_alive", "1 while the engine process serves, 0 after it died "
                     "(until a restarted one is ready).", 1 if m.engine_alive else 0)
         yield counter("engine_restarts", "Times the engine process was restarted after "
@@ -186,7 +200,8 @@ class Metrics:
             num_preemptions_total=b.num_preemptions_total + s.num_preemptions_total,
             prefix_cache_queries=b.prefix_cache_queries + s.prefix_cache_queries,
             prefix_cache_hits=b.prefix_cache_hits + s.prefix_cache_hits,
-            prompt_tokens_computed=b.prompt_tokens_computed + s.prompt_tokens_computed)
+            prompt_tokens_computed=b.prompt_tokens_computed + s.prompt_tokens_computed,
+            spec_decoding=b.spec_decoding.plus(s.spec_decoding))
         self.stats = SchedulerStats()
         self.engine_alive = False
 

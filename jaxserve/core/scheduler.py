@@ -30,6 +30,13 @@ gets an all-allowed row, and its matcher starts after the token that ends the re
 sequence with ``allowed_token_ids`` is constrained too: its fixed row is ANDed into its grammar's
 (or an all-allowed) row.
 
+With speculative decoding (``spec_config``, docs/spec_decode.md) a running sequence that decodes
+with nothing in flight gets up to k draft tokens from the NgramProposer: they join its step as
+extra scheduled tokens (budget, pages and max_tokens / max_model_len allow for them) and
+``update`` takes the accepted ones with the sampled token, stops at a stop token among them, and
+takes back the computed positions of the rejected ones. Constrained sequences get no drafts, and
+no sequence does while more than ``disable_by_batch_size`` requests are unfinished.
+
 A request that wants prompt log-probabilities takes no prefix-cache hits (every prompt position
 must be computed), and its prompt chunks are capped so that one step never holds more than
 ``max_prompt_logprob_rows`` such positions (the runner turns them into logits chunk by chunk).
@@ -48,6 +55,9 @@ from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.scheduler_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from jaxserve.engine import EngineCoreOutput, LogprobsLists, SchedulerStats
+from jaxserve.spec_decode.config import SpeculativeConfig
+from jaxserve.spec_decode.metrics import SpecDecodingStats
+from jaxserve.spec_decode.ngram_proposer import NgramProposer
 
 
 class Scheduler:
@@ -62,6 +72,7 @@ class Scheduler:
         max_prompt_logprob_rows: int = 0,
         structured_output_manager=None,
         max_loras: int = 0,
+        spec_config: SpeculativeConfig | None = None,
     ):
         self.kv = kv_cache_manager
         self.structured_output_manager = structured_output_manager
@@ -79,6 +90,13 @@ class Scheduler:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self.prompt_tokens_computed = 0
+        self.spec_config = spec_config
+        self.proposer = None
+        if spec_config is not None:
+            self.proposer = NgramProposer(spec_config.prompt_lookup_min,
+                                          spec_config.prompt_lookup_max)
+        self.spec_stats = SpecDecodingStats.new(
+            spec_config.num_speculative_tokens if spec_config else 0)
 
     def add_request(self, request: Request) -> None:
         """Queue a request: a sequence, with its other choices in ``fork_children``."""
@@ -89,6 +107,13 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def speculates(self) -> bool:
+        """Whether the next ``schedule`` may give drafts: speculative decoding is on and at most
+        ``disable_by_batch_size`` requests are unfinished. The engine then runs the step
+        synchronously, since drafts need the previous step's tokens on the host."""
+        return (self.proposer is not None and len(self.running) + len(self.waiting)
+                <= self.spec_config.disable_by_batch_size)
 
     def has_structured_requests(self) -> bool:
         """Some unfinished sequence is constrained (a grammar or allowed_token_ids)."""
@@ -157,6 +182,7 @@ class Scheduler:
         allocate = self.kv.allocate_slots
         running = self.running
         preempted = False
+        speculates = self.speculates()
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
@@ -168,6 +194,11 @@ class Scheduler:
             if n == 0:
                 i += 1
                 continue
+            drafts = []
+            if (speculates and n == 1 and req.num_output_placeholders == 0
+                    and not req.constrained):
+                drafts = self._drafts(req, budget - 1)
+                n += len(drafts)
             num_pages = len(req.block_ids)
             while not allocate(req, n):
                 victim = running.pop()  # the newest running request
@@ -178,7 +209,7 @@ class Scheduler:
             else:
                 if len(req.block_ids) > num_pages:
                     out.new_block_ids[req.request_id] = req.block_ids[num_pages:]
-                self._schedule(out, req, n, forks)
+                self._schedule(out, req, n, forks, drafts)
                 budget -= n
                 i += 1
         # As vLLM does: no new admissions in a step that had to preempt.
@@ -260,8 +291,25 @@ class Scheduler:
                               sp, req.seed, list(req.block_ids), req.num_computed_tokens,
                               stop_ids, req.lora_request)
 
-    def _schedule(self, out: SchedulerOutput, req: Request, n: int, forks: list) -> None:
-        samples = req.num_computed_tokens + n == req.num_tokens + req.num_output_placeholders
+    def _drafts(self, req: Request, budget: int) -> list[int]:
+        """The NgramProposer's drafts for a decoding sequence: at most k, the budget's tokens,
+        and one fewer than the tokens max_tokens and max_model_len leave (the step emits up
+        to one more than its accepted drafts)."""
+        sp = req.sampling_params
+        k = min(self.spec_config.num_speculative_tokens, budget,
+                self.max_model_len - req.num_tokens - 1)
+        if sp.max_tokens is not None:
+            k = min(k, sp.max_tokens - req.num_output_tokens - 1)
+        if k <= 0:
+            return []
+        return self.proposer.propose(np.asarray(req.all_token_ids), k)
+
+    def _schedule(self, out: SchedulerOutput, req: Request, n: int, forks: list,
+                  drafts: list[int] = ()) -> None:
+        samples = (req.num_computed_tokens + n - len(drafts)
+                   == req.num_tokens + req.num_output_placeholders)
+        if drafts:
+            out.scheduled_spec_decode_tokens[req.request_id] = drafts
         out.num_scheduled_tokens[req.request_id] = n
         out.samples[req.request_id] = samples
         self.prompt_tokens_computed += max(
@@ -324,26 +372,39 @@ class Scheduler:
                 if req.status == running:
                     self.kv.cache_full_pages(req)
                 continue
-            token = int(output.sampled[rid])
             req.num_output_placeholders -= 1
-            req.all_token_ids.append(token)
-            if req.reasoning_end_token_id is not None:
-                if token == req.reasoning_end_token_id:  # the grammar starts with the next
-                    req.reasoning_end_token_id = None
-            elif req.grammar is not None and not req.grammar.is_stopped():
-                # A token the mask allowed; EOS after a complete grammar stops the matcher.
-                req.grammar.consume_token(token)
+            tokens = [*output.accepted_token_ids.get(rid, ()), int(output.sampled[rid])]
+            drafts = sched.scheduled_spec_decode_tokens.get(rid)
+            if drafts:
+                self.spec_stats.observe(len(drafts), len(tokens) - 1)
+                if req.status == running:  # rejected drafts' positions are computed again
+                    req.num_computed_tokens -= len(drafts) + 1 - len(tokens)
+            first_output = req.num_output_tokens == 0
+            reason = stop_reason = None
+            for n, token in enumerate(tokens, 1):
+                req.all_token_ids.append(token)
+                if req.reasoning_end_token_id is not None:
+                    if token == req.reasoning_end_token_id:  # the grammar starts with the next
+                        req.reasoning_end_token_id = None
+                elif req.grammar is not None and not req.grammar.is_stopped():
+                    # A token the mask allowed; EOS after a complete grammar stops the matcher.
+                    req.grammar.consume_token(token)
+                reason, stop_reason = self._check_stop(req, token)
+                if reason is not None:  # accepted drafts after a stop are dropped
+                    break
             if req.status == running:
                 self.kv.cache_full_pages(req)
-            reason, stop_reason = self._check_stop(req, token)
             prompt_lp = None
-            if req.prompt_logprobs is not None and req.num_output_tokens == 1:
+            if req.prompt_logprobs is not None and first_output:
                 prompt_lp = req.prompt_logprobs
+            logprobs = output.logprobs.get(rid)
+            if logprobs is not None and n < len(tokens):
+                logprobs = LogprobsLists(logprobs.logprob_token_ids[:n], logprobs.logprobs[:n],
+                                         logprobs.sampled_token_ranks[:n])
             outputs.append(
                 EngineCoreOutput(
-                    req.request_id, [token], reason, stop_reason,
-                    req.num_prompt_tokens, req.num_cached_tokens,
-                    output.logprobs.get(rid), prompt_lp,
+                    req.request_id, tokens[:n], reason, stop_reason,
+                    req.num_prompt_tokens, req.num_cached_tokens, logprobs, prompt_lp,
                 )
             )
             if reason is not None:
@@ -387,6 +448,7 @@ class Scheduler:
             prompt_tokens_computed=self.prompt_tokens_computed,
             running_lora_adapters=self._lora_names(self.running),
             waiting_lora_adapters=self._lora_names(self.waiting),
+            spec_decoding=self.spec_stats.plus(SpecDecodingStats()),  # a copy
         )
 
     def _lora_names(self, requests) -> list[str]:

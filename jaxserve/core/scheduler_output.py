@@ -66,6 +66,8 @@ class SchedulerOutput:
         order of ``grammar_bitmask``'s rows.
       grammar_bitmask: [len(structured_output_request_ids), ceil(V / 32)] int32, the tokens
         each may sample (bit j of word i allows token 32 i + j); None when none samples.
+      scheduled_spec_decode_tokens: req_id -> the draft tokens the step verifies after the
+        request's last known token (speculative decoding; counted in num_scheduled_tokens).
     """
 
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
@@ -79,6 +81,7 @@ class SchedulerOutput:
     prompt_logprobs: set[str] = field(default_factory=set)
     structured_output_request_ids: list[str] = field(default_factory=list)
     grammar_bitmask: np.ndarray | None = None
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -87,11 +90,15 @@ class ModelRunnerOutput:
 
     Attributes:
       sampled: req_id -> its new token, for the requests whose step ended at their last token.
-      logprobs: req_id -> LogprobsLists of that token (requests that asked).
+      logprobs: req_id -> LogprobsLists of its new tokens (requests that asked): the accepted
+        drafts, then the sampled token.
       prompt_logprobs: req_id -> (index of the first prompt token covered, LogprobsLists of
         the prompt tokens from there), for requests whose prompt chunk asked.
+      accepted_token_ids: req_id -> the draft tokens accepted before ``sampled[req_id]``, for
+        the requests that verified drafts (speculative decoding; docs/spec_decode.md).
     """
 
     sampled: dict[str, int]
     logprobs: dict[str, LogprobsLists]
     prompt_logprobs: dict[str, tuple[int, LogprobsLists]]
+    accepted_token_ids: dict[str, list[int]] = field(default_factory=dict)

@@ -8,6 +8,7 @@ import msgspec
 
 from jaxserve.lora.request import LoRARequest
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.spec_decode.metrics import SpecDecodingStats
 
 
 def child_request_id(request_id: str, index: int, n: int) -> str:
@@ -66,7 +67,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
 
     Attributes:
       request_id: the choice (``child_request_id``: the request's id when it has one choice).
-      new_token_ids: tokens sampled this step (one per step today).
+      new_token_ids: tokens emitted this step: one, or with speculative decoding the accepted
+        drafts and the sampled token.
       finish_reason: None while running; "stop" (EOS or a stop token id), "length"
         (max_tokens or max_model_len) or "abort".
       stop_reason: the stop token id that ended it, if any.
@@ -106,3 +108,4 @@ class SchedulerStats(msgspec.Struct):
     # LoRA adapters (names, sorted) of the running and of the waiting requests (--enable-lora)
     running_lora_adapters: list[str] = msgspec.field(default_factory=list)
     waiting_lora_adapters: list[str] = msgspec.field(default_factory=list)
+    spec_decoding: SpecDecodingStats = msgspec.field(default_factory=SpecDecodingStats)

@@ -42,6 +42,19 @@ def bounded(kind: type, ok: Callable[[float], bool], text: str) -> Callable[[str
     return parse
 
 
+def _parser(parse: Callable[[str], object]) -> Callable[[str], object]:
+    """An argparse type from ``parse``, whose ValueError message argparse shows with the flag
+    (it replaces a plain ValueError's with "invalid value")."""
+
+    def wrapped(s: str):
+        try:
+            return parse(s)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return wrapped
+
+
 def _value_type(hint):
     """``X`` for ``X | None``: None is only ever a default, never typed on the command line."""
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
@@ -61,6 +74,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
             kwargs["action"] = argparse.BooleanOptionalAction
         elif typing.get_origin(kind) is typing.Literal:
             kwargs["choices"] = typing.get_args(kind)
+        elif "parse" in f.metadata:
+            kwargs["type"] = _parser(f.metadata["parse"])
         elif "valid" in f.metadata:
             kwargs["type"] = bounded(kind, *f.metadata["valid"])
         else:

@@ -18,6 +18,7 @@ import numpy as np
 from jaxserve import distributed, host_memory
 from jaxserve.config import EngineConfig, ModelConfig, resolve_config
 from jaxserve.sampling_params import describe_sampling_defaults
+from jaxserve.spec_decode.config import SpeculativeConfig
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.request import Request
 from jaxserve.core.scheduler import Scheduler
@@ -99,6 +100,12 @@ class EngineCore:
         enable_compilation_cache()
         distributed.initialize(config)  # before the first use of a JAX backend
         start = time.perf_counter()
+        self.spec_config = None
+        if config.speculative_config is not None:
+            try:
+                self.spec_config = SpeculativeConfig.from_dict(config.speculative_config)
+            except ValueError as e:
+                raise ValueError(f"--speculative-config: {e}") from None
         source, fmt = resolve_model(config.model, config.load_format)
         self.generation_config = load_generation_config(source, fmt, config.generation_config)
         log(f"sampling defaults for requests that leave them out: "
@@ -152,6 +159,7 @@ class EngineCore:
         structured = pool.submit(_structured_output_manager, tokenizer, mc, config.max_num_seqs)
         pool.shutdown(wait=False)
         kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype)
+        spec = self.spec_config
         self.runner = ModelRunner(
             mc, params, page_size=config.page_size,
             max_num_seqs=config.max_num_seqs,
@@ -162,6 +170,8 @@ class EngineCore:
             executable_cache=ExecutableCache(cache_dir() / "executables"),
             quantization=quantization,
             lora=self.lora_manager,
+            num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+            max_spec_seqs=min(spec.disable_by_batch_size, config.max_num_seqs) if spec else 0,
         )
         del params
         per_page = kv_bytes_per_page(mc, self.runner.layout, config.page_size, kv_dtype)
@@ -213,6 +223,7 @@ class EngineCore:
             max_prompt_logprob_rows=self.runner.prompt_logprob_rows,
             structured_output_manager=self.structured_output_manager,
             max_loras=config.max_loras if config.enable_lora else 0,
+            spec_config=spec,
         )
         self._rng = random.Random(config.seed)
         self._in_flight = None  # (SchedulerOutput, StepHandle) dispatched, not yet updated
@@ -368,9 +379,11 @@ class EngineCore:
         once the previous step's tokens have updated the matchers, so filling the bitmask
         overlaps the model's step on the device (docs/structured_outputs.md). With several
         hosts (where host 0 publishes each step once, bitmask included) the engine runs
-        synchronously while a constrained sequence is unfinished.
+        synchronously while a constrained sequence is unfinished. With speculative decoding
+        the steps that may carry drafts run synchronously too: the n-gram proposer reads the
+        previous step's tokens on the host (docs/spec_decode.md).
         """
-        sync = not self.config.async_scheduling or (
+        sync = not self.config.async_scheduling or self.scheduler.speculates() or (
             self._channel is not None and self.scheduler.has_structured_requests())
         flushed = []
         if sync and self._in_flight is not None:

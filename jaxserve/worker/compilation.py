@@ -22,18 +22,6 @@ def powers_of_two_up_to(limit: int, start: int = 1) -> list[int]:
     return out + [limit]
 
 
-def bucket_for(buckets: list[int], n: int) -> int:
-    """The smallest of ``buckets`` (ascending) that holds n.
-
-    Raises:
-      ValueError: n exceeds the largest.
-    """
-    for b in buckets:
-        if b >= n:
-            return b
-    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
-
-
 def memory_of(compiled) -> tuple[int, int]:
     """``kv_sizing.program_bytes`` of a compiled program; (0, 0) where the backend gives no
     memory analysis."""

@@ -104,16 +104,20 @@ class InputBatch:
         return rows, cols, self.block_table[rows, cols]
 
     def record_sampled(self, step: int, rows: np.ndarray, req_ids: list[str],
-                       tokens: np.ndarray) -> None:
-        """Append the tokens that step ``step`` sampled for ``req_ids`` (at ``rows``) to the
-        requests still in the batch, and clear the in-flight mark of those whose newest token
-        that was. Tokens of one request arrive in step order, so each is its next token."""
-        for rid, row, tok in zip(req_ids, rows.tolist(), tokens.tolist()):
+                       tokens: list[list[int]], rejected: list[int]) -> None:
+        """Append the tokens that step ``step`` emitted for ``req_ids`` (their last logits rows
+        ``rows``; a request that verified drafts emits its accepted ones, then the sampled
+        token) to the requests still in the batch, take back the computed positions of their
+        ``rejected`` drafts (their K/V are written again by later steps), and clear the
+        in-flight mark of those whose newest token that was. Tokens of one request arrive in
+        step order, so each is its next token."""
+        for rid, row, toks, back in zip(req_ids, rows.tolist(), tokens, rejected):
             i = self.req_index.get(rid)
             if i is None:
                 continue  # left the batch (finished, aborted or preempted) meanwhile
             n = self.num_tokens[i]
-            self.token_ids[i, n] = tok
-            self.num_tokens[i] = n + 1
+            self.token_ids[i, n : n + len(toks)] = toks
+            self.num_tokens[i] = n + len(toks)
+            self.num_computed_tokens[i] -= back
             if self.in_flight_step[i] == step and self.in_flight_row[i] == row:
                 self.in_flight_row[i] = self.in_flight_step[i] = -1

@@ -16,7 +16,10 @@ max_model_len sequence. Attention reads pages only as far as each sequence's len
 its cost follows the real contexts, not P; that keeps the number of compiled shapes to the token
 buckets alone (docs/architecture.md, "Buckets and the executable cache"; P buckets would
 multiply start-up compilation). Every program is compiled ahead of time by ``compile_buckets``;
-``execute`` never compiles (it raises if asked to).
+``execute`` never compiles (it raises if asked to). With speculative decoding a sequence's
+draft tokens are scheduled tokens with a logits row each, so a bucket has a fixed number of
+logits rows L at least S (``logits_rows_for``; docs/spec_decode.md), and ``get_output`` returns
+the tokens of the rows ``rejection_sampler.emitted_rows`` picks.
 """
 
 from collections.abc import Callable
@@ -34,10 +37,11 @@ from jaxserve.engine import LogprobsLists
 from jaxserve.engine.kv_sizing import peak_program_bytes
 from jaxserve.models import sharding
 from jaxserve.platforms import current_platform
+from jaxserve.spec_decode.rejection_sampler import emitted_rows
 from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
 from jaxserve.structured_output.manager import bitmask_width
 from jaxserve.worker import compilation
-from jaxserve.worker.compilation import bucket_for, powers_of_two_up_to
+from jaxserve.worker.compilation import powers_of_two_up_to
 from jaxserve.worker.executable_cache import ExecutableCache
 from jaxserve.worker.input_batch import InputBatch
 from jaxserve.worker.prepare_inputs import InputBuilder
@@ -81,6 +85,10 @@ class StepHandle:
     which rows hold a request's next token, and the log-probabilities it computed.
 
     Attributes:
+      rows: per sampling request, its last logits row.
+      num_drafts: per entry of ``rows``, the drafts the request verifies (its rows are the
+        num_drafts before ``rows`` and that one).
+      draft_ids, seq_start: [m] the step's logits rows' (``rejection_sampler.emitted_rows``).
       logprobs: Logprobs of the step's rows (device), or None when no row asked.
       logprob_ks: per entry of ``rows``, the alternatives its request wants (-1: none).
       prompt_logprobs: Logprobs of PROMPT_LOGPROB_ROWS prompt positions (device), or None.
@@ -95,6 +103,9 @@ class StepHandle:
     sampled: jax.Array
     rows: np.ndarray
     req_ids: list[str]
+    num_drafts: np.ndarray
+    draft_ids: np.ndarray
+    seq_start: np.ndarray
     logprobs: Logprobs | None = None
     logprob_ks: np.ndarray | None = None
     prompt_logprobs: Logprobs | None = None
@@ -131,6 +142,10 @@ class ModelRunner:
         step's compiler options; None: plain weights.
       lora: the LoRA adapters' manager when the params carry adapter pools (``--enable-lora``):
         each step gets its adapters' pool slots from it; None: no adapters.
+      num_speculative_tokens: the most drafts a sequence verifies in a step (speculative
+        decoding, docs/spec_decode.md; 0: off).
+      max_spec_seqs: the most sequences that carry drafts in one step; with
+        num_speculative_tokens, the logits rows each bucket computes (``logits_rows_for``).
     """
 
     def __init__(
@@ -149,6 +164,8 @@ class ModelRunner:
         executable_cache: ExecutableCache | None = None,
         quantization: str | None = None,
         lora=None,
+        num_speculative_tokens: int = 0,
+        max_spec_seqs: int = 0,
     ):
         self.config = config
         self.lora = lora
@@ -171,14 +188,18 @@ class ModelRunner:
             branch_free = platform.branch_free_step
         # Everything but the params and the pool is replicated over the mesh (None: one device).
         self._replicated = None if mesh is None else sharding.replicated(mesh)
+        self.num_speculative_tokens = num_speculative_tokens
+        self.max_spec_seqs = max_spec_seqs
         self.step_layouts = {
-            t: StepLayout(t, self.num_seqs_for(t), self.prompt_logprob_rows, BLOCK_TABLE_WRITES)
+            t: StepLayout(t, self.num_seqs_for(t), self.prompt_logprob_rows, BLOCK_TABLE_WRITES,
+                          self.logits_rows_for(t))
             for t in self.token_buckets}
+        row_counts = sorted({layout.num_logits_rows for layout in self.step_layouts.values()})
         self.programs = jit_programs(
-            config, params, attention_fn, mesh, max_num_seqs, branch_free, self.step_layouts,
-            sorted({self.num_seqs_for(t) for t in self.token_buckets}))
+            config, params, attention_fn, mesh, row_counts[-1], branch_free, self.step_layouts,
+            row_counts, num_speculative_tokens)
         self.compiled: Programs | None = None  # compile_buckets
-        self._prev_sampled = jnp.zeros(max_num_seqs, jnp.int32, device=self._replicated)
+        self._prev_sampled = jnp.zeros(row_counts[-1], jnp.int32, device=self._replicated)
         # The InputBatch's block table, kept on the device: a step sends only the entries that
         # changed (the whole table is 8 MB at 256 sequences of 131,072 tokens; staging it would
         # cost ~2 ms of an idle engine's first token on the H200, docs/performance.md). Created by
@@ -258,6 +279,24 @@ class ModelRunner:
     def num_seqs_for(self, num_tokens_bucket: int) -> int:
         return min(num_tokens_bucket, self.max_num_seqs)
 
+    def logits_rows_for(self, num_tokens_bucket: int) -> int:
+        """L of a bucket: a row per sequence, and one per draft token of at most max_spec_seqs
+        sequences; never more than its tokens (a draft is a token)."""
+        s = self.num_seqs_for(num_tokens_bucket)
+        extra = min(s, self.max_spec_seqs) * self.num_speculative_tokens
+        return min(num_tokens_bucket, s + extra) if extra else s
+
+    def _bucket(self, num_tokens: int, num_rows: int) -> int:
+        """The smallest token bucket with num_tokens tokens and num_rows logits rows.
+
+        Raises:
+          RuntimeError: none has (a scheduling bug).
+        """
+        for t in self.token_buckets:
+            if t >= num_tokens and self.step_layouts[t].num_logits_rows >= num_rows:
+                return t
+        raise RuntimeError(f"no token bucket holds {num_tokens} tokens and {num_rows} rows")
+
     def placeholder_args(self, k_cache, v_cache) -> Programs:
         """Placeholder arguments of every program, for their compilation, with the given pool
         (arrays, or ShapeDtypeStructs to compile against a pool that is not allocated)."""
@@ -279,7 +318,7 @@ class ModelRunner:
             prompt_logprobs=(self.params, hidden, np.zeros(self.prompt_logprob_rows, np.int32)))
 
     def _filter_args(self, s: int) -> tuple:
-        """Placeholder arguments of the sampler of s sequences (``programs._filter``)."""
+        """Placeholder arguments of the sampler of s logits rows (``programs._filter``)."""
         logits = jax.ShapeDtypeStruct((s, self.config.vocab_size), jnp.float32,
                                       sharding=self._replicated)
         if s not in self._no_bitmask:
@@ -335,7 +374,9 @@ class ModelRunner:
         if n_tok == 0:
             return None
         # Forked choices are rows without tokens, so a step may hold more rows than tokens.
-        t = bucket_for(self.token_buckets, max(n_tok, len(sched.num_scheduled_tokens)))
+        num_rows = len(sched.num_scheduled_tokens) + sum(
+            map(len, sched.scheduled_spec_decode_tokens.values()))
+        t = self._bucket(n_tok, num_rows)
         step = self.compiled.step.get(t)
         if step is None:
             raise RuntimeError(f"bucket tokens={t} was not compiled at start-up")
@@ -359,11 +400,13 @@ class ModelRunner:
             prompt_logprobs = self.compiled.prompt_logprobs(self.params, hidden, x.prompt_targets)
         self._step_count += 1
         b.num_computed_tokens[x.slots] = x.context
-        rows = np.flatnonzero(x.samples).astype(np.int32)
-        b.in_flight_row[x.slots[rows]] = rows
-        b.in_flight_step[x.slots[rows]] = self._step_count - 1
-        handle = StepHandle(self._step_count - 1, sampled, rows, [x.req_ids[i] for i in rows],
-                            None, f.logprob_ks[rows], prompt_logprobs, x.prompt_spans,
+        seqs = np.flatnonzero(x.samples)
+        rows = x.last_rows[seqs]
+        b.in_flight_row[x.slots[seqs]] = rows
+        b.in_flight_step[x.slots[seqs]] = self._step_count - 1
+        handle = StepHandle(self._step_count - 1, sampled, rows, [x.req_ids[i] for i in seqs],
+                            x.num_drafts[seqs], x.draft_ids, x.seq_start, None,
+                            f.logprob_ks[seqs], prompt_logprobs, x.prompt_spans,
                             x.prompt_targets)
         self._prev_sampled = sampled
         if f.fm is not None:
@@ -410,7 +453,10 @@ class ModelRunner:
 
     def get_output(self, handle: StepHandle) -> ModelRunnerOutput:
         """Wait for a dispatched step; returns its sampled tokens (for the requests whose step
-        ended at their last token; prompt chunks sample nothing) and log-probabilities.
+        ended at their last token; prompt chunks sample nothing) and log-probabilities. A
+        request that verified drafts gets the tokens of its emitted rows
+        (``rejection_sampler.emitted_rows``): the drafts accepted, then the sampled token; its
+        rejected drafts' K/V positions count as not computed (they are written again).
 
         Raises:
           RuntimeError: the step still awaits its grammar bitmask (``sample_filtered``).
@@ -419,20 +465,29 @@ class ModelRunner:
             raise RuntimeError("the step's constrained rows were never sampled")
         # This process's copy (with a mesh over several hosts, the others are not addressable).
         sampled = np.asarray(handle.sampled.addressable_data(0))
-        tokens = sampled[handle.rows]
-        self.input_batch.record_sampled(handle.step, handle.rows, handle.req_ids, tokens)
+        m = len(handle.draft_ids)
+        emitted = emitted_rows(sampled[:m], handle.draft_ids, handle.seq_start)
+        # per request: its emitted rows, the first num_drafts + 1 rows ending at its last row
+        per_req = [first + np.flatnonzero(emitted[first : last + 1])
+                   for first, last in zip((handle.rows - handle.num_drafts).tolist(),
+                                          handle.rows.tolist())]
+        tokens = [sampled[r].tolist() for r in per_req]
+        rejected = [k + 1 - len(r) for k, r in zip(handle.num_drafts.tolist(), per_req)]
+        self.input_batch.record_sampled(handle.step, handle.rows, handle.req_ids, tokens,
+                                        rejected)
         logprobs = {}
         if handle.logprobs is not None:
             lp = _host_logprobs(handle.logprobs, sampled)
-            for rid, row, k in zip(handle.req_ids, handle.rows.tolist(),
-                                   handle.logprob_ks.tolist()):
+            for rid, rows, k in zip(handle.req_ids, per_req, handle.logprob_ks.tolist()):
                 if k >= 0:
-                    logprobs[rid] = _trim(lp, [row], [k])
+                    logprobs[rid] = _trim(lp, rows.tolist(), [k] * len(rows))
         prompt_logprobs = {}
         if handle.prompt_logprobs is not None:
             lp = _host_logprobs(handle.prompt_logprobs, handle.prompt_targets)
             for rid, first, start, n, k in handle.prompt_spans:
                 rows = range(start, start + n)
                 prompt_logprobs[rid] = (first, _trim(lp, rows, [k] * n))
-        return ModelRunnerOutput(dict(zip(handle.req_ids, tokens.tolist())), logprobs,
-                                 prompt_logprobs)
+        accepted = {rid: t[:-1] for rid, t, k in zip(handle.req_ids, tokens,
+                                                    handle.num_drafts.tolist()) if k}
+        return ModelRunnerOutput({rid: t[-1] for rid, t in zip(handle.req_ids, tokens)},
+                                 logprobs, prompt_logprobs, accepted)

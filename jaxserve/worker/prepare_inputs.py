@@ -18,18 +18,23 @@ from jaxserve.worker.step_inputs import StepLayout
 
 @dataclass
 class StepInputs:
-    """A step's host inputs (n sequences scheduled, S = the bucket's sequence count).
+    """A step's host inputs (n sequences scheduled, m logits rows: one per sequence plus one
+    per draft token, L = the bucket's logits rows).
 
     Attributes:
       packed: [layout.size] int32, the step's inputs (``StepLayout.pack``).
       early_block_table_writes: (rows, cols, pages) chunks of W entries each, to write to the
         device block table before the step (the changes that do not fit in ``packed``).
-      req_ids: the n scheduled requests, in row order.
+      req_ids: the n scheduled requests, in sequence order.
       slots: [n] int32 their InputBatch slots.
-      context: [n] int32 each sequence's length after the step.
-      samples: [n] bool, the rows that sample their request's next token.
-      steps: [n] int32 the tokens each request generated before this step's.
-      sm: the rows' SamplingMetadata (numpy, [S]).
+      context: [n] int32 each sequence's length after the step (drafts included).
+      samples: [n] bool, the sequences that sample their request's next token.
+      num_drafts: [n] int32 draft tokens each sequence verifies (speculative decoding).
+      last_rows: [n] int32 each sequence's last logits row (the one after its drafts).
+      row_seq: [m] int32 each logits row's sequence.
+      row_steps: [m] int32 the tokens the request generated before the row's token.
+      draft_ids, seq_start: [m] int32, FilterMetadata's fields of the rows.
+      sm: the rows' SamplingMetadata (numpy, [L]).
       prompt_spans, prompt_targets: as ``StepHandle``.
     """
 
@@ -39,7 +44,12 @@ class StepInputs:
     slots: np.ndarray
     context: np.ndarray
     samples: np.ndarray
-    steps: np.ndarray
+    num_drafts: np.ndarray
+    last_rows: np.ndarray
+    row_seq: np.ndarray
+    row_steps: np.ndarray
+    draft_ids: np.ndarray
+    seq_start: np.ndarray
     sm: SamplingMetadata
     prompt_spans: list[tuple[str, int, int, int, int]]
     prompt_targets: np.ndarray
@@ -47,14 +57,14 @@ class StepInputs:
 
 @dataclass
 class FilterInputs:
-    """What a step's filtered sampler needs from the host ([S] rows).
+    """What a step's filtered sampler needs from the host ([L] rows).
 
     Attributes:
       fm: the FilterMetadata when some row is drawn again or wants log-probabilities, else
         None (the step dispatches no filtered sampler).
-      structured: [S] bool, the constrained rows.
+      structured: [L] bool, the constrained rows.
       want_logprobs: some row wants the log-probabilities of its token.
-      logprob_ks: [n] int32 log-probabilities wanted per row (-1: none).
+      logprob_ks: [n] int32 log-probabilities wanted per sequence (-1: none).
     """
 
     fm: FilterMetadata | None
@@ -115,7 +125,10 @@ class InputBuilder:
 
     def build(self, sched: SchedulerOutput, t: int, last_step: int) -> StepInputs:
         """The inputs of a step of token bucket t; ``last_step`` is the counter of the step
-        dispatched before it. Takes the InputBatch's block table changes.
+        dispatched before it. Takes the InputBatch's block table changes. A sequence's draft
+        tokens (``sched.scheduled_spec_decode_tokens``) follow its known tokens in its
+        InputBatch row (scratch space until the step's tokens are recorded there) and get a
+        logits row each before its own (docs/spec_decode.md).
 
         Raises:
           RuntimeError: a token the host does not know is not the last step's (a scheduling
@@ -130,12 +143,17 @@ class InputBuilder:
         ps = self.page_size
         slots = np.fromiter((b.req_index[r] for r in req_ids), np.int32, n_seq)
         counts = np.fromiter(sched.num_scheduled_tokens.values(), np.int32, n_seq)
+        drafts = sched.scheduled_spec_decode_tokens
+        num_drafts = np.fromiter((len(drafts.get(r, ())) for r in req_ids), np.int32, n_seq)
+        for r, d in drafts.items():
+            i = b.req_index[r]
+            b.token_ids[i, b.num_tokens[i] : b.num_tokens[i] + len(d)] = d
         computed = b.num_computed_tokens[slots]
         ends = np.cumsum(counts, dtype=np.int32)
         seq_of_tok = np.repeat(np.arange(n_seq, dtype=np.int32), counts)
         tok_slot = slots[seq_of_tok]
         pos = computed[seq_of_tok] + np.arange(n_tok, dtype=np.int32) - (ends - counts)[seq_of_tok]
-        unknown = pos >= b.num_tokens[tok_slot]
+        unknown = pos >= b.num_tokens[tok_slot] + num_drafts[seq_of_tok]
         if unknown.any() and (b.in_flight_step[tok_slot[unknown]] != last_step).any():
             raise RuntimeError("a scheduled token is neither known nor sampled by the last step")
 
@@ -157,19 +175,31 @@ class InputBuilder:
         seq_lens[:n_seq] = np.where(counts > 0, context, 0)  # a forked row attends to nothing
         seq_slots = np.zeros(s, np.int32)  # padding rows attend to nothing (seq_lens 0)
         seq_slots[:n_seq] = slots
-        logits_indices = np.zeros(s, np.int32)
-        logits_indices[:n_seq] = ends - 1
+        # Logits rows: a sequence's last num_drafts + 1 tokens each score the token after them.
+        num_rows = num_drafts + 1
+        last_rows = np.cumsum(num_rows, dtype=np.int32) - 1
+        row_seq = np.repeat(np.arange(n_seq, dtype=np.int32), num_rows)
+        seq_start = (last_rows - num_drafts)[row_seq]
+        back = last_rows[row_seq] - np.arange(len(row_seq), dtype=np.int32)  # rows to the last
+        logits_indices = np.zeros(layout.num_logits_rows, np.int32)
+        logits_indices[: len(row_seq)] = ends[row_seq] - 1 - back
         if sched.forked_from:
-            row_of = {r: i for i, r in enumerate(req_ids)}
+            row_of = {r: last_rows[i] for i, r in enumerate(req_ids)}
             for child, parent in sched.forked_from.items():
                 logits_indices[row_of[child]] = logits_indices[row_of[parent]]
+        # the draft each row verifies: the token after the row's own
+        row_slots = slots[row_seq]
+        verified = np.minimum(context[row_seq] - back, self.max_model_len - 1)
+        draft_ids = np.where(back > 0, b.token_ids[row_slots, verified], -1).astype(np.int32)
         samples = np.fromiter((sched.samples[r] for r in req_ids), bool, n_seq)
         hidden_indices, prompt_spans, targets = self._prompt_logprob_rows(
             sched, req_ids, slots, computed, counts, ends)
 
-        # tokens generated before the one sampled now: its position minus the prompt
-        steps = context - b.num_prompt_tokens[slots]
-        sm = SamplingMetadata(**self._gather(SAMPLING, slots, s, steps=steps))
+        # tokens generated before the row's: the position of the token it samples minus the
+        # prompt (the sequence's length after the step, less the rows after it)
+        row_steps = (context - b.num_prompt_tokens[slots])[row_seq] - back
+        sm = SamplingMetadata(**self._gather(SAMPLING, row_slots, layout.num_logits_rows,
+                                             steps=row_steps))
         (bt_rows, bt_cols, bt_pages), early = self._block_table_writes()
         packed = layout.pack(dict(
             token_ids=token_ids, prev_rows=prev_rows, positions=positions,
@@ -177,29 +207,32 @@ class InputBuilder:
             seq_slots=seq_slots, logits_indices=logits_indices, hidden_indices=hidden_indices,
             block_table_rows=bt_rows, block_table_cols=bt_cols, block_table_pages=bt_pages,
             lora_slots=lora_slots, **vars(sm)))
-        return StepInputs(packed, early, req_ids, slots, context, samples, steps, sm,
+        return StepInputs(packed, early, req_ids, slots, context, samples, num_drafts,
+                          last_rows, row_seq, row_steps, draft_ids, seq_start, sm,
                           prompt_spans, targets)
 
     def filter_inputs(self, sched: SchedulerOutput, x: StepInputs) -> FilterInputs:
         """The filtered sampler's inputs of the step ``x``: the rows drawn again (penalties,
         a logit bias, min_tokens, min-p, top-k/top-p, a grammar) and those wanting
         log-probabilities."""
-        b, slots, n_seq, s = self.batch, x.slots, len(x.slots), len(x.sm.temperature)
+        b, n_rows, rows = self.batch, len(x.row_seq), len(x.sm.temperature)
+        slots = x.slots[x.row_seq]
+        samples = x.samples[x.row_seq]
         logprob_ks = b.num_logprobs[slots]
-        suppress = b.min_tokens[slots] > x.steps
+        suppress = b.min_tokens[slots] > x.row_steps
         redraw = (b.penalized[slots] | b.logit_bias[slots] | suppress
                   | ((b.temperature[slots] > 0) & (b.min_p[slots] > 0)))
-        redraw |= filtered_rows(x.sm, self.vocab_size)[:n_seq]
-        structured = self._structured_rows(sched, x.req_ids, s)
-        redraw |= structured[:n_seq]
-        want_logprobs = x.samples & (logprob_ks >= 0)
+        redraw |= filtered_rows(x.sm, self.vocab_size)[:n_rows]
+        structured = self._structured_rows(sched, x, rows)
+        redraw |= structured[:n_rows]
+        want_logprobs = samples & (logprob_ks >= 0)
         fm = None
         if redraw.any() or want_logprobs.any():
             fm = FilterMetadata(**self._gather(
-                FILTER, slots, s, rows=redraw, slots=slots, suppress_stop=suppress,
-                count=x.samples & b.penalized[slots], logprobs=want_logprobs,
-                structured=structured))
-        return FilterInputs(fm, structured, bool(want_logprobs.any()), logprob_ks)
+                FILTER, slots, rows, rows=redraw, slots=slots, suppress_stop=suppress,
+                count=samples & b.penalized[slots], logprobs=want_logprobs,
+                structured=structured, draft_ids=x.draft_ids, seq_start=x.seq_start))
+        return FilterInputs(fm, structured, bool(want_logprobs.any()), b.num_logprobs[x.slots])
 
     def page_copies(self, sched: SchedulerOutput) -> tuple[np.ndarray, np.ndarray] | None:
         """(src, dst), each [max_num_seqs] int32 (0 -> 0 pads), of the step's page copies
@@ -218,11 +251,12 @@ class InputBuilder:
                                 else getattr(self.batch, f.name)[slots], s, f.default, f.dtype)
                 for f in fields_of(group)}
 
-    def _structured_rows(self, sched: SchedulerOutput, req_ids: list[str], s: int) -> np.ndarray:
-        """[S] bool: the rows of the step's constrained sequences."""
-        structured = np.zeros(s, bool)
+    def _structured_rows(self, sched: SchedulerOutput, x: StepInputs, rows: int) -> np.ndarray:
+        """[L] bool: the rows of the step's constrained sequences (one each: they carry no
+        drafts)."""
+        structured = np.zeros(rows, bool)
         if sched.structured_output_request_ids:
-            row_of = {r: i for i, r in enumerate(req_ids)}
+            row_of = {r: x.last_rows[i] for i, r in enumerate(x.req_ids)}
             structured[[row_of[r] for r in sched.structured_output_request_ids]] = True
         return structured
 

@@ -34,7 +34,8 @@ class Programs(Generic[P]):
 
     Attributes:
       step: by token bucket T, the model step (``_step``).
-      filter: by sequence count S, the filtered sampler (``_filter``).
+      filter: by logits row count L (the sequence count S, without speculative decoding),
+        the filtered sampler (``_filter``).
       state_writer: ``sampler.write_state_row``, a request's sampler-state row.
       page_copy: ``_copy_pages``, forked choices' pages.
       block_table_write: ``_write_block_table``, entries that do not fit in the step's inputs.
@@ -74,34 +75,37 @@ class Programs(Generic[P]):
 
 
 def jit_programs(config: ModelConfig, params: dict, attention_fn: Callable, mesh: Mesh | None,
-                 max_num_seqs: int, branch_free: bool, layouts: dict[int, StepLayout],
-                 seq_counts: list[int]) -> Programs:
+                 max_rows: int, branch_free: bool, layouts: dict[int, StepLayout],
+                 row_counts: list[int], max_drafts: int = 0) -> Programs:
     """Every program, jitted: the step of each token bucket of ``layouts`` (its layout is
-    static; the pool and the block table are donated), the filtered sampler (one for every S
-    of ``seq_counts``), and the others. On a mesh the params are split by the Megatron layout,
-    the pool by KV head, everything else replicated."""
+    static; the pool and the block table are donated; its tokens padded to ``max_rows``, the
+    most logits rows of any bucket), the filtered sampler (one for every L of ``row_counts``;
+    ``max_drafts``: the most drafts a sequence carries, speculative decoding), and the others.
+    On a mesh the params are split by the Megatron layout, the pool by KV head, everything
+    else replicated."""
+    filter_fn = partial(_filter, max_drafts)
     if mesh is None:
         jit_step = partial(KeyedJit, donate_argnums=(3, 4, 5))
-        jit_filter = KeyedJit(_filter, donate_argnums=(4,))
+        jit_filter = KeyedJit(filter_fn, donate_argnums=(4,))
     else:
         rep, kv = sharding.replicated(mesh), sharding.kv_sharding(mesh)
         jit_step = partial(
             KeyedJit, donate_argnums=(3, 4, 5),
             in_shardings=(sharding.param_shardings(params, mesh), rep, rep, kv, kv, rep),
             out_shardings=(rep, rep, rep, kv, kv, rep))
-        jit_filter = KeyedJit(_filter, donate_argnums=(4,), in_shardings=rep,
+        jit_filter = KeyedJit(filter_fn, donate_argnums=(4,), in_shardings=rep,
                              out_shardings=rep)
     return Programs(
-        step={t: jit_step(partial(_step, config, attention_fn, mesh, max_num_seqs, branch_free,
+        step={t: jit_step(partial(_step, config, attention_fn, mesh, max_rows, branch_free,
                                   layout)) for t, layout in layouts.items()},
-        filter={s: jit_filter for s in seq_counts},
+        filter={n: jit_filter for n in row_counts},
         state_writer=KeyedJit(write_state_row, donate_argnums=(0,)),
         page_copy=KeyedJit(_copy_pages, donate_argnums=(0, 1)),
         block_table_write=KeyedJit(_write_block_table, donate_argnums=(0,)),
         prompt_logprobs=KeyedJit(partial(_prompt_logprobs, config, mesh)))
 
 
-def _step(config, attention_fn, mesh, max_num_seqs, branch_free, layout, params, packed,
+def _step(config, attention_fn, mesh, max_rows, branch_free, layout, params, packed,
           prev_sampled, k_cache, v_cache, block_table):
     """One model step of a token bucket, from its host inputs ``packed`` ([layout.size] int32,
     ``StepLayout.pack``: one transfer).
@@ -112,8 +116,8 @@ def _step(config, attention_fn, mesh, max_num_seqs, branch_free, layout, params,
     to the device-resident ``block_table`` [max_num_seqs, P] (InputBatch slots), then gathers
     its sequences' rows ``seq_slots`` [S] from it: one dispatch, where a separate write cost an
     idle engine's first token ~1 ms of host time on the H200. Returns the greedy and plain
-    rows' tokens padded to [max_num_seqs] (so that the next step's prev_sampled has one shape
-    in every bucket), the logits [S, V] for ``_filter``, the hidden rows [R, E] at
+    rows' tokens padded to [max_rows] (so that the next step's prev_sampled has one shape
+    in every bucket), the logits [L, V] (one row per ``logits_indices``) for ``_filter``, the hidden rows [R, E] at
     ``hidden_indices`` for ``_prompt_logprobs``, the updated KV pool and the updated block
     table. ``branch_free``: no control flow (the GPU; see the sampler's module docstring).
     ``mesh``: the tensor-parallel mesh (None: one device)."""
@@ -131,16 +135,17 @@ def _step(config, attention_fn, mesh, max_num_seqs, branch_free, layout, params,
         attention_fn=attention_fn, mesh=mesh, hidden_indices=x["hidden_indices"],
         lora_slots=x["lora_slots"])
     sampled = sample_unfiltered(logits, sm, branch_free=branch_free)
-    return (jnp.pad(sampled, (0, max_num_seqs - sampled.shape[0])), logits, hidden, k_cache,
+    return (jnp.pad(sampled, (0, max_rows - sampled.shape[0])), logits, hidden, k_cache,
             v_cache, block_table)
 
 
-def _filter(logits, sampled, sm, fm, state, bitmask):
-    """The step's tokens ([max_num_seqs]) with the rows of ``fm`` drawn again (a step's S rows
-    come first; constrained rows under their row of ``bitmask`` [S, W] int32), the sampler
-    state with their tokens counted, and their Logprobs."""
+def _filter(max_drafts, logits, sampled, sm, fm, state, bitmask):
+    """The step's tokens ([max_rows]) with the rows of ``fm`` drawn again (a step's L rows
+    come first; constrained rows under their row of ``bitmask`` [L, W] int32), the sampler
+    state with their emitted tokens counted, and their Logprobs."""
     s = logits.shape[0]
-    tokens, state, logprobs = sample_filtered(logits, sampled[:s], sm, fm, state, bitmask)
+    tokens, state, logprobs = sample_filtered(logits, sampled[:s], sm, fm, state, bitmask,
+                                              max_drafts)
     return sampled.at[:s].set(tokens), state, logprobs
 
 

@@ -50,6 +50,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.sampling_params import MAX_LOGPROBS
+from jaxserve.spec_decode.rejection_sampler import emitted_rows
 from jaxserve.worker.sampling_fields import FilterMetadata, SamplingMetadata
 
 # Covers the top_k values clients use in practice (20, 40, 50, 100). On CPU lax.top_k(256) is a
@@ -147,10 +148,24 @@ def write_state_row(state: SamplingState, slot, token_ids, num_prompt_tokens, nu
         stop_ids=state.stop_ids.at[slot].set(stop_ids))
 
 
-def apply_processors(logits: jax.Array, fm: FilterMetadata, state: SamplingState) -> jax.Array:
+def _with_drafts(counts: jax.Array, fm: FilterMetadata, max_drafts: int) -> jax.Array:
+    """[S, V] output counts of each row's slot plus the drafts before the row in its sequence
+    (``fm.draft_ids`` of rows ``fm.seq_start`` up to it, at most max_drafts): the outputs the
+    row's token follows if they are accepted (docs/spec_decode.md)."""
+    s, vocab = counts.shape
+    row = jnp.arange(s)[:, None]
+    prior = row - 1 - jnp.arange(max_drafts)[None, :]  # [S, max_drafts]
+    ids = fm.draft_ids[jnp.maximum(prior, 0)]
+    ids = jnp.where((prior >= fm.seq_start[:, None]) & (ids >= 0), ids, vocab)
+    return counts.at[row, ids].add(1, mode="drop")
+
+
+def apply_processors(logits: jax.Array, fm: FilterMetadata, state: SamplingState,
+                     max_drafts: int = 0) -> jax.Array:
     """vLLM V1's logits processors and penalties, in its order: min_tokens, logit bias, then
     repetition, frequency and presence penalties. [S, V] float32 -> [S, V] float32; rows whose
-    settings are neutral come back unchanged."""
+    settings are neutral come back unchanged. ``max_drafts``: the most drafts a sequence's rows
+    carry (speculative decoding; 0: none), counted as outputs of the rows after them."""
     s, vocab = logits.shape
     row = jnp.arange(s)[:, None]
     stop_ids = jnp.where(fm.suppress_stop[:, None], state.stop_ids[fm.slots], vocab)
@@ -161,6 +176,8 @@ def apply_processors(logits: jax.Array, fm: FilterMetadata, state: SamplingState
     bias_ids = jnp.where(fm.logit_bias[:, None], state.bias_ids[fm.slots], vocab)
     logits = logits.at[row, bias_ids].add(state.bias_values[fm.slots], mode="drop")
     counts = state.output_counts[fm.slots]
+    if max_drafts:
+        counts = _with_drafts(counts, fm, max_drafts)
     seen = state.prompt_mask[fm.slots] | (counts > 0)
     rep = jnp.where(seen, fm.repetition_penalty[:, None], 1.0)
     logits = jnp.where(logits > 0, logits / rep, logits * rep)
@@ -320,7 +337,7 @@ def sample_unfiltered(logits: jax.Array, sm: SamplingMetadata, *,
 
 def sample_filtered(logits: jax.Array, tokens: jax.Array, sm: SamplingMetadata,
                     fm: FilterMetadata, state: SamplingState | None = None,
-                    bitmask: jax.Array | None = None):
+                    bitmask: jax.Array | None = None, max_drafts: int = 0):
     """``tokens`` ([S] int32, from ``sample_unfiltered``) with ``fm.rows`` drawn again after the
     grammar's mask, the logits processors, min-p, top-k and top-p.
 
@@ -332,6 +349,9 @@ def sample_filtered(logits: jax.Array, tokens: jax.Array, sm: SamplingMetadata,
         min_tokens (then nothing is read or counted).
       bitmask: [S, ceil(V / 32)] int32, the allowed tokens of the ``fm.structured`` rows
         (``apply_grammar_bitmask``); None when no row is constrained.
+      max_drafts: the most draft tokens a sequence's rows verify (speculative decoding: a row
+        is drawn with the drafts before it counted, and only emitted rows' tokens are counted,
+        ``rejection_sampler.emitted_rows``); 0: none.
 
     Returns:
       (tokens [S] int32, the state with the drawn tokens counted (or None), Logprobs of the
@@ -342,7 +362,7 @@ def sample_filtered(logits: jax.Array, tokens: jax.Array, sm: SamplingMetadata,
         logits = jax.lax.cond(jnp.any(fm.structured),
                               lambda: apply_grammar_bitmask(logits, bitmask, fm.structured),
                               lambda: logits)
-    processed = logits if state is None else apply_processors(logits, fm, state)
+    processed = logits if state is None else apply_processors(logits, fm, state, max_drafts)
     scaled, keys = _scaled_and_keys(processed, sm)
     # min-p on the tempered distribution: p < min_p * p_max  <=>  scaled < max + log(min_p).
     floor = jnp.max(scaled, axis=-1, keepdims=True) + jnp.log(fm.min_p)[:, None]
@@ -369,7 +389,8 @@ def sample_filtered(logits: jax.Array, tokens: jax.Array, sm: SamplingMetadata,
     tokens = jnp.where(
         sort, run_if(sort, lambda: _sample_sorted_rows(scaled, k, sm.top_p, keys, sort)), tokens)
     if state is not None:
-        counts = state.output_counts.at[fm.slots, tokens].add(fm.count.astype(jnp.int32))
+        count = fm.count & emitted_rows(tokens, fm.draft_ids, fm.seq_start)
+        counts = state.output_counts.at[fm.slots, tokens].add(count.astype(jnp.int32))
         state = SamplingState(counts, state.prompt_mask, state.bias_ids, state.bias_values,
                               state.stop_ids)
     k_lp = min(NUM_LOGPROBS, vocab)

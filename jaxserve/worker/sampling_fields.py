@@ -80,6 +80,11 @@ FIELDS = (
     SamplingField("logprobs", bool, False, FILTER, "rows whose log-probabilities are wanted."),
     SamplingField("structured", bool, False, FILTER,
                   "rows constrained by their row of the step's grammar bitmask."),
+    SamplingField("draft_ids", np.int32, -1, FILTER,
+                  "the draft token the row verifies (speculative decoding), -1: none."),
+    SamplingField("seq_start", np.int32, 0, FILTER,
+                  "the first logits row of the row's sequence (a sequence with drafts has one "
+                  "row per draft, then the bonus row)."),
     SamplingField("min_tokens", np.int32, 0, SLOT, "output tokens before a stop is allowed.",
                   _param("min_tokens")),
     SamplingField("penalized", bool, False, SLOT,

@@ -19,14 +19,15 @@ import numpy as np
 
 from jaxserve.worker.sampling_fields import SAMPLING, fields_of
 
-# (name, length: "t" tokens, "s" sequences, "s+1", "r" prompt-logprob rows, "w" block table
-# writes, dtype); the SamplingMetadata fields as sampling_fields declares them
+# (name, length: "t" tokens, "s" sequences, "s+1", "l" logits rows, "r" prompt-logprob rows,
+# "w" block table writes, dtype); the SamplingMetadata fields as sampling_fields declares them
 FIELDS = (
     *((name, "t", np.int32)
       for name in ("token_ids", "prev_rows", "positions", "slot_mapping", "lora_slots")),
     ("query_start_loc", "s+1", np.int32),
-    *((name, "s", np.int32) for name in ("seq_lens", "seq_slots", "logits_indices")),
-    *((f.name, "s", f.dtype) for f in fields_of(SAMPLING)),
+    *((name, "s", np.int32) for name in ("seq_lens", "seq_slots")),
+    ("logits_indices", "l", np.int32),
+    *((f.name, "l", f.dtype) for f in fields_of(SAMPLING)),
     ("hidden_indices", "r", np.int32),
     *((name, "w", np.int32)
       for name in ("block_table_rows", "block_table_cols", "block_table_pages")),
@@ -36,17 +37,23 @@ FIELDS = (
 @dataclass(frozen=True)
 class StepLayout:
     """Field lengths of one token bucket: tokens T, sequences S, prompt-logprob rows R, block
-    table writes W."""
+    table writes W, logits rows L (None: S, one per sequence; more with speculative decoding,
+    where a sequence with k drafts takes k + 1)."""
 
     tokens: int
     seqs: int
     rows: int
     writes: int
+    logits_rows: int | None = None
+
+    @property
+    def num_logits_rows(self) -> int:
+        return self.seqs if self.logits_rows is None else self.logits_rows
 
     @functools.cached_property
     def _spans(self) -> list[tuple[str, int, int, np.dtype]]:
-        n = {"t": self.tokens, "s": self.seqs, "s+1": self.seqs + 1, "r": self.rows,
-             "w": self.writes}
+        n = {"t": self.tokens, "s": self.seqs, "s+1": self.seqs + 1, "l": self.num_logits_rows,
+             "r": self.rows, "w": self.writes}
         spans, at = [], 0
         for name, length, dtype in FIELDS:
             spans.append((name, at, at + n[length], np.dtype(dtype)))

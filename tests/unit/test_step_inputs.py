@@ -9,8 +9,8 @@ from jaxserve.worker.step_inputs import FIELDS, StepLayout
 
 
 def _fields(layout: StepLayout, rng) -> dict[str, np.ndarray]:
-    n = {"t": layout.tokens, "s": layout.seqs, "s+1": layout.seqs + 1, "r": layout.rows,
-         "w": layout.writes}
+    n = {"t": layout.tokens, "s": layout.seqs, "s+1": layout.seqs + 1,
+         "l": layout.num_logits_rows, "r": layout.rows, "w": layout.writes}
     out = {}
     for name, length, dtype in FIELDS:
         if np.dtype(dtype) == np.float32:
@@ -22,11 +22,13 @@ def _fields(layout: StepLayout, rng) -> dict[str, np.ndarray]:
 
 
 def test_pack_then_unpack_in_a_jit_is_the_identity():
-    layout = StepLayout(tokens=16, seqs=4, rows=8, writes=5)
+    layout = StepLayout(tokens=16, seqs=4, rows=8, writes=5, logits_rows=6)
     fields = _fields(layout, np.random.default_rng(0))
     packed = layout.pack(fields)
     assert packed.shape == (layout.size,) and packed.dtype == np.int32
-    assert layout.size == 5 * 16 + 9 * 4 + 1 + 8 + 3 * 5
+    # tokens, sequences, query_start_loc, logits rows (indices and 5 sampling fields), prompt
+    # log-probability rows, block table writes
+    assert layout.size == 5 * 16 + 2 * 4 + 5 + 6 * 6 + 8 + 3 * 5
     unpacked = jax.jit(layout.unpack)(packed)
     for name, value in fields.items():
         got = np.asarray(unpacked[name])

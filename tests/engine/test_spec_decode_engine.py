@@ -1,0 +1,75 @@
+"""n-gram speculative decoding in the offline engine (docs/spec_decode.md) on the default model:
+greedy outputs equal the plain engine's up to the near-tie rule (docs/architecture.md, "Testing
+numerics"), on input-grounded requests where drafts are accepted, under chunked prefill,
+prefix caching and preemption (the engine's pool is too small for its batch); seeded sampled
+outputs (top-p, penalties, n=2) equal the plain engine's, since each verified row draws with the
+key of its output position; logprobs, stop token ids and max_tokens hold."""
+
+import pytest
+
+from jaxserve.sampling_params import SamplingParams
+from tests.greedy import compare_greedy
+from tests.spec_engine import SPEC_CONFIG, SPEC_ENGINE, spec_prompts, top2_margin
+
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def spec_llm():
+    from jaxserve import LLM
+
+    return LLM(log=lambda s: None, speculative_config=SPEC_CONFIG, **SPEC_ENGINE)
+
+
+def chats(prompts):
+    return [[{"role": "user", "content": p}] for p in prompts]
+
+
+def test_greedy_equals_plain_engine(spec_llm, smollm_llm):
+    prompts = chats(spec_prompts()[::3])  # repeat, correct and summarise requests
+    sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=2)
+    ref = smollm_llm.chat(prompts, sp, use_tqdm=False)
+    before = spec_llm.engine.scheduler.num_preemptions
+    ours = spec_llm.chat(prompts, sp, use_tqdm=False)
+    stats = spec_llm.engine.get_stats().spec_decoding
+    assert stats.num_accepted_tokens > 0.3 * stats.num_draft_tokens > 0
+    assert spec_llm.engine.scheduler.num_preemptions > before  # the batch preempted
+    full = 0
+    for r, o in zip(ref, ours):
+        a, b = r.outputs[0], o.outputs[0]
+        margins = [top2_margin(p) for p in a.logprobs]
+        same, n = compare_greedy(b.token_ids, a.token_ids, margins)
+        assert same, (n, a.token_ids, b.token_ids)
+        full += n == len(a.token_ids)
+        for i in range(n):  # logprobs of the emitted tokens, accepted drafts' included
+            tok = b.token_ids[i]
+            assert abs(b.logprobs[i][tok].logprob - a.logprobs[i][tok].logprob) < 1e-2
+    assert full >= len(ref) - 1, "most comparisons ran to the end without a near-tie"
+
+
+def test_seeded_sampling_equals_plain_engine(spec_llm, smollm_llm):
+    prompts = chats(spec_prompts()[:2])
+    sp = SamplingParams(temperature=0.7, top_p=0.9, top_k=40, presence_penalty=0.3,
+                        frequency_penalty=0.1, n=2, seed=7, max_tokens=MAX_TOKENS)
+    ref = smollm_llm.chat(prompts, sp, use_tqdm=False)
+    ours = spec_llm.chat(prompts, sp, use_tqdm=False)
+    for r, o in zip(ref, ours):
+        assert [c.token_ids for c in o.outputs] == [c.token_ids for c in r.outputs]
+
+
+def test_stop_token_and_max_tokens_cut_accepted_drafts(spec_llm, smollm_llm):
+    prompt = chats(spec_prompts()[:1])
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    tokens = smollm_llm.chat(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
+    stop = next(t for i, t in enumerate(tokens) if i >= 8 and t not in tokens[:i])
+    cut = tokens[: tokens.index(stop) + 1]
+    before = spec_llm.engine.get_stats().spec_decoding.num_accepted_tokens
+    out = spec_llm.chat(prompt, SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
+                                               stop_token_ids=[stop]), use_tqdm=False)
+    assert out[0].outputs[0].token_ids == cut
+    assert out[0].outputs[0].finish_reason == "stop"
+    for n in (1, 3, 6):
+        out = spec_llm.chat(prompt, SamplingParams(temperature=0, max_tokens=n),
+                            use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == tokens[:n] and out.finish_reason == "length"
+    assert spec_llm.engine.get_stats().spec_decoding.num_accepted_tokens > before

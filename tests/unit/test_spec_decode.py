@@ -1,0 +1,284 @@
+"""Speculative decoding's parts against their definitions (docs/spec_decode.md): the config's
+checks, the n-gram proposer on hand-made sequences, and the rejection sampler: greedy rows
+exact, and sampled rows (temperature, top-k, top-p, penalties) emitting the target
+distribution after accepted and after rejected drafts (a chi-square test)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from jaxserve.spec_decode.config import SpeculativeConfig, parse_speculative_config
+from jaxserve.spec_decode.ngram_proposer import NgramProposer
+from jaxserve.spec_decode.rejection_sampler import emitted_rows
+from jaxserve.worker.sampler import init_state, sample_filtered, sample_unfiltered
+from jaxserve.worker.sampling_fields import FilterMetadata, SamplingMetadata, neutral
+
+
+def test_config_defaults_follow_vllm():
+    c = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3})
+    assert (c.prompt_lookup_min, c.prompt_lookup_max) == (5, 5)
+    c = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3,
+                                     "prompt_lookup_max": 4})
+    assert (c.prompt_lookup_min, c.prompt_lookup_max) == (4, 4)
+
+
+@pytest.mark.parametrize("d, field", [
+    ({"method": "medusa", "num_speculative_tokens": 2}, "medusa"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "not built"),
+    ({"method": "ngrams", "num_speculative_tokens": 2}, "method"),
+    ({"method": "ngram"}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 17}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3,
+      "prompt_lookup_max": 2}, "prompt_lookup_min"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0},
+     "prompt_lookup_min"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "k": 2}, "'k'"),
+])
+def test_config_errors_name_the_field(d, field):
+    with pytest.raises(ValueError, match=field):
+        SpeculativeConfig.from_dict(d)
+
+
+def test_parse_rejects_bad_json():
+    with pytest.raises(ValueError, match="not JSON"):
+        parse_speculative_config("{method: ngram}")
+
+
+def test_ngram_proposer():
+    p = NgramProposer(prompt_lookup_min=2, prompt_lookup_max=4)
+    a = np.array
+    # the longest recurring suffix wins: [2, 3] recurs after 1 and after 9; [1, 2, 3] after 1
+    assert p.propose(a([1, 2, 3, 4, 5, 9, 2, 3, 7, 1, 2, 3]), 3) == [4, 5, 9]
+    assert p.propose(a([9, 2, 3, 7, 1, 2, 3, 8, 2, 3]), 2) == [7, 1]  # first occurrence
+    assert p.propose(a([1, 2, 3, 4, 1, 2]), 5) == [3, 4, 1, 2]  # fewer near the end
+    assert p.propose(a([1, 2, 3, 4, 5, 6, 5]), 3) == []  # a 1-token suffix is below min
+    assert p.propose(a([4, 4, 4]), 2) == [4]
+    assert p.propose(a([1]), 3) == []
+    assert p.propose(a([1, 2, 1, 2]), 0) == []
+
+
+def test_emitted_rows():
+    # sequence 0: drafts 5, 6 (rows 0-2); sequence 1: no drafts (row 3); sequence 2: draft 8
+    draft_ids = np.array([5, 6, -1, -1, 8, -1])
+    seq_start = np.array([0, 0, 0, 3, 4, 4])
+    tokens = np.array([5, 7, 1, 2, 8, 3])  # accepts 5, rejects 6; accepts 8, bonus 3
+    assert emitted_rows(tokens, draft_ids, seq_start).tolist() == [1, 1, 0, 1, 1, 1]
+    tokens = np.array([4, 6, 1, 2, 9, 3])  # rejects both first drafts
+    assert emitted_rows(tokens, draft_ids, seq_start).tolist() == [1, 0, 0, 1, 1, 0]
+    assert np.array_equal(emitted_rows(jnp.asarray(tokens), jnp.asarray(draft_ids),
+                                       jnp.asarray(seq_start)),
+                          emitted_rows(tokens, draft_ids, seq_start))
+
+
+def test_greedy_accepts_while_argmax_equals_draft():
+    logits = jnp.asarray(np.eye(6, dtype=np.float32)[[2, 4, 1, 3]] * 5)  # argmax 2, 4, 1, 3
+    sm = neutral(SamplingMetadata, 4)
+    tokens = np.asarray(sample_unfiltered(logits, sm, branch_free=False))
+    for drafts, emitted in (([2, 4, 1], [2, 4, 1, 3]), ([2, 5, 1], [2, 4]), ([0, 4, 1], [2])):
+        rows = emitted_rows(tokens, np.array(drafts + [-1]), np.zeros(4, np.int32))
+        assert tokens[rows].tolist() == emitted
+
+
+V, K_DRAFTS = 8, 2
+LOGITS = np.array([[2.0, 1.6, 1.2, 0.9, 0.5, 0.2, -0.5, -1.0],
+                   [0.3, 1.8, 1.5, 1.0, 0.8, 0.4, 0.0, -0.2],
+                   [1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3]], np.float32)
+DRAFTS = [0, 2]  # row 0's most likely token (accepted often, rejected often), then row 1's
+TEMPERATURE, TOP_K, TOP_P = 0.9, 6, 0.95
+PRESENCE, FREQUENCY, REPETITION = 0.4, 0.2, 1.3
+OUTPUT_COUNTS = np.array([0, 2, 0, 1, 0, 0, 0, 0])
+PROMPT_TOKENS = [3, 4]
+ALPHA = 0.01 / 3  # three tests, one family at false-alarm rate 0.01
+TV = 0.05
+
+
+def target(row: int, drafts_counted: bool = True) -> np.ndarray:
+    """The distribution of row ``row``'s token by the definitions of the processors (vLLM's
+    penalties, temperature, top-k, then top-p), given drafts DRAFTS[:row] were accepted (and
+    count as outputs, unless not ``drafts_counted``)."""
+    counts = OUTPUT_COUNTS.copy()
+    for d in DRAFTS[:row] if drafts_counted else ():
+        counts[d] += 1
+    x = LOGITS[row].astype(np.float64)
+    seen = (counts > 0) | np.isin(np.arange(V), PROMPT_TOKENS)
+    x = np.where(seen, np.where(x > 0, x / REPETITION, x * REPETITION), x)
+    x = x - FREQUENCY * counts - PRESENCE * (counts > 0)
+    x = x / TEMPERATURE
+    order = np.argsort(-x, kind="stable")
+    keep = np.zeros(V, bool)
+    keep[order[:TOP_K]] = True
+    p = np.where(keep, np.exp(x - x.max()), 0)
+    p /= p.sum()
+    ps = p[order]
+    kept = (np.cumsum(ps) - ps) < TOP_P
+    p2 = np.zeros(V)
+    p2[order[kept]] = ps[kept]
+    return p2 / p2.sum()
+
+
+def trials_needed(df: int) -> int:
+    """Trials for a chi-square goodness-of-fit test at false-alarm ALPHA to have power 0.9
+    against every distribution at total variation TV: such a distribution's noncentrality per
+    trial sum (q - p)^2 / p is at least 4 TV^2 (the mass moved is TV, out of a set and into
+    its complement, whose probabilities add up to at most 1)."""
+    crit = stats.chi2.ppf(1 - ALPHA, df)
+    n = 100
+    while stats.ncx2.sf(crit, df, n * 4 * TV**2) < 0.9:
+        n += 100
+    return n
+
+
+def chi_square_p(samples: np.ndarray, p: np.ndarray) -> float:
+    """p-value of ``samples`` (token ids) drawn from p (no token outside p's support)."""
+    support = p > 0
+    assert support[samples].all(), "a token outside the target's support"
+    observed = np.bincount(samples, minlength=V)[support]
+    return stats.chisquare(observed, len(samples) * p[support]).pvalue
+
+
+@pytest.fixture(scope="module")
+def draws():
+    """Token rows of N trials of one sequence with drafts DRAFTS: 3 rows each, every row drawn
+    with its own key (seed = the trial, step = the row), in one jitted call of the sampler."""
+    n = 8000
+    rows = n * (K_DRAFTS + 1)
+    r = np.arange(rows) % (K_DRAFTS + 1)
+    sm = neutral(SamplingMetadata, rows, temperature=np.full(rows, TEMPERATURE, np.float32),
+                 top_k=np.full(rows, TOP_K, np.int32), top_p=np.full(rows, TOP_P, np.float32),
+                 seeds=(np.arange(rows) // (K_DRAFTS + 1)).astype(np.uint32),
+                 steps=r.astype(np.int32))
+    fm = neutral(FilterMetadata, rows, rows=np.ones(rows, bool),
+                 presence_penalty=np.full(rows, PRESENCE, np.float32),
+                 frequency_penalty=np.full(rows, FREQUENCY, np.float32),
+                 repetition_penalty=np.full(rows, REPETITION, np.float32),
+                 draft_ids=np.where(r < K_DRAFTS, np.array(DRAFTS + [-1])[r], -1).astype(np.int32),
+                 seq_start=(np.arange(rows) - r).astype(np.int32))
+    state = init_state(1, V, 1, 1)
+    state = type(state)(jnp.asarray(OUTPUT_COUNTS[None], jnp.int32),
+                        state.prompt_mask.at[0, jnp.asarray(PROMPT_TOKENS)].set(True),
+                        state.bias_ids, state.bias_values, state.stop_ids)
+    logits = jnp.asarray(np.tile(LOGITS, (n, 1)))
+    run = jax.jit(lambda lg, sm, fm, st: sample_filtered(lg, jnp.zeros(rows, jnp.int32), sm, fm,
+                                                         st, None, K_DRAFTS)[0])
+    tokens = np.asarray(run(logits, sm, fm, state))
+    emitted = emitted_rows(tokens, np.asarray(fm.draft_ids), np.asarray(fm.seq_start))
+    return tokens.reshape(n, -1), emitted.reshape(n, -1)
+
+
+def test_first_token_has_the_target_distribution(draws):
+    tokens, emitted = draws
+    assert emitted[:, 0].all()
+    assert len(tokens) >= trials_needed(int((target(0) > 0).sum()) - 1)
+    assert chi_square_p(tokens[:, 0], target(0)) > ALPHA
+
+
+def test_token_after_a_rejected_draft_has_the_residual_distribution(draws):
+    """A rejected draft d is replaced by a draw from norm(max(p - onehot(d), 0))."""
+    tokens, _ = draws
+    rejected = tokens[:, 0] != DRAFTS[0]
+    residual = target(0).copy()
+    residual[DRAFTS[0]] = 0
+    residual /= residual.sum()
+    assert rejected.sum() >= trials_needed(int((residual > 0).sum()) - 1)
+    assert chi_square_p(tokens[rejected, 0], residual) > ALPHA
+
+
+def test_token_after_an_accepted_draft_has_the_target_distribution(draws):
+    """The row after an accepted draft follows p given the draft (its penalties count it)."""
+    tokens, emitted = draws
+    accepted = tokens[:, 0] == DRAFTS[0]
+    assert np.array_equal(accepted, emitted[:, 1])
+    assert accepted.sum() >= trials_needed(int((target(1) > 0).sum()) - 1)
+    assert chi_square_p(tokens[accepted, 1], target(1)) > ALPHA
+    # the draft's penalty matters: without it the test would see another distribution
+    assert np.abs(target(1) - target(1, drafts_counted=False)).sum() / 2 > TV
+
+
+def test_penalized_rows_count_emitted_tokens_only():
+    """The filtered sampler adds a penalized sequence's emitted tokens to its counts, not the
+    tokens of rows after a rejected draft."""
+    logits = jnp.asarray(np.eye(V, dtype=np.float32)[[1, 5, 6]] * 9)  # greedy: 1, 5, 6
+    sm = neutral(SamplingMetadata, 3)
+    fm = neutral(FilterMetadata, 3, rows=np.ones(3, bool), count=np.ones(3, bool),
+                 presence_penalty=np.full(3, 0.1, np.float32),
+                 draft_ids=np.array([1, 4, -1], np.int32))  # accepts 1, rejects 4 (draws 5)
+    run = jax.jit(lambda lg, sm, fm, st: sample_filtered(lg, jnp.zeros(3, jnp.int32), sm, fm,
+                                                         st, None, 2)[:2])
+    tokens, state = run(logits, sm, fm, init_state(1, V, 1, 1))
+    assert np.asarray(tokens).tolist() == [1, 5, 6]
+    assert np.asarray(state.output_counts[0]).tolist() == [0, 1, 0, 0, 0, 1, 0, 0]
+
+
+def _scheduler(**spec):
+    from jaxserve.core.kv_cache_manager import KVCacheManager
+    from jaxserve.core.scheduler import Scheduler
+
+    config = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3,
+                                          "prompt_lookup_min": 2, **spec})
+    return Scheduler(KVCacheManager(64, 4, True), max_num_seqs=4, max_num_batched_tokens=32,
+                     max_model_len=64, eos_token_ids=(0,), spec_config=config)
+
+
+def _step(s, sampled, accepted):
+    """Schedule a step and apply its output: ``sampled`` / ``accepted`` by request id."""
+    from jaxserve.core.scheduler_output import ModelRunnerOutput
+
+    out = s.schedule()
+    return out, s.update(out, ModelRunnerOutput(sampled, {}, {}, accepted))
+
+
+def test_scheduler_drafts_takes_accepted_and_rolls_back_rejected():
+    from tests.unit.kv_fakes import make_request
+
+    s = _scheduler()
+    req = make_request("a", [5, 6, 7, 8, 9, 5, 6], max_tokens=10)
+    s.add_request(req)
+    out, _ = _step(s, {"a": 7}, {})  # the prompt; tokens now ... 5, 6, 7
+    assert not out.scheduled_spec_decode_tokens
+    out, outputs = _step(s, {"a": 3}, {"a": [8]})  # drafts 8, 9, 5: accepts 8, draws 3
+    assert out.scheduled_spec_decode_tokens == {"a": [8, 9, 5]}
+    assert out.num_scheduled_tokens == {"a": 4}
+    assert outputs[0].new_token_ids == [8, 3]
+    assert req.num_tokens == 10 and req.num_computed_tokens == 9  # 9 and 5 taken back
+    # prefix caching registered the 2 full pages of computed, accepted tokens, not the drafts'
+    assert req.num_registered_pages == 2
+    stats = s.get_stats().spec_decoding
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens,
+            stats.num_accepted_tokens_per_pos) == (1, 3, 1, [1, 0, 0])
+
+
+def test_scheduler_caps_drafts_and_stops_inside_them():
+    from tests.unit.kv_fakes import make_request
+
+    s = _scheduler()
+    # max_tokens 3: after the first output, at most 3 - 1 - 1 = 1 draft
+    req = make_request("a", [1, 2, 3, 1, 2], max_tokens=3)
+    s.add_request(req)
+    _step(s, {"a": 3}, {})
+    out, outputs = _step(s, {"a": 9}, {"a": [1]})
+    assert out.scheduled_spec_decode_tokens == {"a": [1]}
+    assert outputs[0].new_token_ids == [1, 9] and outputs[0].finish_reason == "length"
+    # a stop token among the accepted drafts ends the request there
+    s = _scheduler()
+    req = make_request("b", [1, 2, 3, 4, 1, 2], max_tokens=10, stop_token_ids=[4])
+    s.add_request(req)
+    _step(s, {"b": 3}, {})
+    out, outputs = _step(s, {"b": 2}, {"b": [4, 1]})
+    assert out.scheduled_spec_decode_tokens == {"b": [4, 1, 2]}
+    assert outputs[0].new_token_ids == [4] and outputs[0].finish_reason == "stop"
+    assert not s.has_unfinished_requests()
+
+
+def test_scheduler_turns_speculation_off_by_batch_size():
+    from tests.unit.kv_fakes import make_request
+
+    s = _scheduler(disable_by_batch_size=1)
+    for rid in "ab":
+        s.add_request(make_request(rid, [1, 2, 3, 1, 2], max_tokens=10))
+    assert not s.speculates()
+    _step(s, {"a": 3, "b": 3}, {})
+    out, _ = _step(s, {"a": 4, "b": 4}, {})
+    assert not out.scheduled_spec_decode_tokens

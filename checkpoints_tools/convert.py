@@ -2,6 +2,11 @@
 
     python -m checkpoints_tools.convert --input MODEL.gguf --output OUT_DIR [--to orbax|hf]
     python -m checkpoints_tools.convert --input HF_FOLDER --output OUT_DIR          # orbax
+    python -m checkpoints_tools.convert --input MODEL.gguf --output OUT_DIR --to hf --num-layers 4
+
+``--num-layers N`` keeps the model's first N decoder layers (its embedding, final norm and head
+unchanged): the default model cut this way is the speculative decoding draft model where no
+smaller model of its tokenizer exists (docs/spec_decode.md).
 
 The HF folder written from a GGUF (config.json, model.safetensors in float32 with Q/K rows
 un-permuted, tokenizer.json/tokenizer_config.json with the chat template) loads in HF transformers
@@ -11,7 +16,9 @@ un-permuted, tokenizer.json/tokenizer_config.json with the chat template) loads 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import pathlib
+import re
 import sys
 import time
 
@@ -21,7 +28,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input", required=True, help="a .gguf file or an HF folder (config.json + *.safetensors)")
     p.add_argument("--output", required=True, help="output folder (must not exist or be empty)")
     p.add_argument("--to", choices=("orbax", "hf"), default="orbax", help="output format (default: orbax)")
+    p.add_argument("--num-layers", type=int, help="keep only the first N decoder layers (a draft model)")
     return p
+
+
+def first_layers(ckpt, n: int):
+    """The Checkpoint of ``ckpt``'s first n decoder layers (``model.layers.{i}.*`` with i < n),
+    its other weights unchanged.
+
+    Raises:
+      ValueError: n not in [1, the model's layers].
+    """
+    total = ckpt.hf_config["num_hidden_layers"]
+    if not 1 <= n <= total:
+        raise ValueError(f"must be in [1, {total}], got {n}")
+    layer = re.compile(r"model\.layers\.(\d+)\.")
+    weights = {k: v for k, v in ckpt.weights.items()
+               if (m := layer.match(k)) is None or int(m.group(1)) < n}
+    return dataclasses.replace(ckpt, name=f"{ckpt.name}-{n}-layers", weights=weights,
+                               hf_config={**ckpt.hf_config, "num_hidden_layers": n})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,6 +68,11 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     print(f"[convert] loading {src} ({fmt})", file=sys.stderr, flush=True)
     ckpt = load_checkpoint(str(src), fmt)
+    if args.num_layers is not None:
+        try:
+            ckpt = first_layers(ckpt, args.num_layers)
+        except ValueError as e:
+            parser.error(f"--num-layers: {e}")
     print(f"[convert] writing {args.to} to {out}", file=sys.stderr, flush=True)
     (save_orbax if args.to == "orbax" else save_hf_folder)(out, ckpt)
     print(f"[convert] done in {time.perf_counter() - t0:.1f}s: {out}", file=sys.stderr, flush=True)

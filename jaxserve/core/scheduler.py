@@ -31,7 +31,10 @@ sequence with ``allowed_token_ids`` is constrained too: its fixed row is ANDed i
 (or an all-allowed) row.
 
 With speculative decoding (``spec_config``, docs/spec_decode.md) a running sequence that decodes
-with nothing in flight gets up to k draft tokens from the NgramProposer: they join its step as
+with nothing in flight gets up to k draft tokens from the NgramProposer, or, with the
+draft_model method, those the runner's draft model proposed after the sequence's last step
+(``ModelRunnerOutput.draft_token_ids``; such a step allocates pages for k lookahead positions,
+where the draft model writes its drafts' K/V, as vLLM's ``num_lookahead_tokens``): they join its step as
 extra scheduled tokens (budget, pages and max_tokens / max_model_len allow for them) and
 ``update`` takes the accepted ones with the sampled token, stops at a stop token among them, and
 takes back the computed positions of the rejected ones. Constrained sequences get no drafts, and
@@ -92,9 +95,11 @@ class Scheduler:
         self.prompt_tokens_computed = 0
         self.spec_config = spec_config
         self.proposer = None
-        if spec_config is not None:
+        if spec_config is not None and spec_config.method == "ngram":
             self.proposer = NgramProposer(spec_config.prompt_lookup_min,
                                           spec_config.prompt_lookup_max)
+        # draft_model: req_id -> (its token count when drafted, the runner's drafts after it)
+        self._model_drafts: dict[str, tuple[int, list[int]]] = {}
         self.spec_stats = SpecDecodingStats.new(
             spec_config.num_speculative_tokens if spec_config else 0)
 
@@ -112,7 +117,7 @@ class Scheduler:
         """Whether the next ``schedule`` may give drafts: speculative decoding is on and at most
         ``disable_by_batch_size`` requests are unfinished. The engine then runs the step
         synchronously, since drafts need the previous step's tokens on the host."""
-        return (self.proposer is not None and len(self.running) + len(self.waiting)
+        return (self.spec_config is not None and len(self.running) + len(self.waiting)
                 <= self.spec_config.disable_by_batch_size)
 
     def has_structured_requests(self) -> bool:
@@ -183,6 +188,7 @@ class Scheduler:
         running = self.running
         preempted = False
         speculates = self.speculates()
+        out.propose_drafts = speculates and self.proposer is None
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
@@ -200,7 +206,7 @@ class Scheduler:
                 drafts = self._drafts(req, budget - 1)
                 n += len(drafts)
             num_pages = len(req.block_ids)
-            while not allocate(req, n):
+            while not allocate(req, n + self._lookahead(out, req, n)):
                 victim = running.pop()  # the newest running request
                 self._preempt(victim)
                 preempted = True
@@ -226,7 +232,8 @@ class Scheduler:
             computed = kv.get_computed_pages(req) if req.num_computed_tokens == 0 and not plp else []
             num_cached = len(computed) * kv.page_size
             n = self._cap(req, min(req.num_tokens - req.num_computed_tokens - num_cached, budget))
-            if n == 0 or not allocate(req, n, computed):
+            lookahead = self._lookahead(out, req, num_cached + n)
+            if n == 0 or not allocate(req, n + lookahead, computed):
                 break
             waiting.popleft()
             if req.num_preemptions == 0 and kv.enable_caching:
@@ -291,10 +298,20 @@ class Scheduler:
                               sp, req.seed, list(req.block_ids), req.num_computed_tokens,
                               stop_ids, req.lora_request)
 
+    def _lookahead(self, out: SchedulerOutput, req: Request, n: int) -> int:
+        """Positions past the n tokens req computes this step that its pages must cover: k
+        when the draft model proposes after the step (it writes its drafts' K/V there), up to
+        max_model_len."""
+        if not out.propose_drafts:
+            return 0
+        return max(0, min(self.spec_config.num_speculative_tokens,
+                          self.max_model_len - req.num_computed_tokens - n))
+
     def _drafts(self, req: Request, budget: int) -> list[int]:
-        """The NgramProposer's drafts for a decoding sequence: at most k, the budget's tokens,
-        and one fewer than the tokens max_tokens and max_model_len leave (the step emits up
-        to one more than its accepted drafts)."""
+        """The drafts for a decoding sequence (the NgramProposer's, or the draft model's made
+        after its newest token): at most k, the budget's tokens, and one fewer than the tokens
+        max_tokens and max_model_len leave (the step emits up to one more than its accepted
+        drafts)."""
         sp = req.sampling_params
         k = min(self.spec_config.num_speculative_tokens, budget,
                 self.max_model_len - req.num_tokens - 1)
@@ -302,6 +319,9 @@ class Scheduler:
             k = min(k, sp.max_tokens - req.num_output_tokens - 1)
         if k <= 0:
             return []
+        if self.proposer is None:
+            num_tokens, drafts = self._model_drafts.get(req.request_id, (-1, []))
+            return drafts[:k] if num_tokens == req.num_tokens else []
         return self.proposer.propose(np.asarray(req.all_token_ids), k)
 
     def _schedule(self, out: SchedulerOutput, req: Request, n: int, forks: list,
@@ -355,6 +375,7 @@ class Scheduler:
         outputs = []
         finished = []
         running = RequestStatus.RUNNING
+        self._model_drafts = {}  # made after this step's tokens, or stale
         for rid, (first, lp) in output.prompt_logprobs.items():
             req = self.requests.get(rid)
             if req is not None and req.prompt_logprobs is not None:
@@ -394,6 +415,8 @@ class Scheduler:
                     break
             if req.status == running:
                 self.kv.cache_full_pages(req)
+                if rid in output.draft_token_ids and reason is None:
+                    self._model_drafts[rid] = (req.num_tokens, output.draft_token_ids[rid])
             prompt_lp = None
             if req.prompt_logprobs is not None and first_output:
                 prompt_lp = req.prompt_logprobs

@@ -68,6 +68,9 @@ class SchedulerOutput:
         each may sample (bit j of word i allows token 32 i + j); None when none samples.
       scheduled_spec_decode_tokens: req_id -> the draft tokens the step verifies after the
         request's last known token (speculative decoding; counted in num_scheduled_tokens).
+      propose_drafts: the draft model proposes the next step's drafts after this step (the
+        draft_model method, in a step that may carry drafts; its sequences' pages reach k
+        positions past their scheduled tokens).
     """
 
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
@@ -82,6 +85,7 @@ class SchedulerOutput:
     structured_output_request_ids: list[str] = field(default_factory=list)
     grammar_bitmask: np.ndarray | None = None
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    propose_drafts: bool = False
 
 
 @dataclass
@@ -96,9 +100,12 @@ class ModelRunnerOutput:
         the prompt tokens from there), for requests whose prompt chunk asked.
       accepted_token_ids: req_id -> the draft tokens accepted before ``sampled[req_id]``, for
         the requests that verified drafts (speculative decoding; docs/spec_decode.md).
+      draft_token_ids: req_id -> the draft model's drafts to follow its newest token (the
+        draft_model method, after a step with ``propose_drafts``).
     """
 
     sampled: dict[str, int]
     logprobs: dict[str, LogprobsLists]
     prompt_logprobs: dict[str, tuple[int, LogprobsLists]]
     accepted_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)

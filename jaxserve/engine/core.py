@@ -19,6 +19,7 @@ from jaxserve import distributed, host_memory
 from jaxserve.config import EngineConfig, ModelConfig, resolve_config
 from jaxserve.sampling_params import describe_sampling_defaults
 from jaxserve.spec_decode.config import SpeculativeConfig
+from jaxserve.spec_decode.draft_model import DraftModel, check_vocabulary
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.request import Request
 from jaxserve.core.scheduler import Scheduler
@@ -64,6 +65,28 @@ def kv_bytes_per_page(model_config, layout: sharding.Layout, page_size: int, kv_
         c.num_layers, layout.kv_heads_per_device, c.head_dim, page_size,
         np.dtype(kv_dtype).itemsize, kv_quant.scale_bytes(kv_dtype))
 
+
+
+def load_draft_model(model: str, target: ModelConfig, dtype, config: EngineConfig,
+                     mesh) -> DraftModel:
+    """The draft_model method's model, its params in ``dtype`` on the one device.
+
+    Raises:
+      ValueError: naming the field "model": a path that holds no model, a vocabulary other
+        than the target's, or a tensor-parallel mesh (the draft pool is not split).
+    """
+    if mesh is not None:
+        raise ValueError("method \"draft_model\" runs on one device; drop --tensor-parallel-size")
+    try:
+        source, fmt = resolve_model(model)
+        ckpt = load_checkpoint(source, fmt, with_tokenizer=False)
+    except (ValueError, OSError) as e:
+        raise ValueError(f"model {model!r}: {e}") from None
+    draft_config = ModelConfig.from_hf_config(ckpt.hf_config)
+    check_vocabulary(draft_config, target)
+    draft_config, params = build_params(ckpt.hf_config, ckpt.weights, dtype, config.seed,
+                                        max_model_len=config.max_model_len)
+    return DraftModel(draft_config, params)
 
 
 def _timed(fn, *args):
@@ -144,6 +167,12 @@ class EngineCore:
                                                  mesh, quantization, config.max_model_len)
         del ckpt
         mc = self.model_config
+        draft = None
+        if self.spec_config is not None and self.spec_config.method == "draft_model":
+            try:
+                draft = load_draft_model(self.spec_config.model, mc, dtype, config, mesh)
+            except ValueError as e:
+                raise ValueError(f"--speculative-config: {e}") from None
         self.lora_manager = None
         if config.enable_lora:
             params, self.lora_manager = lora_manager.create(config, mc, params, quantization,
@@ -172,9 +201,14 @@ class EngineCore:
             lora=self.lora_manager,
             num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
             max_spec_seqs=min(spec.disable_by_batch_size, config.max_num_seqs) if spec else 0,
+            draft=draft,
         )
-        del params
+        del params, draft
         per_page = kv_bytes_per_page(mc, self.runner.layout, config.page_size, kv_dtype)
+        if self.runner.draft is not None:  # its pool has the target pool's pages
+            dc = self.runner.draft.config
+            per_page += kv_bytes_per_page(dc, sharding.Layout.of(dc, 1), config.page_size,
+                                          kv_dtype)
         peak = 0
         if platform.device_memory:
             probe = kv_sizing.pages_per_seq(config.max_model_len, config.page_size) + 1

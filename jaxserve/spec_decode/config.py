@@ -6,7 +6,8 @@ import json
 from dataclasses import dataclass
 
 # Methods vLLM V1 has that this engine does not build yet: refused by name, not accepted.
-NOT_BUILT = ("draft_model", "eagle", "eagle3", "medusa", "mtp")
+NOT_BUILT = ("eagle", "eagle3", "medusa", "mtp")
+METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -15,7 +16,9 @@ class SpeculativeConfig:
     """How the engine speculates.
 
     Attributes:
-      method: "ngram" (prompt lookup over the sequence's own tokens).
+      method: "ngram" (prompt lookup over the sequence's own tokens) or "draft_model" (a
+        smaller model with the target's vocabulary drafts greedily, ``draft_model.py``).
+      model: the draft model's path or name (``resolve_model``), "draft_model" only.
       num_speculative_tokens: k, drafts proposed and verified per sequence and step, 1 to
         MAX_SPECULATIVE_TOKENS.
       prompt_lookup_max, prompt_lookup_min: the longest and shortest suffix (tokens) the n-gram
@@ -27,6 +30,7 @@ class SpeculativeConfig:
 
     method: str
     num_speculative_tokens: int
+    model: str | None = None
     prompt_lookup_max: int = 5
     prompt_lookup_min: int = 5
     disable_by_batch_size: int = 16
@@ -47,9 +51,13 @@ class SpeculativeConfig:
             raise ValueError(f"unknown field {unknown[0]!r} (fields: {', '.join(sorted(names))})")
         method = d.get("method")
         if method in NOT_BUILT:
-            raise ValueError(f"method {method!r} is not built in this engine yet; use \"ngram\"")
-        if method != "ngram":
-            raise ValueError(f"method must be \"ngram\", got {method!r}")
+            raise ValueError(f"method {method!r} is not built in this engine yet; "
+                             f"use one of {', '.join(METHODS)}")
+        if method not in METHODS:
+            raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+        if (method == "draft_model") != isinstance(d.get("model"), str):
+            raise ValueError("model (the draft model's path) is required by method "
+                             "\"draft_model\" and by it alone")
         d = dict(d)
         lo, hi = d.get("prompt_lookup_min"), d.get("prompt_lookup_max")
         if lo is None and hi is None:

@@ -69,7 +69,7 @@ def compile_programs(executables: ExecutableCache, jitted: Programs, args: Progr
         for i, done in enumerate(as_completed(futures), 1):
             field, n = futures[done]
             compiled.append((field, n, done.result()))
-            what = field if n is None else f"{field} {'tokens' if field == 'step' else 'seqs'}={n}"
+            what = field if n is None else f"{field} {'tokens' if field.endswith('step') else 'seqs'}={n}"
             log(f"compiling (or loading from a cache): {i}/{total} ({what}) "
                 f"{time.perf_counter() - start:.1f}s")
     log(f"{executables.hits - hits} of {total} programs came from the executable cache")

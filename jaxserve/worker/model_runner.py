@@ -19,7 +19,9 @@ multiply start-up compilation). Every program is compiled ahead of time by ``com
 ``execute`` never compiles (it raises if asked to). With speculative decoding a sequence's
 draft tokens are scheduled tokens with a logits row each, so a bucket has a fixed number of
 logits rows L at least S (``logits_rows_for``; docs/spec_decode.md), and ``get_output`` returns
-the tokens of the rows ``rejection_sampler.emitted_rows`` picks.
+the tokens of the rows ``rejection_sampler.emitted_rows`` picks. With the draft_model method a
+draft pool follows the target pool (``spec_decode/draft_model.py``): each step runs the draft
+model over its tokens, and ``get_output`` of a step that asks for drafts proposes them.
 """
 
 from collections.abc import Callable
@@ -37,6 +39,7 @@ from jaxserve.engine import LogprobsLists
 from jaxserve.engine.kv_sizing import peak_program_bytes
 from jaxserve.models import sharding
 from jaxserve.platforms import current_platform
+from jaxserve.spec_decode.draft_model import DraftModel
 from jaxserve.spec_decode.rejection_sampler import emitted_rows
 from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
 from jaxserve.structured_output.manager import bitmask_width
@@ -95,6 +98,8 @@ class StepHandle:
       prompt_spans: (req_id, index of the first prompt token covered, first row, rows, k) per
         request in ``prompt_logprobs``.
       prompt_targets: [PROMPT_LOGPROB_ROWS] the prompt tokens those rows predict.
+      propose: the draft model proposes drafts after the step
+        (``SchedulerOutput.propose_drafts``).
       filter_inputs: what ``ModelRunner.sample_filtered`` needs while the step's filtered
         sampler is not dispatched yet (its constrained rows wait for their bitmask), else None.
     """
@@ -112,6 +117,7 @@ class StepHandle:
     prompt_spans: list[tuple[str, int, int, int, int]] | None = None
     prompt_targets: np.ndarray | None = None
     filter_inputs: tuple | None = None
+    propose: bool = False
 
     @property
     def awaits_bitmask(self) -> bool:
@@ -146,6 +152,8 @@ class ModelRunner:
         decoding, docs/spec_decode.md; 0: off).
       max_spec_seqs: the most sequences that carry drafts in one step; with
         num_speculative_tokens, the logits rows each bucket computes (``logits_rows_for``).
+      draft: the draft_model method's model (one device: no mesh), whose pool of the target's
+        page count the runner keeps beside the target's; None: no draft model.
     """
 
     def __init__(
@@ -166,6 +174,7 @@ class ModelRunner:
         lora=None,
         num_speculative_tokens: int = 0,
         max_spec_seqs: int = 0,
+        draft: DraftModel | None = None,
     ):
         self.config = config
         self.lora = lora
@@ -197,7 +206,9 @@ class ModelRunner:
         row_counts = sorted({layout.num_logits_rows for layout in self.step_layouts.values()})
         self.programs = jit_programs(
             config, params, attention_fn, mesh, row_counts[-1], branch_free, self.step_layouts,
-            row_counts, num_speculative_tokens)
+            row_counts, num_speculative_tokens, draft, page_size)
+        self.draft = draft
+        self.draft_k_cache = self.draft_v_cache = None  # allocate_kv_cache
         self.compiled: Programs | None = None  # compile_buckets
         self._prev_sampled = jnp.zeros(row_counts[-1], jnp.int32, device=self._replicated)
         # The InputBatch's block table, kept on the device: a step sends only the entries that
@@ -229,18 +240,26 @@ class ModelRunner:
             prompt_logprob_rows=self.prompt_logprob_rows, block_table_writes=BLOCK_TABLE_WRITES,
             bias_width=st.bias_ids.shape[1], stop_width=st.stop_ids.shape[1])
 
-    def _kv_pool(self, num_pages: int):
+    def _kv_pool(self, num_pages: int, draft: bool = False):
         """(shape [KV, num_pages, page_size, D] of one layer's K (or V) pool, KV the layout's,
-        and its sharding: split over the mesh by KV head, None on one device)."""
+        and its sharding: split over the mesh by KV head, None on one device); ``draft``: of
+        the draft model's pool (one device)."""
+        if draft:
+            c = self.draft.config
+            return (c.num_kv_heads, num_pages, self.page_size, c.head_dim), None
         c = self.config
         shape = (self.layout.num_kv_heads, num_pages, self.page_size, c.head_dim)
         return shape, None if self.mesh is None else sharding.kv_sharding(self.mesh)
 
-    def pool_structs(self, num_pages: int) -> tuple[list, list]:
+    def pool_structs(self, num_pages: int, draft: bool = False) -> tuple[list, list]:
         """(K pools, V pools) of num_pages pages as shapes only (``kv_quant.pool_struct``), to
-        compile against a pool that is not allocated."""
-        shape, where = self._kv_pool(num_pages)
-        kv = [kv_quant.pool_struct(shape, self.kv_dtype, where)] * self.config.num_layers
+        compile against a pool that is not allocated; ``draft``: the draft model's (empty
+        lists when there is none)."""
+        if draft and self.draft is None:
+            return [], []
+        shape, where = self._kv_pool(num_pages, draft)
+        layers = (self.draft if draft else self).config.num_layers
+        kv = [kv_quant.pool_struct(shape, self.kv_dtype, where)] * layers
         return kv, kv
 
     def allocate_kv_cache(self, num_pages: int) -> None:
@@ -254,17 +273,22 @@ class ModelRunner:
             cannot place an output has returned another output's memory for it without an
             error (kv_sizing's docstring), which would let layers overwrite each other.
         """
-        shape, where = self._kv_pool(num_pages)
-        make = jit_zeroed_pools(shape, self.kv_dtype, self.config.num_layers, where)
-        k_cache, v_cache = self.executables.compile(make)()
-        shards = [s.data for x in jax.tree.leaves((k_cache, v_cache)) for s in x.addressable_shards]
+        pools = []
+        for draft in (False, True)[: 1 + (self.draft is not None)]:
+            shape, where = self._kv_pool(num_pages, draft)
+            layers = (self.draft if draft else self).config.num_layers
+            pools.append(self.executables.compile(
+                jit_zeroed_pools(shape, self.kv_dtype, layers, where))())
+        shards = [s.data for x in jax.tree.leaves(pools) for s in x.addressable_shards]
         distinct, total = len({x.unsafe_buffer_pointer() for x in shards}), len(shards)
         if distinct < total:
-            del k_cache, v_cache, shards
+            del pools, shards
             raise ValueError(
                 f"the KV pool ({num_pages} pages) did not fit in the device allocator: "
                 f"{distinct} of its arrays got memory of their own, out of {total}")
-        self.k_cache, self.v_cache = k_cache, v_cache
+        self.k_cache, self.v_cache = pools[0]
+        if self.draft is not None:
+            self.draft_k_cache, self.draft_v_cache = pools[1]
 
     def profile_peak_bytes(self, num_pages: int) -> int:
         """``kv_sizing.peak_program_bytes`` of the programs that can need the most
@@ -273,7 +297,7 @@ class ModelRunner:
         analyses the partitioned program). ``compile_buckets`` then measures every program at
         the real pool size."""
         return compilation.profile_peak_bytes(self.executables, self.programs,
-                                              self.placeholder_args(*self.pool_structs(num_pages)),
+                                              self._placeholder_args_for(num_pages),
                                               self._compiler_options)
 
     def num_seqs_for(self, num_tokens_bucket: int) -> int:
@@ -297,10 +321,29 @@ class ModelRunner:
                 return t
         raise RuntimeError(f"no token bucket holds {num_tokens} tokens and {num_rows} rows")
 
-    def placeholder_args(self, k_cache, v_cache) -> Programs:
-        """Placeholder arguments of every program, for their compilation, with the given pool
-        (arrays, or ShapeDtypeStructs to compile against a pool that is not allocated)."""
+    def _placeholder_args_for(self, num_pages: int) -> Programs:
+        """``placeholder_args`` with pools of num_pages pages given by shapes only."""
+        return self.placeholder_args(*self.pool_structs(num_pages),
+                                     *self.pool_structs(num_pages, draft=True))
+
+    def placeholder_args(self, k_cache, v_cache, draft_k_cache=(), draft_v_cache=()) -> Programs:
+        """Placeholder arguments of every program, for their compilation, with the given pools
+        (arrays, or ShapeDtypeStructs to compile against pools that are not allocated; the
+        draft model's, when there is one)."""
         st = self.sampling_state
+        drafts = {}
+        if self.draft is not None:
+            rows = np.zeros(self.max_spec_seqs, np.int32)
+            drafts = dict(
+                draft_step={t: (self.draft.params, np.zeros(layout.size, np.int32),
+                                self._prev_sampled, draft_k_cache, draft_v_cache,
+                                self.block_table)
+                            for t, layout in self.step_layouts.items()},
+                propose=(self.draft.params, draft_k_cache, draft_v_cache, self.block_table,
+                         rows, rows, rows, np.int32(0)),
+                draft_page_copy=(draft_k_cache, draft_v_cache, np.zeros(self.max_num_seqs,
+                                                                          np.int32),
+                                 np.zeros(self.max_num_seqs, np.int32)))
         pages = np.zeros(self.max_num_seqs, np.int32)
         entries = np.zeros(BLOCK_TABLE_WRITES, np.int32)
         hidden = jax.ShapeDtypeStruct((self.prompt_logprob_rows, self.config.hidden_size),
@@ -315,7 +358,8 @@ class ModelRunner:
                           np.asarray(st.stop_ids[0])),
             page_copy=(k_cache, v_cache, pages, pages),
             block_table_write=(self.block_table, entries, entries, entries),
-            prompt_logprobs=(self.params, hidden, np.zeros(self.prompt_logprob_rows, np.int32)))
+            prompt_logprobs=(self.params, hidden, np.zeros(self.prompt_logprob_rows, np.int32)),
+            **drafts)
 
     def _filter_args(self, s: int) -> tuple:
         """Placeholder arguments of the sampler of s logits rows (``programs._filter``)."""
@@ -349,7 +393,7 @@ class ModelRunner:
         num_pages pages (``allocate_kv_cache`` may come after), and set ``peak_program_bytes``
         over all of them (``kv_sizing.peak_program_bytes``)."""
         self.compiled = compilation.compile_programs(
-            self.executables, self.programs, self.placeholder_args(*self.pool_structs(num_pages)),
+            self.executables, self.programs, self._placeholder_args_for(num_pages),
             self._compiler_options, log)
         self.peak_program_bytes = peak_program_bytes(
             [compilation.memory_of(c) for _, _, c in self.compiled.entries()])
@@ -390,11 +434,18 @@ class ModelRunner:
         sampled, logits, hidden, self.k_cache, self.v_cache, self.block_table = step(
             self.params, x.packed, self._prev_sampled, self.k_cache, self.v_cache,
             self.block_table)
+        if self.draft is not None:  # the draft pool covers every token the target's does
+            self.draft_k_cache, self.draft_v_cache = self.compiled.draft_step[t](
+                self.draft.params, x.packed, self._prev_sampled, self.draft_k_cache,
+                self.draft_v_cache, self.block_table)
         f = self.inputs.filter_inputs(sched, x)
         copies = self.inputs.page_copies(sched)
         if copies is not None:
             self.k_cache, self.v_cache = self.compiled.page_copy(self.k_cache, self.v_cache,
                                                                  *copies)
+            if self.draft is not None:
+                self.draft_k_cache, self.draft_v_cache = self.compiled.draft_page_copy(
+                    self.draft_k_cache, self.draft_v_cache, *copies)
         prompt_logprobs = None
         if x.prompt_spans:
             prompt_logprobs = self.compiled.prompt_logprobs(self.params, hidden, x.prompt_targets)
@@ -407,7 +458,7 @@ class ModelRunner:
         handle = StepHandle(self._step_count - 1, sampled, rows, [x.req_ids[i] for i in seqs],
                             x.num_drafts[seqs], x.draft_ids, x.seq_start, None,
                             f.logprob_ks[seqs], prompt_logprobs, x.prompt_spans,
-                            x.prompt_targets)
+                            x.prompt_targets, propose=sched.propose_drafts)
         self._prev_sampled = sampled
         if f.fm is not None:
             handle.filter_inputs = (logits, x.sm, f.fm, np.flatnonzero(f.structured),
@@ -489,5 +540,29 @@ class ModelRunner:
                 prompt_logprobs[rid] = (first, _trim(lp, rows, [k] * n))
         accepted = {rid: t[:-1] for rid, t, k in zip(handle.req_ids, tokens,
                                                     handle.num_drafts.tolist()) if k}
+        drafts = self._propose(handle.req_ids, tokens) if handle.propose else {}
         return ModelRunnerOutput({rid: t[-1] for rid, t in zip(handle.req_ids, tokens)},
-                                 logprobs, prompt_logprobs, accepted)
+                                 logprobs, prompt_logprobs, accepted, drafts)
+
+    def _propose(self, req_ids: list[str], tokens: list[list[int]]) -> dict[str, list[int]]:
+        """The draft model's k drafts (``draft_model.propose``) after each request's newest
+        token (``tokens[i][-1]``, just recorded), for those still in the batch whose pages
+        reach k positions past it (the scheduler's lookahead; not near max_model_len). Waits
+        for them: the scheduler needs them for the next step."""
+        b, k, ps = self.input_batch, self.num_speculative_tokens, self.page_size
+        slots = np.fromiter((b.req_index.get(r, -1) for r in req_ids), np.int32, len(req_ids))
+        pos = b.num_computed_tokens[slots]
+        ok = (slots >= 0) & (pos + k <= self.max_model_len)
+        ok &= (pos + k - 1) // ps < b.num_blocks[slots]
+        ok &= b.num_tokens[slots] == pos + 1  # the newest token is the only one not computed
+        live = np.flatnonzero(ok)
+        n = len(live)
+        if n == 0 or n > self.max_spec_seqs:
+            return {}
+        rows = np.zeros((3, self.max_spec_seqs), np.int32)
+        rows[:, :n] = [[tokens[i][-1] for i in live], pos[live], slots[live]]
+        drafts, self.draft_k_cache, self.draft_v_cache = self.compiled.propose(
+            self.draft.params, self.draft_k_cache, self.draft_v_cache, self.block_table,
+            *rows, np.int32(n))
+        drafts = np.asarray(drafts)
+        return {req_ids[i]: drafts[j].tolist() for j, i in enumerate(live)}

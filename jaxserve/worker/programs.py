@@ -7,7 +7,7 @@ runner's module docstring says why); the others are dispatched only when a step 
 
 import dataclasses
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Generic, TypeVar
 
@@ -17,6 +17,8 @@ from jax.sharding import Mesh
 
 from jaxserve.config import ModelConfig
 from jaxserve.models import llama, sharding
+from jaxserve.spec_decode import draft_model
+from jaxserve.spec_decode.draft_model import DraftModel
 from jaxserve.worker.executable_cache import KeyedJit
 from jaxserve.worker.sampler import (compute_logprobs, sample_filtered, sample_unfiltered,
                                      write_state_row)
@@ -40,6 +42,9 @@ class Programs(Generic[P]):
       page_copy: ``_copy_pages``, forked choices' pages.
       block_table_write: ``_write_block_table``, entries that do not fit in the step's inputs.
       prompt_logprobs: ``_prompt_logprobs``.
+      draft_step: by token bucket T, ``_draft_step`` (the draft_model method; else empty).
+      propose: ``draft_model.propose`` (the draft_model method; else None).
+      draft_page_copy: ``_copy_pages`` of the draft pool (the draft_model method; else None).
     """
 
     step: dict[int, P]
@@ -48,15 +53,19 @@ class Programs(Generic[P]):
     page_copy: P
     block_table_write: P
     prompt_logprobs: P
+    draft_step: dict[int, P] = field(default_factory=dict)
+    propose: P | None = None
+    draft_page_copy: P | None = None
 
     def entries(self) -> Iterator[tuple[str, int | None, P]]:
-        """(field, T or S or None, entry) of every program: steps, samplers, then the others."""
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
+        """(field, T or S or None, entry) of every program: steps, samplers, then the others
+        (the draft model's, when there is one)."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
             if isinstance(value, dict):
-                yield from ((field.name, n, v) for n, v in value.items())
-            else:
-                yield field.name, None, value
+                yield from ((f.name, n, v) for n, v in value.items())
+            elif value is not None:
+                yield f.name, None, value
 
     def get(self, field: str, n: int | None) -> P:
         value = getattr(self, field)
@@ -65,7 +74,7 @@ class Programs(Generic[P]):
     @classmethod
     def of_entries(cls, entries) -> "Programs":
         """``entries``' inverse: a table of the (field, n, entry) triples given."""
-        tables: dict[str, dict | object] = {"step": {}, "filter": {}}
+        tables: dict[str, dict | object] = {"step": {}, "filter": {}, "draft_step": {}}
         for field, n, value in entries:
             if n is None:
                 tables[field] = value
@@ -76,13 +85,15 @@ class Programs(Generic[P]):
 
 def jit_programs(config: ModelConfig, params: dict, attention_fn: Callable, mesh: Mesh | None,
                  max_rows: int, branch_free: bool, layouts: dict[int, StepLayout],
-                 row_counts: list[int], max_drafts: int = 0) -> Programs:
+                 row_counts: list[int], max_drafts: int = 0, draft: DraftModel | None = None,
+                 page_size: int = 0) -> Programs:
     """Every program, jitted: the step of each token bucket of ``layouts`` (its layout is
     static; the pool and the block table are donated; its tokens padded to ``max_rows``, the
     most logits rows of any bucket), the filtered sampler (one for every L of ``row_counts``;
     ``max_drafts``: the most drafts a sequence carries, speculative decoding), and the others.
     On a mesh the params are split by the Megatron layout, the pool by KV head, everything
-    else replicated."""
+    else replicated. ``draft``: the draft_model method's model (one device only), whose
+    programs join the table; ``page_size``: the pools' (for its ``propose``)."""
     filter_fn = partial(_filter, max_drafts)
     if mesh is None:
         jit_step = partial(KeyedJit, donate_argnums=(3, 4, 5))
@@ -95,6 +106,14 @@ def jit_programs(config: ModelConfig, params: dict, attention_fn: Callable, mesh
             out_shardings=(rep, rep, rep, kv, kv, rep))
         jit_filter = KeyedJit(filter_fn, donate_argnums=(4,), in_shardings=rep,
                              out_shardings=rep)
+    drafts = {}
+    if draft is not None:
+        drafts = dict(
+            draft_step={t: KeyedJit(partial(_draft_step, draft.config, attention_fn, layout),
+                                    donate_argnums=(3, 4)) for t, layout in layouts.items()},
+            propose=KeyedJit(partial(draft_model.propose, draft.config, attention_fn,
+                                     max_drafts, page_size), donate_argnums=(1, 2)),
+            draft_page_copy=KeyedJit(_copy_pages, donate_argnums=(0, 1)))
     return Programs(
         step={t: jit_step(partial(_step, config, attention_fn, mesh, max_rows, branch_free,
                                   layout)) for t, layout in layouts.items()},
@@ -102,7 +121,20 @@ def jit_programs(config: ModelConfig, params: dict, attention_fn: Callable, mesh
         state_writer=KeyedJit(write_state_row, donate_argnums=(0,)),
         page_copy=KeyedJit(_copy_pages, donate_argnums=(0, 1)),
         block_table_write=KeyedJit(_write_block_table, donate_argnums=(0,)),
-        prompt_logprobs=KeyedJit(partial(_prompt_logprobs, config, mesh)))
+        prompt_logprobs=KeyedJit(partial(_prompt_logprobs, config, mesh)), **drafts)
+
+
+def _step_tokens(x, prev_sampled):
+    """[T] the step's input tokens: ``token_ids``, or the previous step's sampled token where
+    ``prev_rows`` points at one."""
+    prev_rows = x["prev_rows"]
+    return jnp.where(prev_rows >= 0, prev_sampled[jnp.maximum(prev_rows, 0)], x["token_ids"])
+
+
+def _step_metadata(x, block_table) -> llama.AttentionMetadata:
+    """The step's attention metadata, its sequences' rows gathered from ``block_table``."""
+    return llama.AttentionMetadata(x["positions"], x["slot_mapping"], x["query_start_loc"],
+                                   x["seq_lens"], block_table[x["seq_slots"]])
 
 
 def _step(config, attention_fn, mesh, max_rows, branch_free, layout, params, packed,
@@ -122,13 +154,10 @@ def _step(config, attention_fn, mesh, max_rows, branch_free, layout, params, pac
     table. ``branch_free``: no control flow (the GPU; see the sampler's module docstring).
     ``mesh``: the tensor-parallel mesh (None: one device)."""
     x = layout.unpack(packed)
-    prev_rows = x["prev_rows"]
-    token_ids = jnp.where(prev_rows >= 0, prev_sampled[jnp.maximum(prev_rows, 0)],
-                          x["token_ids"])
+    token_ids = _step_tokens(x, prev_sampled)
     block_table = _write_block_table(block_table, x["block_table_rows"], x["block_table_cols"],
                                      x["block_table_pages"])
-    md = llama.AttentionMetadata(x["positions"], x["slot_mapping"], x["query_start_loc"],
-                                 x["seq_lens"], block_table[x["seq_slots"]])
+    md = _step_metadata(x, block_table)
     sm = SamplingMetadata(**{f.name: x[f.name] for f in dataclasses.fields(SamplingMetadata)})
     logits, k_cache, v_cache, hidden = llama.forward(
         config, params, token_ids, md, k_cache, v_cache, x["logits_indices"],
@@ -137,6 +166,16 @@ def _step(config, attention_fn, mesh, max_rows, branch_free, layout, params, pac
     sampled = sample_unfiltered(logits, sm, branch_free=branch_free)
     return (jnp.pad(sampled, (0, max_rows - sampled.shape[0])), logits, hidden, k_cache,
             v_cache, block_table)
+
+
+def _draft_step(config, attention_fn, layout, params, packed, prev_sampled, k_cache, v_cache,
+                block_table):
+    """``draft_model.draft_step`` over the tokens of the step of ``packed`` (the same inputs
+    as ``_step``; ``block_table``: the one that step returned, its writes applied). Returns the
+    draft pool."""
+    x = layout.unpack(packed)
+    return draft_model.draft_step(config, attention_fn, _step_metadata(x, block_table), params,
+                                  _step_tokens(x, prev_sampled), k_cache, v_cache)
 
 
 def _filter(max_drafts, logits, sampled, sm, fm, state, bitmask):

@@ -26,7 +26,9 @@ def test_config_defaults_follow_vllm():
 
 @pytest.mark.parametrize("d, field", [
     ({"method": "medusa", "num_speculative_tokens": 2}, "medusa"),
-    ({"method": "draft_model", "num_speculative_tokens": 2}, "not built"),
+    ({"method": "eagle", "num_speculative_tokens": 2}, "not built"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "model"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "model"),
     ({"method": "ngrams", "num_speculative_tokens": 2}, "method"),
     ({"method": "ngram"}, "num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),

@@ -1,0 +1,105 @@
+"""The draft_model method (vLLM V1's ``v1/spec_decode/draft_model.py``): a smaller model with the
+target's vocabulary drafts k tokens per sequence, greedily, on the device.
+
+The draft model has its own params and its own KV pool, of the target pool's page count and
+page size, indexed by the same block table: a page id holds the target's K/V in the target pool
+and the draft's K/V of the same tokens in the draft pool. Two programs keep it:
+
+- ``draft_step`` (one per token bucket) runs the draft model over exactly the tokens of the
+  target's step (prompt chunks, decodes and verified drafts alike), from the same packed inputs,
+  so the draft pool covers every position the target pool covers: prefix-cache hits, preemption
+  and rollback need nothing of their own (rejected positions are written again later).
+- ``propose`` runs after a step whose drafts the scheduler asked for: from each sequence's last
+  emitted token (not in either pool yet), k single-token steps, each writing its token's K/V and
+  taking the argmax as the next draft. Its K/V past the emitted token go to the lookahead pages
+  the scheduler allocated; the next step's ``draft_step`` writes them again with the same tokens.
+
+The draft is the argmax of the draft model, so its distribution q is a point mass, as in vLLM
+V1 (whose draft and EAGLE proposers also draft by argmax and verify without draft
+probabilities): the rejection sampler's point-mass rule (``rejection_sampler.py``) keeps the
+target's distribution exactly (Leviathan et al. 2023; Chen et al. 2023).
+"""
+
+from dataclasses import dataclass
+
+import jax.numpy as jnp
+
+from jaxserve.config import ModelConfig
+from jaxserve.models import llama
+
+
+@dataclass
+class DraftModel:
+    """The draft model of ``--speculative-config``'s "model".
+
+    Attributes:
+      config: its shapes; ``vocab_size`` equals the target's.
+      params: its params on the device (``jaxserve.models.llama``).
+    """
+
+    config: ModelConfig
+    params: dict
+
+
+def check_vocabulary(draft: ModelConfig, target: ModelConfig) -> None:
+    """Raises ValueError, naming the field, when the draft model's vocabulary is not the
+    target's (its drafts would be other tokens)."""
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(f"model: the draft model's vocabulary has {draft.vocab_size} tokens, "
+                         f"the target's {target.vocab_size}; they must share the tokenizer")
+
+
+def draft_step(config: ModelConfig, attention_fn, metadata, params, token_ids, k_cache,
+               v_cache):
+    """The draft model over a step's tokens: writes their K/V into the draft pool.
+
+    Args:
+      config, params: the draft model.
+      metadata: the step's ``llama.AttentionMetadata`` (the target's, same block table).
+      token_ids: [T] int32, the step's tokens.
+      k_cache, v_cache: the draft pool (donate it).
+
+    Returns:
+      (k_cache, v_cache) updated; the logits are not computed (XLA drops them).
+    """
+    _, k_cache, v_cache = llama.forward(config, params, token_ids, metadata, k_cache, v_cache,
+                                        jnp.zeros(1, jnp.int32), attention_fn=attention_fn)
+    return k_cache, v_cache
+
+
+def propose(config: ModelConfig, attention_fn, num_drafts: int, page_size: int, params,
+            k_cache, v_cache, block_table, token_ids, positions, slots, num_seqs):
+    """num_drafts greedy drafts after each sequence's last emitted token.
+
+    Args:
+      config, params: the draft model.
+      num_drafts: k (static).
+      page_size: tokens per page (static).
+      k_cache, v_cache: the draft pool (donate it).
+      block_table: [max_num_seqs, P] int32, the device block table.
+      token_ids: [B] int32 each sequence's last emitted token; rows from num_seqs on pad.
+      positions: [B] int32 its position (its pages cover positions + num_drafts - 1).
+      slots: [B] int32 the sequences' InputBatch slots.
+      num_seqs: int32 scalar, the rows in use.
+
+    Returns:
+      (drafts [B, num_drafts] int32, k_cache, v_cache).
+    """
+    b = token_ids.shape[0]
+    live = jnp.arange(b) < num_seqs
+    tables = block_table[slots]
+    # padding rows own no query token (the step's layout): they attend to and write nothing
+    qsl = jnp.minimum(jnp.arange(b + 1, dtype=jnp.int32), num_seqs)
+    drafts = []
+    for j in range(num_drafts):
+        pos = jnp.where(live, positions + j, 0)
+        page = jnp.take_along_axis(tables, (pos // page_size)[:, None], axis=1)[:, 0]
+        md = llama.AttentionMetadata(pos, jnp.where(live, page * page_size + pos % page_size, 0),
+                                     qsl, jnp.where(live, pos + 1, 0), tables)
+        logits, k_cache, v_cache = llama.forward(
+            config, params, token_ids, md, k_cache, v_cache, jnp.arange(b, dtype=jnp.int32),
+            attention_fn=attention_fn)
+        token_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        drafts.append(token_ids)
+    return jnp.stack(drafts, axis=1), k_cache, v_cache
+

@@ -1,0 +1,83 @@
+"""The draft_model speculative method (docs/spec_decode.md) on a tiny random Llama target with
+its own first layer as the draft (``checkpoints_tools.convert.first_layers``): greedy outputs
+equal HF's up to the near-tie rule with drafts accepted, a draft that is the target itself has
+every draft accepted (its pool follows the target's exactly), and bad drafts are start-up errors
+naming ``--speculative-config``."""
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from checkpoints_tools.convert import first_layers
+from jaxserve.model_loader import load_checkpoint, save_hf_folder
+from jaxserve.sampling_params import SamplingParams
+from tests.greedy import compare_greedy, hf_greedy_margins
+from tests.tiny_models import TINY, TINY_CONFIGS, save_tiny_model
+
+# 16-token steps: prompts in chunks, a small pool (the batch preempts)
+ENGINE = dict(max_model_len=256, max_num_batched_tokens=16, max_num_seqs=4, kv_cache_gib=0.004,
+              log=lambda s: None)
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory, smollm):
+    """(target folder, draft folder: its first layer, the HF target)."""
+    target = tmp_path_factory.mktemp("target")
+    hf_model = save_tiny_model("llama", target, smollm.tokenizer)
+    draft = tmp_path_factory.mktemp("draft")
+    save_hf_folder(draft, first_layers(load_checkpoint(str(target), "safetensors"), 1))
+    return target, draft, hf_model
+
+
+def spec(model: str) -> dict:
+    return {"method": "draft_model", "model": model, "num_speculative_tokens": 3}
+
+
+def generate(folder, draft, prompts):
+    from jaxserve import LLM
+
+    llm = LLM(str(folder), speculative_config=spec(str(draft)), **ENGINE)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS),
+                        use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs], llm.engine.get_stats().spec_decoding
+
+
+def prompts():
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, TINY["vocab_size"], size=n).tolist() for n in (5, 40, 100)]
+
+
+def test_greedy_equals_hf_with_drafts_accepted(tiny_pair):
+    target, draft, hf_model = tiny_pair
+    ours, stats = generate(target, draft, prompts())
+    assert stats.num_accepted_tokens > 0 and stats.num_draft_tokens > 0
+    for ids, out in zip(prompts(), ours):
+        with torch.no_grad():
+            ref = hf_model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS,
+                                    do_sample=False,
+                                    attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                    )[0, len(ids):].tolist()
+        ok, n = compare_greedy(out, ref, hf_greedy_margins(hf_model, ids, ref))
+        assert ok, (n, out, ref)
+
+
+def test_target_as_its_own_draft_accepts_every_draft(tiny_pair):
+    target, _, _ = tiny_pair
+    _, stats = generate(target, target, prompts())
+    assert stats.num_draft_tokens > 20
+    assert stats.num_accepted_tokens >= 0.95 * stats.num_draft_tokens
+
+
+def test_bad_draft_is_a_start_up_error(tiny_pair, tmp_path):
+    from jaxserve import LLM
+
+    target, _, _ = tiny_pair
+    other = transformers.LlamaForCausalLM(TINY_CONFIGS["llama"]().__class__(
+        **{**TINY_CONFIGS["llama"]().to_dict(), "vocab_size": 256}))
+    other.save_pretrained(tmp_path)
+    for model, words in ((str(tmp_path), "vocabulary"), (str(tmp_path / "nowhere"), "model")):
+        with pytest.raises(ValueError, match="--speculative-config") as e:
+            LLM(str(target), speculative_config=spec(model), **ENGINE)
+        assert words in str(e.value)

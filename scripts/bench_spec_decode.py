@@ -1,19 +1,22 @@
-"""Batch-1 decode speed with n-gram speculative decoding against the plain engine, in one run.
+"""Batch-1 decode speed with n-gram and draft-model speculative decoding against the plain engine.
 
 The requests of data/spec_decode_prompts.json (repeat, correct or summarise a given paragraph:
 their outputs copy their input) run one at a time, greedy, --max-tokens each, through the
 offline ``LLM`` (chat template applied), on three engines of the same limits: plain (async
 scheduling, the default), plain with --no-async-scheduling (what running synchronously costs by
 itself: the engine runs the steps that may carry drafts synchronously, docs/spec_decode.md),
-and n-gram speculation. All three are built first and each runs one warm-up request; then each
-request runs on the three in turn, --repeats times, so that load from other jobs on a shared
-machine falls on all three alike. Reported per engine: output tokens / wall time of its
-requests (tok/s) and the speedup over plain, and for n-gram the mean acceptance length (1 +
+n-gram speculation and, with --draft-model, the draft_model method (greedy drafts of that
+model, e.g. the default model's first layers: ``checkpoints_tools.convert --num-layers``). All
+are built first and each runs one warm-up request; then each
+request runs on each in turn, --repeats times, so that load from other jobs on a shared
+machine falls on all alike. Reported per engine: output tokens / wall time of its
+requests (tok/s) and the speedup over plain, and for each method the mean acceptance length (1 +
 accepted drafts / sequence-steps that verified drafts, vLLM's definition) and how many outputs
 equal the plain engine's token for token.
 
   python scripts/bench_spec_decode.py                       # k = 4, lookup 2..4, 64 tokens
   python scripts/bench_spec_decode.py --num-speculative-tokens 8 --max-tokens 128
+  python scripts/bench_spec_decode.py --draft-model /tmp/smollm2-4-layers  # adds draft_model
 """
 
 import argparse
@@ -36,6 +39,7 @@ def main() -> None:
     ap.add_argument("--prompt-lookup-min", type=int, default=2)
     ap.add_argument("--max-num-batched-tokens", type=int, default=64)
     ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--draft-model", default=None, help="adds the draft_model method with it")
     args = ap.parse_args()
     prompts = [r["prompt"] for r in json.loads(REQUESTS.read_text())]
     limits = dict(max_num_seqs=1, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -43,14 +47,18 @@ def main() -> None:
     spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
             "prompt_lookup_max": args.prompt_lookup_max,
             "prompt_lookup_min": args.prompt_lookup_min}
-    engines = {name: LLM(args.model, **limits, **extra) for name, extra in (
-        ("plain", {}), ("plain, synchronous", {"async_scheduling": False}),
-        ("ngram", {"speculative_config": spec}))}
+    configs = [("plain", {}), ("plain, synchronous", {"async_scheduling": False}),
+               ("ngram", {"speculative_config": spec})]
+    if args.draft_model:
+        configs.append(("draft_model", {"speculative_config": {
+            "method": "draft_model", "model": args.draft_model,
+            "num_speculative_tokens": args.num_speculative_tokens}}))
+    engines = {name: LLM(args.model, **limits, **extra) for name, extra in configs}
+    methods = [name for name, extra in configs if extra.get("speculative_config")]
     greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     for llm in engines.values():
         llm.chat([{"role": "user", "content": "Say hello."}], greedy, use_tqdm=False)
-    ngram = engines["ngram"].engine
-    before = ngram.get_stats().spec_decoding
+    before = {m: engines[m].engine.get_stats().spec_decoding for m in methods}
     seconds = dict.fromkeys(engines, 0.0)
     outputs = {name: [] for name in engines}
     for _ in range(args.repeats):
@@ -60,22 +68,23 @@ def main() -> None:
                 out = llm.chat([{"role": "user", "content": p}], greedy, use_tqdm=False)
                 seconds[name] += time.perf_counter() - start
                 outputs[name].append(out[0].outputs[0].token_ids)
-    s = ngram.get_stats().spec_decoding
-    drafts = s.num_drafts - before.num_drafts
-    accepted = s.num_accepted_tokens - before.num_accepted_tokens
-    drafted = s.num_draft_tokens - before.num_draft_tokens
-    per_pos = [a - b for a, b in zip(s.num_accepted_tokens_per_pos,
-                                     before.num_accepted_tokens_per_pos)]
     plain_rate = sum(map(len, outputs["plain"])) / seconds["plain"]
     for name in engines:
         n_tok = sum(map(len, outputs[name]))
         rate = n_tok / seconds[name]
         print(f"{name:>20}: {n_tok} tokens in {seconds[name]:.1f} s, {rate:.1f} tok/s "
               f"({rate / plain_rate:.2f}x plain)", flush=True)
-    same = sum(a == b for a, b in zip(outputs["ngram"], outputs["plain"]))
-    print(f"ngram: acceptance length {1 + accepted / max(drafts, 1):.2f} ({accepted} of "
-          f"{drafted} draft tokens accepted in {drafts} verifications; per position {per_pos}); "
-          f"outputs equal to plain: {same}/{len(outputs['plain'])}")
+    for m in methods:
+        s, b = engines[m].engine.get_stats().spec_decoding, before[m]
+        drafts = s.num_drafts - b.num_drafts
+        accepted = s.num_accepted_tokens - b.num_accepted_tokens
+        drafted = s.num_draft_tokens - b.num_draft_tokens
+        per_pos = [x - y for x, y in zip(s.num_accepted_tokens_per_pos,
+                                         b.num_accepted_tokens_per_pos)]
+        same = sum(x == y for x, y in zip(outputs[m], outputs["plain"]))
+        print(f"{m}: acceptance length {1 + accepted / max(drafts, 1):.2f} ({accepted} of "
+              f"{drafted} draft tokens accepted in {drafts} verifications; per position "
+              f"{per_pos}); outputs equal to plain: {same}/{len(outputs['plain'])}")
 
 
 if __name__ == "__main__":

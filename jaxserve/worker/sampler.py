@@ -50,7 +50,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.sampling_params import MAX_LOGPROBS
-from jaxserve.spec_decode.rejection_sampler import emitted_rows
+from jaxserve.spec_decode.rejection_sampler import emitted_rows, verify_distribution
 from jaxserve.worker.sampling_fields import FilterMetadata, SamplingMetadata
 
 # Covers the top_k values clients use in practice (20, 40, 50, 100). On CPU lax.top_k(256) is a
@@ -262,6 +262,13 @@ def _sample_sorted(scaled: jax.Array, k: jax.Array, top_p: jax.Array, keys: jax.
     Returns:
       [S] int32 token ids.
     """
+    masked = _top_k_top_p_masked(scaled, k, top_p)
+    return jax.vmap(jax.random.categorical)(keys, masked).astype(jnp.int32)
+
+
+def _top_k_top_p_masked(scaled: jax.Array, k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """[S, V] ``scaled`` with -inf outside each row's top-k, then top-p, set (a full sort);
+    k: [S] int32, 0 when off; top_p: [S] float32."""
     vocab = scaled.shape[-1]
     sorted_logits = jnp.sort(scaled, axis=-1)[:, ::-1]
     kth = jnp.take_along_axis(sorted_logits, (jnp.where(k > 0, k, vocab) - 1)[:, None], axis=-1)
@@ -269,8 +276,7 @@ def _sample_sorted(scaled: jax.Array, k: jax.Array, top_p: jax.Array, keys: jax.
     num_keep = jnp.maximum(jnp.sum(_top_p_keep(probs, top_p), axis=-1), 1)
     threshold = jnp.take_along_axis(sorted_logits, (num_keep - 1)[:, None], axis=-1)
     threshold = jnp.maximum(threshold, kth)
-    masked = jnp.where(scaled >= threshold, scaled, -jnp.inf)
-    return jax.vmap(jax.random.categorical)(keys, masked).astype(jnp.int32)
+    return jnp.where(scaled >= threshold, scaled, -jnp.inf)
 
 
 def _sample_sorted_rows(
@@ -335,9 +341,34 @@ def sample_unfiltered(logits: jax.Array, sm: SamplingMetadata, *,
     return jax.lax.cond(jnp.any(sampled), with_draws, lambda: greedy)
 
 
+def sample_draft(logits: jax.Array, sm: SamplingMetadata) -> tuple[jax.Array, jax.Array]:
+    """A draft model's draw (speculative decoding, ``spec_decode/draft_model.py``): greedy rows
+    take the argmax; the others draw from q, the draft's logits under the row's temperature,
+    top-k and top-p, with a key of their own (the row's key folded once more, so that the
+    target's draws stay independent of it).
+
+    Args:
+      logits: [S, V] float32, the draft model's.
+      sm: the rows' settings (``steps``: the output index of the token drafted).
+
+    Returns:
+      (tokens [S] int32, q [S, V] float32: the distribution of sampled rows' tokens).
+    """
+    vocab = logits.shape[-1]
+    scaled, keys = _scaled_and_keys(logits, sm)
+    keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, 1)
+    k = jnp.where((sm.top_k > 0) & (sm.top_k < vocab), sm.top_k, 0)
+    masked = jax.lax.cond(jnp.any(filtered_rows(sm, vocab)),
+                          lambda: _top_k_top_p_masked(scaled, k, sm.top_p), lambda: scaled)
+    drawn = jax.vmap(jax.random.categorical)(keys, masked).astype(jnp.int32)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return jnp.where(sm.temperature > 0, drawn, greedy), jax.nn.softmax(masked, axis=-1)
+
+
 def sample_filtered(logits: jax.Array, tokens: jax.Array, sm: SamplingMetadata,
                     fm: FilterMetadata, state: SamplingState | None = None,
-                    bitmask: jax.Array | None = None, max_drafts: int = 0):
+                    bitmask: jax.Array | None = None, max_drafts: int = 0,
+                    draft_probs: jax.Array | None = None):
     """``tokens`` ([S] int32, from ``sample_unfiltered``) with ``fm.rows`` drawn again after the
     grammar's mask, the logits processors, min-p, top-k and top-p.
 
@@ -352,6 +383,10 @@ def sample_filtered(logits: jax.Array, tokens: jax.Array, sm: SamplingMetadata,
       max_drafts: the most draft tokens a sequence's rows verify (speculative decoding: a row
         is drawn with the drafts before it counted, and only emitted rows' tokens are counted,
         ``rejection_sampler.emitted_rows``); 0: none.
+      draft_probs: [N, V] float32, the q of drafts a draft model sampled (``sample_draft``);
+        a sampled row with ``fm.draft_prob_rows`` >= 0 verifies its draft against that row of
+        it: it draws from ``rejection_sampler.verify_distribution`` of its processed
+        distribution (min-p, top-k and top-p by the full sort). None: no such rows.
 
     Returns:
       (tokens [S] int32, the state with the drawn tokens counted (or None), Logprobs of the
@@ -369,9 +404,14 @@ def sample_filtered(logits: jax.Array, tokens: jax.Array, sm: SamplingMetadata,
     scaled = jnp.where((fm.min_p[:, None] > 0) & (scaled < floor), -jnp.inf, scaled)
     k = jnp.where((sm.top_k > 0) & (sm.top_k < vocab), sm.top_k, 0)
     sampled = fm.rows & (sm.temperature > 0)
-    candidates = sampled & (k > 0) & (k <= K_MAX)
-    sort = sampled & ~candidates & ((k > 0) | (sm.top_p < 1))
-    plain = sampled & ~candidates & ~sort
+    verify = None
+    drawn = sampled  # rows drawn from p itself
+    if draft_probs is not None:
+        verify = sampled & (fm.draft_prob_rows >= 0)
+        drawn = sampled & ~verify
+    candidates = drawn & (k > 0) & (k <= K_MAX)
+    sort = drawn & ~candidates & ((k > 0) | (sm.top_p < 1))
+    plain = drawn & ~candidates & ~sort
     zeros = jnp.zeros(logits.shape[:1], jnp.int32)
 
     def run_if(rows, fn):
@@ -388,6 +428,14 @@ def sample_filtered(logits: jax.Array, tokens: jax.Array, sm: SamplingMetadata,
     )
     tokens = jnp.where(
         sort, run_if(sort, lambda: _sample_sorted_rows(scaled, k, sm.top_p, keys, sort)), tokens)
+    if verify is not None:
+        def with_q():
+            p = jax.nn.softmax(_top_k_top_p_masked(scaled, k, sm.top_p), axis=-1)
+            r = verify_distribution(p, draft_probs[jnp.maximum(fm.draft_prob_rows, 0)],
+                                    jnp.maximum(fm.draft_ids, 0))
+            return jax.vmap(jax.random.categorical)(keys, jnp.log(r)).astype(jnp.int32)
+
+        tokens = jnp.where(verify, run_if(verify, with_q), tokens)
     if state is not None:
         count = fm.count & emitted_rows(tokens, fm.draft_ids, fm.seq_start)
         counts = state.output_counts.at[fm.slots, tokens].add(count.astype(jnp.int32))

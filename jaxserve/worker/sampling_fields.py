@@ -85,6 +85,9 @@ FIELDS = (
     SamplingField("seq_start", np.int32, 0, FILTER,
                   "the first logits row of the row's sequence (a sequence with drafts has one "
                   "row per draft, then the bonus row)."),
+    SamplingField("draft_prob_rows", np.int32, -1, FILTER,
+                  "the row of ``draft_probs`` holding the q of the draft the row verifies (a "
+                  "draft model's sampled draft; -1: none, or a point mass)."),
     SamplingField("min_tokens", np.int32, 0, SLOT, "output tokens before a stop is allowed.",
                   _param("min_tokens")),
     SamplingField("penalized", bool, False, SLOT,

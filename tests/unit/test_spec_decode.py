@@ -12,7 +12,7 @@ from scipy import stats
 from jaxserve.spec_decode.config import SpeculativeConfig, parse_speculative_config
 from jaxserve.spec_decode.ngram_proposer import NgramProposer
 from jaxserve.spec_decode.rejection_sampler import emitted_rows
-from jaxserve.worker.sampler import init_state, sample_filtered, sample_unfiltered
+from jaxserve.worker.sampler import init_state, sample_draft, sample_filtered, sample_unfiltered
 from jaxserve.worker.sampling_fields import FilterMetadata, SamplingMetadata, neutral
 
 
@@ -107,8 +107,12 @@ def target(row: int, drafts_counted: bool = True) -> np.ndarray:
     x = LOGITS[row].astype(np.float64)
     seen = (counts > 0) | np.isin(np.arange(V), PROMPT_TOKENS)
     x = np.where(seen, np.where(x > 0, x / REPETITION, x * REPETITION), x)
-    x = x - FREQUENCY * counts - PRESENCE * (counts > 0)
-    x = x / TEMPERATURE
+    return processed(x - FREQUENCY * counts - PRESENCE * (counts > 0))
+
+
+def processed(x: np.ndarray) -> np.ndarray:
+    """The distribution of logits x under TEMPERATURE, TOP_K, then TOP_P."""
+    x = x.astype(np.float64) / TEMPERATURE
     order = np.argsort(-x, kind="stable")
     keep = np.zeros(V, bool)
     keep[order[:TOP_K]] = True
@@ -139,6 +143,62 @@ def chi_square_p(samples: np.ndarray, p: np.ndarray) -> float:
     assert support[samples].all(), "a token outside the target's support"
     observed = np.bincount(samples, minlength=V)[support]
     return stats.chisquare(observed, len(samples) * p[support]).pvalue
+
+
+# A draft model's sampled drafts (a real q): the draft's logits, a distribution far from the
+# target's (TV > 0.3), so that drafts are rejected often.
+DRAFT_LOGITS = np.array([0.0, 2.2, 0.3, 1.9, -0.4, 1.0, 0.2, 0.1], np.float32)
+ALPHA_Q = 0.01 / 3  # the three tests of real-q drafts, a family at false-alarm rate 0.01
+
+
+@pytest.fixture(scope="module")
+def draft_model_draws():
+    """(drafts, tokens): N trials of one verified row each, the draft d drawn by sample_draft
+    from DRAFT_LOGITS (trial's seed, step 0), the row drawn by sample_filtered against the q it
+    returned (target LOGITS[0], no penalties)."""
+    n = 12000
+    sm = neutral(SamplingMetadata, n, temperature=np.full(n, TEMPERATURE, np.float32),
+                 top_k=np.full(n, TOP_K, np.int32), top_p=np.full(n, TOP_P, np.float32),
+                 seeds=np.arange(n, dtype=np.uint32))
+
+    @jax.jit
+    def run(draft_logits, logits, sm):
+        drafts, q = sample_draft(draft_logits, sm)
+        fm = neutral(FilterMetadata, n, rows=jnp.ones(n, bool), draft_ids=drafts,
+                     draft_prob_rows=jnp.arange(n, dtype=jnp.int32))
+        tokens = sample_filtered(logits, jnp.zeros(n, jnp.int32), sm, fm, draft_probs=q)[0]
+        return drafts, tokens
+
+    drafts, tokens = run(jnp.asarray(np.tile(DRAFT_LOGITS, (n, 1))),
+                         jnp.asarray(np.tile(LOGITS[0], (n, 1))), sm)
+    return np.asarray(drafts), np.asarray(tokens)
+
+
+def test_draft_model_drafts_follow_q(draft_model_draws):
+    drafts, _ = draft_model_draws
+    q = processed(DRAFT_LOGITS)
+    assert len(drafts) >= trials_needed(int((q > 0).sum()) - 1)
+    assert chi_square_p(drafts, q) > ALPHA_Q
+
+
+def test_draft_model_verified_token_has_the_target_distribution(draft_model_draws):
+    """Accepted (x == d) or not, the emitted token follows p: speculative sampling with q."""
+    drafts, tokens = draft_model_draws
+    p, q = processed(LOGITS[0]), processed(DRAFT_LOGITS)
+    assert np.abs(p - q).sum() / 2 > 0.3
+    accept = np.minimum(1, p[drafts] / q[drafts])
+    assert abs((tokens == drafts).mean() - accept.mean()) < 4 * np.sqrt(0.25 / len(drafts))
+    assert chi_square_p(tokens, p) > ALPHA_Q
+
+
+def test_draft_model_rejected_token_has_the_residual_distribution(draft_model_draws):
+    drafts, tokens = draft_model_draws
+    p, q = processed(LOGITS[0]), processed(DRAFT_LOGITS)
+    rejected = tokens != drafts
+    residual = np.maximum(p - q, 0)
+    residual /= residual.sum()
+    assert rejected.sum() >= trials_needed(int((residual > 0).sum()) - 1)
+    assert chi_square_p(tokens[rejected], residual) > ALPHA_Q
 
 
 @pytest.fixture(scope="module")

@@ -11,21 +11,25 @@ and the draft's K/V of the same tokens in the draft pool. Two programs keep it:
   and rollback need nothing of their own (rejected positions are written again later).
 - ``propose`` runs after a step whose drafts the scheduler asked for: from each sequence's last
   emitted token (not in either pool yet), k single-token steps, each writing its token's K/V and
-  taking the argmax as the next draft. Its K/V past the emitted token go to the lookahead pages
+  drawing the next draft with the sampler's ``sample_draft`` (greedy rows: the argmax; others:
+  from q, the draft's distribution under the request's temperature, top-k and top-p), whose q
+  the runner keeps for the verifying step. Its K/V past the emitted token go to the lookahead pages
   the scheduler allocated; the next step's ``draft_step`` writes them again with the same tokens.
 
-The draft is the argmax of the draft model, so its distribution q is a point mass, as in vLLM
-V1 (whose draft and EAGLE proposers also draft by argmax and verify without draft
-probabilities): the rejection sampler's point-mass rule (``rejection_sampler.py``) keeps the
-target's distribution exactly (Leviathan et al. 2023; Chen et al. 2023).
+The verifying step's rows draw from ``rejection_sampler.verify_distribution`` of the target's
+p and that q (greedy rows: accept while the argmax equals the draft), which keeps the target's
+distribution exactly (Leviathan et al. 2023; Chen et al. 2023).
 """
 
+import dataclasses
 from dataclasses import dataclass
 
 import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
 from jaxserve.models import llama
+from jaxserve.worker.sampler import sample_draft
+from jaxserve.worker.sampling_fields import SamplingMetadata
 
 
 @dataclass
@@ -68,8 +72,9 @@ def draft_step(config: ModelConfig, attention_fn, metadata, params, token_ids, k
 
 
 def propose(config: ModelConfig, attention_fn, num_drafts: int, page_size: int, params,
-            k_cache, v_cache, block_table, token_ids, positions, slots, num_seqs):
-    """num_drafts greedy drafts after each sequence's last emitted token.
+            k_cache, v_cache, block_table, token_ids, positions, slots, num_seqs,
+            sm: SamplingMetadata):
+    """num_drafts drafts after each sequence's last emitted token.
 
     Args:
       config, params: the draft model.
@@ -81,16 +86,19 @@ def propose(config: ModelConfig, attention_fn, num_drafts: int, page_size: int, 
       positions: [B] int32 its position (its pages cover positions + num_drafts - 1).
       slots: [B] int32 the sequences' InputBatch slots.
       num_seqs: int32 scalar, the rows in use.
+      sm: [B] the sequences' sampling settings, ``steps`` the output index of their first
+        draft.
 
     Returns:
-      (drafts [B, num_drafts] int32, k_cache, v_cache).
+      (drafts [B, num_drafts] int32, q [B * num_drafts, V] float32: row b * num_drafts + j the
+      distribution draft j of sequence b was drawn from, k_cache, v_cache).
     """
     b = token_ids.shape[0]
     live = jnp.arange(b) < num_seqs
     tables = block_table[slots]
     # padding rows own no query token (the step's layout): they attend to and write nothing
     qsl = jnp.minimum(jnp.arange(b + 1, dtype=jnp.int32), num_seqs)
-    drafts = []
+    drafts, probs = [], []
     for j in range(num_drafts):
         pos = jnp.where(live, positions + j, 0)
         page = jnp.take_along_axis(tables, (pos // page_size)[:, None], axis=1)[:, 0]
@@ -99,7 +107,9 @@ def propose(config: ModelConfig, attention_fn, num_drafts: int, page_size: int, 
         logits, k_cache, v_cache = llama.forward(
             config, params, token_ids, md, k_cache, v_cache, jnp.arange(b, dtype=jnp.int32),
             attention_fn=attention_fn)
-        token_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        token_ids, q = sample_draft(logits, dataclasses.replace(sm, steps=sm.steps + j))
         drafts.append(token_ids)
-    return jnp.stack(drafts, axis=1), k_cache, v_cache
+        probs.append(q)
+    return (jnp.stack(drafts, axis=1), jnp.stack(probs, axis=1).reshape(b * num_drafts, -1),
+            k_cache, v_cache)
 

@@ -50,7 +50,8 @@ from jaxserve.worker.input_batch import InputBatch
 from jaxserve.worker.prepare_inputs import InputBuilder
 from jaxserve.worker.programs import Programs, jit_programs, jit_zeroed_pools
 from jaxserve.worker.sampler import Logprobs, init_state
-from jaxserve.worker.sampling_fields import FilterMetadata, SamplingMetadata, neutral
+from jaxserve.worker.sampling_fields import (SAMPLING, FilterMetadata, SamplingMetadata,
+                                             neutral)
 from jaxserve.worker.step_inputs import StepLayout
 from pallas_kernels import kv_quant
 
@@ -209,6 +210,13 @@ class ModelRunner:
             row_counts, num_speculative_tokens, draft, page_size)
         self.draft = draft
         self.draft_k_cache = self.draft_v_cache = None  # allocate_kv_cache
+        # The draft model's q of the last proposed drafts (draft_model.propose), and each
+        # request's row there (its drafts' q: rows * k + j).
+        self._draft_probs = None
+        self._proposed_rows: dict[str, int] = {}
+        if draft is not None:
+            self._draft_probs = jnp.zeros(
+                (max_spec_seqs * num_speculative_tokens, config.vocab_size), jnp.float32)
         self.compiled: Programs | None = None  # compile_buckets
         self._prev_sampled = jnp.zeros(row_counts[-1], jnp.int32, device=self._replicated)
         # The InputBatch's block table, kept on the device: a step sends only the entries that
@@ -340,7 +348,8 @@ class ModelRunner:
                                 self.block_table)
                             for t, layout in self.step_layouts.items()},
                 propose=(self.draft.params, draft_k_cache, draft_v_cache, self.block_table,
-                         rows, rows, rows, np.int32(0)),
+                         rows, rows, rows, np.int32(0),
+                         neutral(SamplingMetadata, self.max_spec_seqs)),
                 draft_page_copy=(draft_k_cache, draft_v_cache, np.zeros(self.max_num_seqs,
                                                                           np.int32),
                                  np.zeros(self.max_num_seqs, np.int32)))
@@ -371,7 +380,8 @@ class ModelRunner:
                 partial(jnp.full, (s, self.bitmask_width), -1, jnp.int32),
                 out_shardings=self._replicated)()
         return (logits, self._prev_sampled, neutral(SamplingMetadata, s),
-                neutral(FilterMetadata, s), self.sampling_state, self._no_bitmask[s])
+                neutral(FilterMetadata, s), self.sampling_state, self._no_bitmask[s],
+                self._draft_probs)
 
     def _compiler_options(self, tokens: int) -> dict | None:
         """XLA options of the step for a bucket of ``tokens``. On a GPU, XLA updates a step's
@@ -438,7 +448,7 @@ class ModelRunner:
             self.draft_k_cache, self.draft_v_cache = self.compiled.draft_step[t](
                 self.draft.params, x.packed, self._prev_sampled, self.draft_k_cache,
                 self.draft_v_cache, self.block_table)
-        f = self.inputs.filter_inputs(sched, x)
+        f = self.inputs.filter_inputs(sched, x, self._draft_prob_rows(x))
         copies = self.inputs.page_copies(sched)
         if copies is not None:
             self.k_cache, self.v_cache = self.compiled.page_copy(self.k_cache, self.v_cache,
@@ -462,10 +472,21 @@ class ModelRunner:
         self._prev_sampled = sampled
         if f.fm is not None:
             handle.filter_inputs = (logits, x.sm, f.fm, np.flatnonzero(f.structured),
-                                    f.want_logprobs)
+                                    f.want_logprobs, self._draft_probs)
             if not f.structured.any() or sched.grammar_bitmask is not None:
                 self.sample_filtered(handle, sched.grammar_bitmask)
         return handle
+
+    def _draft_prob_rows(self, x) -> np.ndarray | None:
+        """[m] int32: per logits row of the step ``x``, the row of ``_draft_probs`` holding the
+        q of the draft it verifies (-1: none); None without a draft model."""
+        if self.draft is None:
+            return None
+        first = np.array([self._proposed_rows.get(r, -1) for r in x.req_ids], np.int32)
+        first = first * self.num_speculative_tokens
+        seq_first = first[x.row_seq]
+        j = np.arange(len(x.row_seq), dtype=np.int32) - x.seq_start
+        return np.where((x.draft_ids >= 0) & (seq_first >= 0), seq_first + j, -1).astype(np.int32)
 
     def sample_filtered(self, handle: StepHandle, grammar_bitmask: np.ndarray | None) -> None:
         """Dispatch the filtered sampler of a step that ``execute`` left waiting for its
@@ -476,14 +497,14 @@ class ModelRunner:
           grammar_bitmask: [constrained rows, W] int32 in the order of
             ``SchedulerOutput.structured_output_request_ids``; None when none.
         """
-        logits, sm, fm, struct_rows, want_logprobs = handle.filter_inputs
+        logits, sm, fm, struct_rows, want_logprobs, draft_probs = handle.filter_inputs
         s = logits.shape[0]
         bitmask = self._no_bitmask[s]
         if grammar_bitmask is not None:
             bitmask = np.full((s, self.bitmask_width), -1, np.int32)
             bitmask[struct_rows] = grammar_bitmask
         sampled, self.sampling_state, lp = self.compiled.filter[s](
-            logits, handle.sampled, sm, fm, self.sampling_state, bitmask)
+            logits, handle.sampled, sm, fm, self.sampling_state, bitmask, draft_probs)
         handle.sampled = self._prev_sampled = sampled
         handle.logprobs = lp if want_logprobs else None
         handle.filter_inputs = None
@@ -557,12 +578,18 @@ class ModelRunner:
         ok &= b.num_tokens[slots] == pos + 1  # the newest token is the only one not computed
         live = np.flatnonzero(ok)
         n = len(live)
+        self._proposed_rows = {}
         if n == 0 or n > self.max_spec_seqs:
             return {}
         rows = np.zeros((3, self.max_spec_seqs), np.int32)
         rows[:, :n] = [[tokens[i][-1] for i in live], pos[live], slots[live]]
-        drafts, self.draft_k_cache, self.draft_v_cache = self.compiled.propose(
-            self.draft.params, self.draft_k_cache, self.draft_v_cache, self.block_table,
-            *rows, np.int32(n))
+        # the first draft's output index: the tokens after the prompt, the newest included
+        steps = (b.num_tokens - b.num_prompt_tokens)[slots[live]]
+        sm = SamplingMetadata(**self.inputs.gather(SAMPLING, slots[live], self.max_spec_seqs,
+                                                   steps=steps))
+        drafts, self._draft_probs, self.draft_k_cache, self.draft_v_cache = (
+            self.compiled.propose(self.draft.params, self.draft_k_cache, self.draft_v_cache,
+                                  self.block_table, *rows, np.int32(n), sm))
         drafts = np.asarray(drafts)
+        self._proposed_rows = {req_ids[i]: j for j, i in enumerate(live)}
         return {req_ids[i]: drafts[j].tolist() for j, i in enumerate(live)}

@@ -198,7 +198,7 @@ class InputBuilder:
         # tokens generated before the row's: the position of the token it samples minus the
         # prompt (the sequence's length after the step, less the rows after it)
         row_steps = (context - b.num_prompt_tokens[slots])[row_seq] - back
-        sm = SamplingMetadata(**self._gather(SAMPLING, row_slots, layout.num_logits_rows,
+        sm = SamplingMetadata(**self.gather(SAMPLING, row_slots, layout.num_logits_rows,
                                              steps=row_steps))
         (bt_rows, bt_cols, bt_pages), early = self._block_table_writes()
         packed = layout.pack(dict(
@@ -211,11 +211,15 @@ class InputBuilder:
                           last_rows, row_seq, row_steps, draft_ids, seq_start, sm,
                           prompt_spans, targets)
 
-    def filter_inputs(self, sched: SchedulerOutput, x: StepInputs) -> FilterInputs:
+    def filter_inputs(self, sched: SchedulerOutput, x: StepInputs,
+                      draft_prob_rows: np.ndarray | None = None) -> FilterInputs:
         """The filtered sampler's inputs of the step ``x``: the rows drawn again (penalties,
-        a logit bias, min_tokens, min-p, top-k/top-p, a grammar) and those wanting
-        log-probabilities."""
+        a logit bias, min_tokens, min-p, top-k/top-p, a grammar, a draft model's sampled draft
+        to verify) and those wanting log-probabilities. ``draft_prob_rows``: [m] int32, per
+        logits row, its draft's row of the draft model's q (-1: none); None: no draft model."""
         b, n_rows, rows = self.batch, len(x.row_seq), len(x.sm.temperature)
+        if draft_prob_rows is None:
+            draft_prob_rows = np.full(n_rows, -1, np.int32)
         slots = x.slots[x.row_seq]
         samples = x.samples[x.row_seq]
         logprob_ks = b.num_logprobs[slots]
@@ -223,15 +227,17 @@ class InputBuilder:
         redraw = (b.penalized[slots] | b.logit_bias[slots] | suppress
                   | ((b.temperature[slots] > 0) & (b.min_p[slots] > 0)))
         redraw |= filtered_rows(x.sm, self.vocab_size)[:n_rows]
+        redraw |= (draft_prob_rows >= 0) & (b.temperature[slots] > 0)
         structured = self._structured_rows(sched, x, rows)
         redraw |= structured[:n_rows]
         want_logprobs = samples & (logprob_ks >= 0)
         fm = None
         if redraw.any() or want_logprobs.any():
-            fm = FilterMetadata(**self._gather(
+            fm = FilterMetadata(**self.gather(
                 FILTER, slots, rows, rows=redraw, slots=slots, suppress_stop=suppress,
                 count=samples & b.penalized[slots], logprobs=want_logprobs,
-                structured=structured, draft_ids=x.draft_ids, seq_start=x.seq_start))
+                structured=structured, draft_ids=x.draft_ids, seq_start=x.seq_start,
+                draft_prob_rows=draft_prob_rows))
         return FilterInputs(fm, structured, bool(want_logprobs.any()), b.num_logprobs[x.slots])
 
     def page_copies(self, sched: SchedulerOutput) -> tuple[np.ndarray, np.ndarray] | None:
@@ -244,7 +250,7 @@ class InputBuilder:
         src[: len(sched.copy_pages)], dst[: len(sched.copy_pages)] = zip(*sched.copy_pages)
         return src, dst
 
-    def _gather(self, group: str, slots: np.ndarray, s: int, /, **computed: np.ndarray) -> dict:
+    def gather(self, group: str, slots: np.ndarray, s: int, /, **computed: np.ndarray) -> dict:
         """Each field of ``group`` for the step's rows, padded to s with its default: the
         InputBatch's slot values for a per-slot field, else its ``computed`` values."""
         return {f.name: _padded(computed[f.name] if f.of_request is None

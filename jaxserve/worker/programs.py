@@ -178,13 +178,14 @@ def _draft_step(config, attention_fn, layout, params, packed, prev_sampled, k_ca
                                   _step_tokens(x, prev_sampled), k_cache, v_cache)
 
 
-def _filter(max_drafts, logits, sampled, sm, fm, state, bitmask):
+def _filter(max_drafts, logits, sampled, sm, fm, state, bitmask, draft_probs):
     """The step's tokens ([max_rows]) with the rows of ``fm`` drawn again (a step's L rows
     come first; constrained rows under their row of ``bitmask`` [L, W] int32), the sampler
-    state with their emitted tokens counted, and their Logprobs."""
+    state with their emitted tokens counted, and their Logprobs. ``draft_probs``: the q of
+    the draft model's drafts (``draft_model.propose``), None without a draft model."""
     s = logits.shape[0]
     tokens, state, logprobs = sample_filtered(logits, sampled[:s], sm, fm, state, bitmask,
-                                              max_drafts)
+                                              max_drafts, draft_probs)
     return sampled.at[:s].set(tokens), state, logprobs
 
 

@@ -1,8 +1,9 @@
 """The draft_model speculative method (docs/spec_decode.md) on a tiny random Llama target with
 its own first layer as the draft (``checkpoints_tools.convert.first_layers``): greedy outputs
-equal HF's up to the near-tie rule with drafts accepted, a draft that is the target itself has
-every draft accepted (its pool follows the target's exactly), and bad drafts are start-up errors
-naming ``--speculative-config``."""
+equal HF's up to the near-tie rule with drafts accepted; a draft that is the target itself has
+every draft accepted, greedy and sampled (q = p: its pool follows the target's, and each
+verified row finds its draft's q), and bad drafts are start-up errors naming
+``--speculative-config``."""
 
 import numpy as np
 import pytest
@@ -35,13 +36,18 @@ def spec(model: str) -> dict:
     return {"method": "draft_model", "model": model, "num_speculative_tokens": 3}
 
 
-def generate(folder, draft, prompts):
+def generate(folder, draft, prompts, *params: SamplingParams):
+    """Token ids of each prompt under each of ``params`` (greedy when none), and the engine's
+    speculative decoding counters after each."""
     from jaxserve import LLM
 
     llm = LLM(str(folder), speculative_config=spec(str(draft)), **ENGINE)
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS),
-                        use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs], llm.engine.get_stats().spec_decoding
+    runs = []
+    for sp in params or (SamplingParams(temperature=0, max_tokens=MAX_TOKENS),):
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        runs.append(([o.outputs[0].token_ids for o in outs],
+                     llm.engine.get_stats().spec_decoding))
+    return runs
 
 
 def prompts():
@@ -51,7 +57,7 @@ def prompts():
 
 def test_greedy_equals_hf_with_drafts_accepted(tiny_pair):
     target, draft, hf_model = tiny_pair
-    ours, stats = generate(target, draft, prompts())
+    [(ours, stats)] = generate(target, draft, prompts())
     assert stats.num_accepted_tokens > 0 and stats.num_draft_tokens > 0
     for ids, out in zip(prompts(), ours):
         with torch.no_grad():
@@ -65,9 +71,14 @@ def test_greedy_equals_hf_with_drafts_accepted(tiny_pair):
 
 def test_target_as_its_own_draft_accepts_every_draft(tiny_pair):
     target, _, _ = tiny_pair
-    _, stats = generate(target, target, prompts())
-    assert stats.num_draft_tokens > 20
-    assert stats.num_accepted_tokens >= 0.95 * stats.num_draft_tokens
+    sampled = SamplingParams(temperature=0.8, top_k=40, max_tokens=MAX_TOKENS, seed=1)
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    (_, s1), (_, s2) = generate(target, target, prompts(), greedy, sampled)
+    assert s1.num_draft_tokens > 20
+    assert s1.num_accepted_tokens >= 0.95 * s1.num_draft_tokens
+    drafted = s2.num_draft_tokens - s1.num_draft_tokens
+    assert drafted > 20
+    assert s2.num_accepted_tokens - s1.num_accepted_tokens >= 0.95 * drafted
 
 
 def test_bad_draft_is_a_start_up_error(tiny_pair, tmp_path):

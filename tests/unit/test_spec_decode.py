@@ -284,12 +284,35 @@ def _scheduler(**spec):
                      max_model_len=64, eos_token_ids=(0,), spec_config=config)
 
 
-def _step(s, sampled, accepted):
-    """Schedule a step and apply its output: ``sampled`` / ``accepted`` by request id."""
+def _step(s, sampled, accepted, drafts=None):
+    """Schedule a step and apply its output: ``sampled`` / ``accepted`` / the draft model's
+    ``drafts`` by request id."""
     from jaxserve.core.scheduler_output import ModelRunnerOutput
 
     out = s.schedule()
-    return out, s.update(out, ModelRunnerOutput(sampled, {}, {}, accepted))
+    return out, s.update(out, ModelRunnerOutput(sampled, {}, {}, accepted, drafts or {}))
+
+
+def test_scheduler_takes_the_draft_models_drafts_with_lookahead_pages():
+    from tests.unit.kv_fakes import make_request
+
+    config = SpeculativeConfig.from_dict({"method": "draft_model", "model": "m",
+                                          "num_speculative_tokens": 3})
+    s = _scheduler()
+    s.spec_config, s.proposer = config, None  # as a draft_model scheduler is built
+    req = make_request("a", [5, 6, 7, 8, 9], max_tokens=10)
+    s.add_request(req)
+    out, _ = _step(s, {"a": 7}, {}, {"a": [1, 2, 3]})  # the prompt, then drafts after 7
+    assert out.propose_drafts and not out.scheduled_spec_decode_tokens
+    # 5 prompt positions, the new token's and 2 more drafts' K/V: 8 positions, 2 pages of 4
+    assert len(req.block_ids) == 2
+    out, _ = _step(s, {"a": 4}, {"a": [1]}, {"a": [2, 2, 2]})  # accepts 1, draws 4
+    assert out.scheduled_spec_decode_tokens == {"a": [1, 2, 3]}
+    assert req.num_computed_tokens == 7 and len(req.block_ids) == 3  # through position 11
+    out, _ = _step(s, {"a": 9}, {})  # drafts after 4 taken; no new drafts given
+    assert out.scheduled_spec_decode_tokens == {"a": [2, 2, 2]}
+    out, _ = _step(s, {"a": 9}, {})
+    assert not out.scheduled_spec_decode_tokens  # none proposed after the last step
 
 
 def test_scheduler_drafts_takes_accepted_and_rolls_back_rejected():

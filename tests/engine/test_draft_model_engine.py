@@ -16,10 +16,10 @@ from jaxserve.sampling_params import SamplingParams
 from tests.greedy import compare_greedy, hf_greedy_margins
 from tests.tiny_models import TINY, TINY_CONFIGS, save_tiny_model
 
-# 16-token steps: prompts in chunks, a small pool (the batch preempts)
-ENGINE = dict(max_model_len=256, max_num_batched_tokens=16, max_num_seqs=4, kv_cache_gib=0.004,
+# 8-token steps (few buckets to compile): prompts in chunks; a small pool
+ENGINE = dict(max_model_len=256, max_num_batched_tokens=8, max_num_seqs=4, kv_cache_gib=0.004,
               log=lambda s: None)
-MAX_TOKENS = 24
+MAX_TOKENS = 16
 
 
 @pytest.fixture(scope="module")

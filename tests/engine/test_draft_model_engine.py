@@ -16,9 +16,10 @@ from jaxserve.sampling_params import SamplingParams
 from tests.greedy import compare_greedy, hf_greedy_margins
 from tests.tiny_models import TINY, TINY_CONFIGS, save_tiny_model
 
-# 8-token steps (few buckets to compile): prompts in chunks; a small pool
-ENGINE = dict(max_model_len=256, max_num_batched_tokens=8, max_num_seqs=4, kv_cache_gib=0.004,
-              log=lambda s: None)
+# 8-token steps (few buckets to compile): prompts in chunks; a pool of 9 pages of 16 tokens
+# (32 KB each with the self-draft's pool) for 3 sequences of up to 116 tokens, so it preempts
+ENGINE = dict(max_model_len=128, max_num_batched_tokens=8, max_num_seqs=4,
+              kv_cache_gib=0.00029, log=lambda s: None)
 MAX_TOKENS = 16
 
 
@@ -37,8 +38,8 @@ def spec(model: str) -> dict:
 
 
 def generate(folder, draft, prompts, *params: SamplingParams):
-    """Token ids of each prompt under each of ``params`` (greedy when none), and the engine's
-    speculative decoding counters after each."""
+    """Token ids of each prompt under each of ``params`` (greedy when none), the engine's
+    speculative decoding counters after each, and the engine's scheduler."""
     from jaxserve import LLM
 
     llm = LLM(str(folder), speculative_config=spec(str(draft)), **ENGINE)
@@ -47,7 +48,7 @@ def generate(folder, draft, prompts, *params: SamplingParams):
         outs = llm.generate(prompts, sp, use_tqdm=False)
         runs.append(([o.outputs[0].token_ids for o in outs],
                      llm.engine.get_stats().spec_decoding))
-    return runs
+    return runs, llm.engine.scheduler
 
 
 def prompts():
@@ -57,7 +58,7 @@ def prompts():
 
 def test_greedy_equals_hf_with_drafts_accepted(tiny_pair):
     target, draft, hf_model = tiny_pair
-    [(ours, stats)] = generate(target, draft, prompts())
+    [(ours, stats)], _ = generate(target, draft, prompts())
     assert stats.num_accepted_tokens > 0 and stats.num_draft_tokens > 0
     for ids, out in zip(prompts(), ours):
         with torch.no_grad():
@@ -70,10 +71,13 @@ def test_greedy_equals_hf_with_drafts_accepted(tiny_pair):
 
 
 def test_target_as_its_own_draft_accepts_every_draft(tiny_pair):
+    """Also through preemption and, in the second run, prefix-cache hits (pages whose draft
+    K/V a finished request's steps wrote)."""
     target, _, _ = tiny_pair
     sampled = SamplingParams(temperature=0.8, top_k=40, max_tokens=MAX_TOKENS, seed=1)
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
-    (_, s1), (_, s2) = generate(target, target, prompts(), greedy, sampled)
+    [(_, s1), (_, s2)], scheduler = generate(target, target, prompts(), greedy, sampled)
+    assert scheduler.num_preemptions > 0 and scheduler.prefix_cache_hits > 0
     assert s1.num_draft_tokens > 20
     assert s1.num_accepted_tokens >= 0.95 * s1.num_draft_tokens
     drafted = s2.num_draft_tokens - s1.num_draft_tokens

@@ -38,7 +38,8 @@ where the draft model writes its drafts' K/V, as vLLM's ``num_lookahead_tokens``
 its step as extra scheduled tokens (budget, pages and max_tokens / max_model_len allow for
 them) and ``update`` takes the accepted ones with the sampled token, stops at a stop token
 among them, and takes back the computed positions of the rejected ones. Constrained sequences
-get no drafts, and no sequence does while more than ``disable_by_batch_size`` requests are unfinished.
+get no drafts, and no sequence does while more than ``disable_by_batch_size`` requests are
+unfinished.
 
 A request that wants prompt log-probabilities takes no prefix-cache hits (every prompt position
 must be computed), and its prompt chunks are capped so that one step never holds more than

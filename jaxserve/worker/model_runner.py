@@ -176,7 +176,7 @@ class ModelRunner:
             for t in self.token_buckets}
         self.programs = jit_programs(
             config, params, attention_fn, mesh, max_num_seqs, branch_free, self.step_layouts,
-            sorted({self.num_seqs_for(t) for t in self.token_buckets}))
+            sorted({self.num_seqs_for(t) for t in self.token_buckets}), platform.stacked_kv_pool)
         self.compiled: Programs | None = None  # compile_buckets
         self._prev_sampled = jnp.zeros(max_num_seqs, jnp.int32, device=self._replicated)
         # The InputBatch's block table, kept on the device: a step sends only the entries that
@@ -209,18 +209,21 @@ class ModelRunner:
             bias_width=st.bias_ids.shape[1], stop_width=st.stop_ids.shape[1])
 
     def _kv_pool(self, num_pages: int):
-        """(shape [KV, num_pages, page_size, D] of one layer's K (or V) pool, KV the layout's,
-        and its sharding: split over the mesh by KV head, None on one device)."""
-        c = self.config
+        """(shape of one K (or V) pool, its sharding, how many), KV the layout's: L pools of
+        [KV, num_pages, page_size, D], or where the platform stacks the pool
+        (``Platform.stacked_kv_pool``) one [L, KV, num_pages, page_size, D] (count None); split
+        over the mesh by KV head, None on one device."""
+        c, stacked = self.config, self.platform.stacked_kv_pool
         shape = (self.layout.num_kv_heads, num_pages, self.page_size, c.head_dim)
-        return shape, None if self.mesh is None else sharding.kv_sharding(self.mesh)
+        where = None if self.mesh is None else sharding.kv_sharding(self.mesh, stacked)
+        return ((c.num_layers, *shape), where, None) if stacked else (shape, where, c.num_layers)
 
-    def pool_structs(self, num_pages: int) -> tuple[list, list]:
+    def pool_structs(self, num_pages: int) -> tuple:
         """(K pools, V pools) of num_pages pages as shapes only (``kv_quant.pool_struct``), to
         compile against a pool that is not allocated."""
-        shape, where = self._kv_pool(num_pages)
-        kv = [kv_quant.pool_struct(shape, self.kv_dtype, where)] * self.config.num_layers
-        return kv, kv
+        shape, where, count = self._kv_pool(num_pages)
+        kv = kv_quant.pool_struct(shape, self.kv_dtype, where)
+        return (kv, kv) if count is None else ([kv] * count, [kv] * count)
 
     def allocate_kv_cache(self, num_pages: int) -> None:
         """Allocate the (zeroed) K and V pools of num_pages pages, page 0 included; on a mesh
@@ -233,8 +236,8 @@ class ModelRunner:
             cannot place an output has returned another output's memory for it without an
             error (kv_sizing's docstring), which would let layers overwrite each other.
         """
-        shape, where = self._kv_pool(num_pages)
-        make = jit_zeroed_pools(shape, self.kv_dtype, self.config.num_layers, where)
+        shape, where, count = self._kv_pool(num_pages)
+        make = jit_zeroed_pools(shape, self.kv_dtype, count, where)
         k_cache, v_cache = self.executables.compile(make)()
         shards = [s.data for x in jax.tree.leaves((k_cache, v_cache)) for s in x.addressable_shards]
         distinct, total = len({x.unsafe_buffer_pointer() for x in shards}), len(shards)

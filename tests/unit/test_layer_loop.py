@@ -1,0 +1,56 @@
+"""The CPU's layer loop (docs/architecture.md, "The layer loop"): over a KV pool stacked by
+layer, the step program holds one layer's kernels whatever the number of layers, where the
+per-layer pools of the GPU's layout unroll them."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.config import ModelConfig
+from jaxserve.models import llama
+from pallas_kernels import kv_quant
+from pallas_kernels.reference import attention
+
+PAGE, PAGES, TOKENS = 16, 9, 8
+
+
+def step_fusions(num_layers: int, stacked: bool) -> int:
+    """Generated kernels of a compiled 8-token step of a tiny Llama of ``num_layers`` layers."""
+    config = ModelConfig.from_hf_config({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 256, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": num_layers, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": 256})
+    shape = (config.num_kv_heads, PAGES, PAGE, config.head_dim)
+    pool = (jax.ShapeDtypeStruct((num_layers, *shape), jnp.float32) if stacked
+            else [jax.ShapeDtypeStruct(shape, jnp.float32)] * num_layers)
+    i = np.zeros(TOKENS, np.int32)
+    md = llama.AttentionMetadata(i, i, np.zeros(TOKENS + 1, np.int32), i, np.zeros((TOKENS, 4), np.int32))
+    step = jax.jit(lambda p, t, md, k, v: llama.forward(config, p, t, md, k, v, i,
+                                                        attention_fn=attention))
+    hlo = step.lower(llama.random_params(config, jnp.float32), i, md, pool, pool).compile().as_text()
+    # Dots are library calls (kind=kCustom); the other fusions are kernels XLA generates.
+    return sum(" fusion(" in line and "kind=kCustom" not in line for line in hlo.splitlines())
+
+
+def test_step_kernels_do_not_grow_with_the_layers():
+    assert step_fusions(8, stacked=True) == step_fusions(2, stacked=True)
+    assert step_fusions(8, stacked=False) > 3 * step_fusions(2, stacked=False) / 2
+
+
+def test_pool_layer_reads_and_writes_its_layer_in_place():
+    """A PoolLayer's pages read and write as that layer's own pool would, FP8 pools too."""
+    rng = np.random.default_rng(0)
+    stacked = jnp.asarray(rng.normal(size=(3, 2, 5, PAGE, 8)), jnp.float32)
+    pages, slots = np.array([[4, 1], [2, 2]], np.int32), np.array([17, 40, 3], np.int32)
+    k = jnp.asarray(rng.normal(size=(3, 2, 8)), jnp.float32)
+    for pool in (stacked, kv_quant.quantize_pages(stacked)):
+        layer = kv_quant.pool_layer.PoolLayer(pool, 1)
+        one = jax.tree.map(lambda a: a[1], pool)
+        np.testing.assert_array_equal(kv_quant.read_pages(layer, pages),
+                                      kv_quant.read_pages(one, pages))
+        wrote, _ = llama.write_kv(layer, layer, k, k, slots)
+        want, _ = llama.write_kv(one, one, k, k, slots)
+        np.testing.assert_array_equal(kv_quant.read_pages(wrote, pages[0]),
+                                      kv_quant.read_pages(want, pages[0]))
+        # The other layers as they were.
+        jax.tree.map(lambda a, b: np.testing.assert_array_equal(a[::2], b[::2]), wrote.pool, pool)

@@ -11,9 +11,11 @@ are ``jaxserve.models.moe``.
 Params: ``{"embed_tokens", "norm", "lm_head" (absent when tied), "layers": [one dict per
 layer]}`` of device arrays (shapes: ``_layer_from_hf``), built once, one layer at a time, in the
 target dtype: from HF tensors (``params_from_hf``) or random on the device (``random_params``).
-The step loops over the layers in Python. Q/K/V and gate/up projections are fused into one
-matmul each. The KV pool is one donated ``[KV, num_pages, page_size, D]`` array per layer,
-written in place at ``slot_mapping`` (``write_kv``). Given a tensor-parallel mesh, the same
+Q/K/V and gate/up projections are fused into one matmul each. The KV pool is one donated
+``[KV, num_pages, page_size, D]`` array per layer, and the step loops over the layers in Python
+(the GPU); or one ``[L, KV, num_pages, page_size, D]`` array, and the layers run as a loop
+indexing it in place (the CPU; ``forward``). Either is written in place at ``slot_mapping``
+(``write_kv``). Given a tensor-parallel mesh, the same
 functions build the params split in the Megatron layout and run the step as one SPMD program,
 the KV write and attention per device (``jaxserve.models.sharding``, docs/parallelism.md).
 """
@@ -235,18 +237,19 @@ def forward(
 ):
     """One model step over a flattened ragged batch.
 
-    The layers run as a Python loop over per-layer weights and per-layer KV arrays
-    (docs/architecture.md, "The layer loop"): on the H200, stacked weights streamed through a
-    rolled ``lax.scan`` at 1.2 TB/s against 3.0 TB/s unrolled; on CPU, slicing one layer out of a
-    stacked pool inside a scan made XLA copy that layer's whole pool every step (268 ms vs 26 ms
-    per decode step at 2 GiB).
+    The pool's layout picks how the layers run (docs/architecture.md, "The layer loop"): with a
+    pool per layer, a Python loop over them, unrolled (on the H200, stacked weights streamed
+    through a rolled ``lax.scan`` at 1.2 TB/s against 3.0 TB/s unrolled); with a pool stacked by
+    layer, a ``fori_loop`` over each run of alike layers (``_layer_loop``), so that the program
+    holds one layer's kernels, not L (the CPU's host memory and compile time).
 
     Args:
       config: the model's shapes.
       params: the params dict (module docstring), ``params["layers"]`` one dict per layer.
       token_ids: [T] int32 input tokens; ids past the embedding's vocabulary read row 0.
       md: positions, slot mapping and sequence layout of this batch.
-      k_cache, v_cache: lists of L arrays [KV, num_pages, page_size, D], the KV pool (donate it).
+      k_cache, v_cache: the KV pool (donate it): lists of L arrays [KV, num_pages, page_size,
+        D], or arrays [L, KV, num_pages, page_size, D] stacked by layer (FP8: QuantizedPages).
       logits_indices: [S] int32 rows whose logits are returned.
       attention_fn: ``attention(q, k_pages, v_pages, query_start_loc, seq_lens, block_tables)``
         from pallas_kernels (reference or Pallas).

@@ -120,7 +120,7 @@ class ModelRunner:
       attention_fn: pallas_kernels attention entry point.
       branch_free: compile the step without control flow; default: the platform's
         ``branch_free_step`` (a GPU conditional blocks the dispatching thread; the module
-        docstring says more).
+        docstring says more). A branch-free step keeps a pool per layer (unrolled layers).
       mesh: the tensor-parallel mesh (``jaxserve.models.sharding``) that params are split over;
         the KV pool is split by KV head over it, the step's other inputs and outputs are
         replicated. None: one device, the default.
@@ -169,6 +169,8 @@ class ModelRunner:
         self.prompt_logprob_rows = min(PROMPT_LOGPROB_ROWS, max_num_batched_tokens)
         if branch_free is None:
             branch_free = platform.branch_free_step
+        # The layer loop over a stacked pool is control flow, which a branch-free step has none of.
+        self.stacked_kv_pool = platform.stacked_kv_pool and not branch_free
         # Everything but the params and the pool is replicated over the mesh (None: one device).
         self._replicated = None if mesh is None else sharding.replicated(mesh)
         self.step_layouts = {
@@ -176,7 +178,7 @@ class ModelRunner:
             for t in self.token_buckets}
         self.programs = jit_programs(
             config, params, attention_fn, mesh, max_num_seqs, branch_free, self.step_layouts,
-            sorted({self.num_seqs_for(t) for t in self.token_buckets}), platform.stacked_kv_pool)
+            sorted({self.num_seqs_for(t) for t in self.token_buckets}), self.stacked_kv_pool)
         self.compiled: Programs | None = None  # compile_buckets
         self._prev_sampled = jnp.zeros(max_num_seqs, jnp.int32, device=self._replicated)
         # The InputBatch's block table, kept on the device: a step sends only the entries that
@@ -213,7 +215,7 @@ class ModelRunner:
         [KV, num_pages, page_size, D], or where the platform stacks the pool
         (``Platform.stacked_kv_pool``) one [L, KV, num_pages, page_size, D] (count None); split
         over the mesh by KV head, None on one device."""
-        c, stacked = self.config, self.platform.stacked_kv_pool
+        c, stacked = self.config, self.stacked_kv_pool
         shape = (self.layout.num_kv_heads, num_pages, self.page_size, c.head_dim)
         where = None if self.mesh is None else sharding.kv_sharding(self.mesh, stacked)
         return ((c.num_layers, *shape), where, None) if stacked else (shape, where, c.num_layers)

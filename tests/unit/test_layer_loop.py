@@ -11,6 +11,8 @@ from jaxserve.models import llama
 from pallas_kernels import kv_quant
 from pallas_kernels.reference import attention
 
+# 8 tokens: a 1-token step's dots are matrix-vector products, which XLA emits as a kernel of
+# their own in each layer's branch (``linear.LayerSelect``): 4 more a layer.
 PAGE, PAGES, TOKENS = 16, 9, 8
 
 

@@ -288,9 +288,9 @@ def _forward(c: ModelConfig, params, token_ids, md, k_cache, v_cache, logits_ind
         hidden = hidden * jnp.asarray(c.embed_scale, hidden.dtype)
 
     def layer(hidden, p, k_pages, v_pages, window):
-        return _decoder_layer(hidden, p, k_pages, v_pages, *(rope if window is None else local_rope),
-                              md, lora_slots, opts=opts, attention_fn=attention_fn, mesh=mesh,
-                              sliding_window=window)
+        cos, sin = rope if window is None else local_rope
+        return _decoder_layer(hidden, p, k_pages, v_pages, cos, sin, md, lora_slots, opts=opts,
+                              attention_fn=attention_fn, mesh=mesh, sliding_window=window)
 
     layers = params["layers"]
     if isinstance(k_cache, list | tuple):  # a pool per layer: the layers unrolled

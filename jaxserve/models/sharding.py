@@ -214,8 +214,9 @@ def per_shard_attention(fn: Callable, mesh: Mesh) -> Callable:
     attention) run on each device's heads under ``shard_map``.
 
     Shapes (global): q [T, H, D], k and v [T, KV, D], pages [KV, pages, page_size, D] (or a
-    ``PoolLayer`` of the stacked pool), out [T, H, D], split on their head axis; md (``llama.AttentionMetadata``) replicated. Each device
-    sees H / N query heads over its KV / N heads, the same grouping as the whole model.
+    ``PoolLayer`` of the stacked pool), out [T, H, D], split on their head axis; md
+    (``llama.AttentionMetadata``) replicated. Each device sees H / N query heads over its KV / N
+    heads, the same grouping as the whole model.
     """
     heads = P(None, AXIS, None)
 

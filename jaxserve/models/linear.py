@@ -119,14 +119,8 @@ def linear(x: jax.Array, w, lora_slots: jax.Array | None = None) -> jax.Array:
       lora_slots: [M] int32, each row's adapter slot (0: none); read with a ``LoRALinear``.
     """
     if isinstance(w, LayerSelect):
-        # Two rows at least: XLA emits a one-row dot (a matrix-vector product) as a kernel of
-        # its own in every layer's branch, two rows as the library call every other step makes.
-        rows = x.shape[0]
-        if rows == 1:
-            x, lora_slots = jax.tree.map(lambda a: jnp.concatenate([a, a]), (x, lora_slots))
-        y = jax.lax.switch(w.index, [lambda x, s, wi=wi: linear(x, wi, s) for wi in w.weights],
-                           x, lora_slots)
-        return y[:rows]
+        return jax.lax.switch(w.index, [lambda x, s, wi=wi: linear(x, wi, s) for wi in w.weights],
+                              x, lora_slots)
     if isinstance(w, LoRALinear):
         return linear(x, w.base) + lora_delta(x, w.a, w.b, lora_slots)
     if not isinstance(w, Fp8Weight):

@@ -45,7 +45,7 @@ from jaxserve.worker.programs import Programs, jit_programs, jit_zeroed_pools
 from jaxserve.worker.sampler import Logprobs, init_state
 from jaxserve.worker.sampling_fields import FilterMetadata, SamplingMetadata, neutral
 from jaxserve.worker.step_inputs import StepLayout
-from pallas_kernels import kv_quant
+from pallas_kernels import kv_quant, reads_stacked_pools
 
 # Prompt positions whose log-probabilities one step computes (the scheduler caps the prompt
 # chunks of such requests to it): the step returns this many hidden rows, and a separate
@@ -120,7 +120,8 @@ class ModelRunner:
       attention_fn: pallas_kernels attention entry point.
       branch_free: compile the step without control flow; default: the platform's
         ``branch_free_step`` (a GPU conditional blocks the dispatching thread; the module
-        docstring says more). A branch-free step keeps a pool per layer (unrolled layers).
+        docstring says more). A branch-free step, or one whose attention is not the reference,
+        keeps a pool per layer (unrolled layers).
       mesh: the tensor-parallel mesh (``jaxserve.models.sharding``) that params are split over;
         the KV pool is split by KV head over it, the step's other inputs and outputs are
         replicated. None: one device, the default.
@@ -169,8 +170,10 @@ class ModelRunner:
         self.prompt_logprob_rows = min(PROMPT_LOGPROB_ROWS, max_num_batched_tokens)
         if branch_free is None:
             branch_free = platform.branch_free_step
-        # The layer loop over a stacked pool is control flow, which a branch-free step has none of.
-        self.stacked_kv_pool = platform.stacked_kv_pool and not branch_free
+        # The layer loop over a stacked pool is control flow, which a branch-free step has none
+        # of, and its pool is read by the reference attention only.
+        self.stacked_kv_pool = (platform.stacked_kv_pool and not branch_free
+                                and reads_stacked_pools(attention_fn))
         # Everything but the params and the pool is replicated over the mesh (None: one device).
         self._replicated = None if mesh is None else sharding.replicated(mesh)
         self.step_layouts = {

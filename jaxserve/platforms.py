@@ -31,8 +31,9 @@ class Platform:
         (``--quantization fp8``).
       stacked_kv_pool: the KV pool is one array stacked by layer, and the step runs the layers
         as a loop over it (one layer's kernels in the program instead of L: host memory and
-        compile time on the CPU; docs/architecture.md, "The layer loop"); False: a pool per
-        layer and the layers unrolled.
+        compile time on the CPU; docs/architecture.md, "The layer loop"), where the step may
+        branch and its attention is the reference; False: a pool per layer and the layers
+        unrolled.
       device_memory: arrays live in the device's own memory, which --gpu-memory-utilization
         budgets (the KV pool is sized from it, against the programs' profiled peak); False:
         in host memory, and --kv-cache-gib sizes the pool.

@@ -61,3 +61,17 @@ def test_pool_layer_reads_and_writes_its_layer_in_place():
                                       kv_quant.read_pages(want, pages[0]))
         # The other layers as they were.
         jax.tree.map(lambda a, b: np.testing.assert_array_equal(a[::2], b[::2]), wrote.pool, pool)
+
+
+def test_page_copies_of_a_stacked_pool_are_its_layers_copies():
+    from jaxserve.worker.programs import _copy_pages
+
+    rng = np.random.default_rng(1)
+    stacked = jnp.asarray(rng.normal(size=(3, 2, 6, PAGE, 8)), jnp.float32)
+    src, dst = np.array([2, 5, 0], np.int32), np.array([4, 1, 0], np.int32)
+    for pool in (stacked, kv_quant.quantize_pages(stacked)):
+        layers = [jax.tree.map(lambda a, i=i: a[i], pool) for i in range(3)]
+        k, _ = _copy_pages(pool, pool, src, dst)
+        want, _ = _copy_pages(layers, layers, src, dst)
+        for i, layer in enumerate(want):
+            jax.tree.map(lambda a, b, i=i: np.testing.assert_array_equal(a[i], b), k, layer)

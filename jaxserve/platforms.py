@@ -29,6 +29,11 @@ class Platform:
         (``ModelRunner._compiler_options``); None: the backend has none.
       fp8_step_options: XLA options (name, value) of a step whose linear weights are FP8
         (``--quantization fp8``).
+      stacked_kv_pool: the KV pool is one array stacked by layer, and the step runs the layers
+        as a loop over it (one layer's kernels in the program instead of L: host memory and
+        compile time on the CPU; docs/architecture.md, "The layer loop"), where the step may
+        branch and its attention is the reference; False: a pool per layer and the layers
+        unrolled.
       device_memory: arrays live in the device's own memory, which --gpu-memory-utilization
         budgets (the KV pool is sized from it, against the programs' profiled peak); False:
         in host memory, and --kv-cache-gib sizes the pool.
@@ -45,6 +50,7 @@ class Platform:
     branch_free_step: bool
     op_by_op_min_tokens: int | None
     device_memory: bool
+    stacked_kv_pool: bool
     fp8_step_options: tuple[tuple[str, object], ...] = ()
 
     def default_max_model_len(self, max_position_embeddings: int) -> int:
@@ -57,7 +63,8 @@ class Platform:
 CPU = Platform(
     name="cpu", max_num_seqs=32, max_num_batched_tokens=512, max_model_len=4096,
     dtype="float32", attention_backend="reference", interpret_pallas=True, min_token_bucket=1,
-    branch_free_step=False, op_by_op_min_tokens=None, device_memory=False)
+    branch_free_step=False, op_by_op_min_tokens=None, device_memory=False,
+    stacked_kv_pool=True)
 
 # Scheduler limits measured on the H200 with the 8B shape (docs/performance.md): 256 sequences
 # kept decode near its best without preempting at e2e-1k1k scale (512 was no faster and
@@ -70,7 +77,7 @@ CPU = Platform(
 GPU = Platform(
     name="gpu", max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=None,
     dtype="bfloat16", attention_backend="pallas", interpret_pallas=False, min_token_bucket=16,
-    branch_free_step=True, op_by_op_min_tokens=512, device_memory=True,
+    branch_free_step=True, op_by_op_min_tokens=512, device_memory=True, stacked_kv_pool=False,
     fp8_step_options=(("xla_gpu_enable_triton_gemm", False),))
 
 PLATFORMS = {p.name: p for p in (CPU, GPU)}

@@ -5,6 +5,8 @@
 * ``reference`` — pure-JAX oracles with the same signatures (the model's CPU path).
 * ``get_attention_fn(backend, interpret)`` — picks one for ``--attention-backend``
   pallas|reference (``jaxserve.platforms`` resolves auto, and says where Pallas is interpreted).
+* ``reads_stacked_pools(attention_fn)`` — whether it reads a pool stacked by layer
+  (``pool_layer``: the CPU's layer loop).
 """
 
 import functools
@@ -23,6 +25,7 @@ __all__ = [
     "attention",
     "get_attention_fn",
     "paged_attention",
+    "reads_stacked_pools",
     "reference",
 ]
 
@@ -43,3 +46,9 @@ def get_attention_fn(backend: str, interpret: bool = False) -> Callable:
     if interpret:
         return functools.partial(attention, interpret=True)
     return attention
+
+
+def reads_stacked_pools(attention_fn: Callable) -> bool:
+    """Whether ``attention_fn`` reads a layer of a pool stacked by layer
+    (``pool_layer.PoolLayer``): the reference does; the Pallas kernels take one layer's pool."""
+    return attention_fn is reference.attention

@@ -30,6 +30,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import pool_layer
+
 FP8_DTYPE = jnp.float8_e4m3fn
 STORAGE_DTYPE = jnp.uint8  # the pool holds FP8_DTYPE's bit patterns
 FP8_MAX = float(jnp.finfo(FP8_DTYPE).max)  # 448
@@ -148,10 +150,14 @@ def dequantize(values: jax.Array, scales: jax.Array) -> jax.Array:
 
 def read_pages(pool, pages) -> jax.Array:
     """``pool[:, pages]`` in float32, dequantized if ``pool`` is QuantizedPages ([KV, *pages.shape,
-    page_size, D])."""
+    page_size, D]); of a ``pool_layer.PoolLayer``, gathered from its layer in place."""
+    pool, lead = pool_layer.split(pool)
+    index = (*lead, slice(None), pages)
     if isinstance(pool, QuantizedPages):
-        return dequantize(pool.values[:, pages], pool.scales[:, pages])
-    return jnp.asarray(pool)[:, pages].astype(jnp.float32)
+        x = dequantize(pool.values[index], pool.scales[index])
+    else:
+        x = jnp.asarray(pool)[index].astype(jnp.float32)
+    return jnp.moveaxis(x, pages.ndim, 0) if lead else x  # KV heads first
 
 
 def compute_dtype(pool_dtype):

@@ -88,15 +88,39 @@ def _quantize_input(x: jax.Array, w: Fp8Weight) -> tuple[jax.Array, jax.Array]:
     return _saturating_fp8(x.astype(jnp.float32) / scale), scale
 
 
+@dataclass(frozen=True)
+class LayerSelect:
+    """The weight of layer ``index`` inside a loop over layers (docs/architecture.md, "The
+    layer loop"): every layer's weight stays an array of its own, and ``linear`` multiplies by
+    the one chosen (``lax.switch``), reading it where it lies. A weight sliced out of a stacked
+    ``[L, in, out]`` array is copied every layer (XLA's CPU dot takes no dynamic offset), which
+    doubled a batch-1 decode step.
+
+    Attributes:
+      weights: L weights, each in a format ``linear`` takes.
+      index: int32 scalar, the layer's position in ``weights``.
+    """
+
+    weights: tuple
+    index: jax.Array
+
+
+jax.tree_util.register_dataclass(LayerSelect, data_fields=["weights", "index"], meta_fields=[])
+
+
 def linear(x: jax.Array, w, lora_slots: jax.Array | None = None) -> jax.Array:
     """x [M, in] times a weight of ``in -> out`` -> [M, out] in x's dtype.
 
     Args:
       x: activations [M, in].
       w: a plain ``[in, out]`` array (``x @ w``), an ``Fp8Weight``, or a ``LoRALinear`` (a
-        plain weight plus each row's adapter delta, ``jaxserve.lora.layers``).
+        plain weight plus each row's adapter delta, ``jaxserve.lora.layers``), or a
+        ``LayerSelect`` of them.
       lora_slots: [M] int32, each row's adapter slot (0: none); read with a ``LoRALinear``.
     """
+    if isinstance(w, LayerSelect):
+        return jax.lax.switch(w.index, [lambda x, s, wi=wi: linear(x, wi, s) for wi in w.weights],
+                              x, lora_slots)
     if isinstance(w, LoRALinear):
         return linear(x, w.base) + lora_delta(x, w.a, w.b, lora_slots)
     if not isinstance(w, Fp8Weight):

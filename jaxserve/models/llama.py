@@ -11,9 +11,11 @@ are ``jaxserve.models.moe``.
 Params: ``{"embed_tokens", "norm", "lm_head" (absent when tied), "layers": [one dict per
 layer]}`` of device arrays (shapes: ``_layer_from_hf``), built once, one layer at a time, in the
 target dtype: from HF tensors (``params_from_hf``) or random on the device (``random_params``).
-The step loops over the layers in Python. Q/K/V and gate/up projections are fused into one
-matmul each. The KV pool is one donated ``[KV, num_pages, page_size, D]`` array per layer,
-written in place at ``slot_mapping`` (``write_kv``). Given a tensor-parallel mesh, the same
+Q/K/V and gate/up projections are fused into one matmul each. The KV pool is one donated
+``[KV, num_pages, page_size, D]`` array per layer, and the step loops over the layers in Python
+(the GPU); or one ``[L, KV, num_pages, page_size, D]`` array, and the layers run as a loop
+indexing it in place (the CPU; ``forward``). Either is written in place at ``slot_mapping``
+(``write_kv``). Given a tensor-parallel mesh, the same
 functions build the params split in the Megatron layout and run the step as one SPMD program,
 the KV write and attention per device (``jaxserve.models.sharding``, docs/parallelism.md).
 """
@@ -32,9 +34,9 @@ from jax.sharding import Mesh
 from jaxserve.config import ModelConfig
 from jaxserve.models import fp8_checkpoint, moe, sharding
 from jaxserve.models.families import ARCHITECTURES
-from jaxserve.models.linear import Fp8Weight, linear, quantize_linears
+from jaxserve.models.linear import Fp8Weight, LayerSelect, linear, quantize_linears
 from jaxserve.models.rope import rope_attention_factor, rope_inv_freq
-from pallas_kernels import kv_quant
+from pallas_kernels import kv_quant, pool_layer
 
 
 @dataclass(frozen=True)
@@ -111,8 +113,9 @@ def write_kv(k_pages, v_pages, k: jax.Array, v: jax.Array, slot_mapping: jax.Arr
 
     Args:
       k_pages, v_pages: [KV, num_pages, page_size, D] arrays, or FP8 pools
-        (``pallas_kernels.kv_quant.QuantizedPages``, each row quantized with its own scale);
-        donate them to update in place.
+        (``pallas_kernels.kv_quant.QuantizedPages``, each row quantized with its own scale), or
+        a layer of stacked pools (``pallas_kernels.pool_layer.PoolLayer``, written at
+        ``[layer, ...]``); donate them to update in place.
       k, v: [T, KV, D] new keys and values.
       slot_mapping: [T] int32, page * page_size + offset; padding tokens point into page 0.
 
@@ -124,14 +127,19 @@ def write_kv(k_pages, v_pages, k: jax.Array, v: jax.Array, slot_mapping: jax.Arr
     pages, offsets = slot_mapping // page_size, slot_mapping % page_size
 
     def write(pool, x):
-        x = x.transpose(1, 0, 2)  # [KV, T, D]
-        if isinstance(pool, kv_quant.QuantizedPages):
+        storage, lead = pool_layer.split(pool)
+        index = (*lead, slice(None), pages, offsets)
+        if not lead:  # the advanced indices stand together: their axis stays in place
+            x = x.transpose(1, 0, 2)  # [KV, T, D]
+        if isinstance(storage, kv_quant.QuantizedPages):
             values, scales = kv_quant.quantize(x)
-            return kv_quant.QuantizedPages(
-                pool.values.at[:, pages, offsets].set(kv_quant.to_storage(values)),
-                pool.scales.at[:, pages, offsets].set(scales))
-        pool = jnp.asarray(pool)
-        return pool.at[:, pages, offsets].set(x.astype(pool.dtype))
+            storage = kv_quant.QuantizedPages(
+                storage.values.at[index].set(kv_quant.to_storage(values)),
+                storage.scales.at[index].set(scales))
+        else:
+            storage = jnp.asarray(storage)
+            storage = storage.at[index].set(x.astype(storage.dtype))
+        return pool_layer.PoolLayer(storage, *lead) if lead else storage
 
     return write(k_pages, k), write(v_pages, v)
 
@@ -229,18 +237,19 @@ def forward(
 ):
     """One model step over a flattened ragged batch.
 
-    The layers run as a Python loop over per-layer weights and per-layer KV arrays
-    (docs/architecture.md, "The layer loop"): on the H200, stacked weights streamed through a
-    rolled ``lax.scan`` at 1.2 TB/s against 3.0 TB/s unrolled; on CPU, slicing one layer out of a
-    stacked pool inside a scan made XLA copy that layer's whole pool every step (268 ms vs 26 ms
-    per decode step at 2 GiB).
+    The pool's layout picks how the layers run (docs/architecture.md, "The layer loop"): with a
+    pool per layer, a Python loop over them, unrolled (on the H200, stacked weights streamed
+    through a rolled ``lax.scan`` at 1.2 TB/s against 3.0 TB/s unrolled); with a pool stacked by
+    layer, a ``fori_loop`` over each run of alike layers (``_layer_loop``), so that the program
+    holds one layer's kernels, not L (the CPU's host memory and compile time).
 
     Args:
       config: the model's shapes.
       params: the params dict (module docstring), ``params["layers"]`` one dict per layer.
       token_ids: [T] int32 input tokens; ids past the embedding's vocabulary read row 0.
       md: positions, slot mapping and sequence layout of this batch.
-      k_cache, v_cache: lists of L arrays [KV, num_pages, page_size, D], the KV pool (donate it).
+      k_cache, v_cache: the KV pool (donate it): lists of L arrays [KV, num_pages, page_size,
+        D], or arrays [L, KV, num_pages, page_size, D] stacked by layer (FP8: QuantizedPages).
       logits_indices: [S] int32 rows whose logits are returned.
       attention_fn: ``attention(q, k_pages, v_pages, query_start_loc, seq_lens, block_tables)``
         from pallas_kernels (reference or Pallas).
@@ -277,17 +286,72 @@ def _forward(c: ModelConfig, params, token_ids, md, k_cache, v_cache, logits_ind
     hidden = embed[jnp.where(token_ids < embed.shape[0], token_ids, 0)]
     if c.embed_scale != 1.0:  # HF multiplies by the scale rounded to the weights' dtype
         hidden = hidden * jnp.asarray(c.embed_scale, hidden.dtype)
-    k_cache, v_cache = list(k_cache), list(v_cache)
-    for i, p in enumerate(params["layers"]):
-        window = c.layer_windows[i] if c.layer_windows else None
-        hidden, k_cache[i], v_cache[i] = _decoder_layer(
-            hidden, p, k_cache[i], v_cache[i], *(rope if window is None else local_rope), md,
-            lora_slots, opts=opts, attention_fn=attention_fn, mesh=mesh, sliding_window=window)
+
+    def layer(hidden, p, k_pages, v_pages, window):
+        cos, sin = rope if window is None else local_rope
+        return _decoder_layer(hidden, p, k_pages, v_pages, cos, sin, md, lora_slots, opts=opts,
+                              attention_fn=attention_fn, mesh=mesh, sliding_window=window)
+
+    layers = params["layers"]
+    if isinstance(k_cache, list | tuple):  # a pool per layer: the layers unrolled
+        k_cache, v_cache = list(k_cache), list(v_cache)
+        for i, p in enumerate(layers):
+            hidden, k_cache[i], v_cache[i] = layer(hidden, p, k_cache[i], v_cache[i],
+                                                   _window(c, i))
+    else:  # pools stacked by layer: a loop over each run of alike layers
+        for start, stop in _runs(c):
+            hidden, k_cache, v_cache = _layer_loop(partial(layer, window=_window(c, start)),
+                                                   layers, start, stop, hidden, k_cache, v_cache)
 
     logits = compute_logits(c, params, hidden[logits_indices], mesh)
     if hidden_indices is None:
         return logits, k_cache, v_cache
     return logits, k_cache, v_cache, hidden[hidden_indices]
+
+
+def _window(c: ModelConfig, i: int) -> int | None:
+    """Layer i's sliding window (``ModelConfig.layer_windows``), None: full attention."""
+    return c.layer_windows[i] if c.layer_windows else None
+
+
+def _runs(c: ModelConfig) -> list[tuple[int, int]]:
+    """[start, stop) of each run of consecutive layers alike (same window, both dense or both
+    MoE): one loop each."""
+    kind = lambda i: (_window(c, i), bool(c.sparse_layers and c.sparse_layers[i]))  # noqa: E731
+    starts = [i for i in range(c.num_layers) if i == 0 or kind(i) != kind(i - 1)]
+    return list(zip(starts, starts[1:] + [c.num_layers]))
+
+
+def _layer_loop(layer: Callable, layers: list[dict], start: int, stop: int, hidden,
+                k_cache, v_cache):
+    """Layers [start, stop) as one ``fori_loop`` over pools stacked by layer ([L, KV,
+    num_pages, page_size, D], the loop's carry, each layer's indexed in place:
+    ``pool_layer.PoolLayer``): (hidden, k_cache, v_cache). MoE layers run unrolled instead:
+    their expert weights would be sliced out of a stack, i.e. copied."""
+    if "router" in layers[start]:
+        for i in range(start, stop):
+            hidden, k, v = layer(hidden, layers[i], pool_layer.PoolLayer(k_cache, i),
+                                 pool_layer.PoolLayer(v_cache, i))
+            k_cache, v_cache = k.pool, v.pool
+        return hidden, k_cache, v_cache
+    layer_of = _layer_of(layers[start:stop])
+
+    def body(i, carry):
+        hidden, k, v = layer(carry[0], layer_of(i - start), pool_layer.PoolLayer(carry[1], i),
+                             pool_layer.PoolLayer(carry[2], i))
+        return hidden, k.pool, v.pool
+
+    return jax.lax.fori_loop(start, stop, body, (hidden, k_cache, v_cache))
+
+
+def _layer_of(run: list[dict]) -> Callable[[jax.Array], dict]:
+    """For a loop over the layers ``run``: index j (traced) -> layer j's params, its
+    ``LINEARS`` as ``LayerSelect`` (read in place), the rest (norms, biases: a few KiB a
+    layer) stacked here, before the loop, and indexed."""
+    small = {name: jnp.stack([p[name] for p in run]) for name in run[0] if name not in LINEARS}
+    big = {name: tuple(p[name] for p in run) for name in LINEARS}
+    return lambda j: ({name: a[j] for name, a in small.items()}
+                      | {name: LayerSelect(ws, j) for name, ws in big.items()})
 
 
 def compute_logits(config: ModelConfig, params: dict, hidden: jax.Array,

@@ -34,6 +34,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxserve.config import ModelConfig
+from pallas_kernels.pool_layer import PoolLayer
 
 AXIS = "tp"
 FLAG = "--tensor-parallel-size"
@@ -186,9 +187,14 @@ def hf_sharding(name: str, shape: tuple, mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, spec)
 
 
-def kv_sharding(mesh: Mesh) -> NamedSharding:
-    """The KV pool's: ``[KV, pages, page_size, D]`` split by KV head."""
-    return NamedSharding(mesh, P(AXIS))
+def kv_sharding(mesh: Mesh, stacked: bool = False) -> NamedSharding:
+    """The KV pool's: ``[KV, pages, page_size, D]`` split by KV head; ``stacked``: the pool
+    ``[L, KV, pages, page_size, D]`` of every layer (``pallas_kernels.pool_layer``)."""
+    return NamedSharding(mesh, _kv_spec(stacked))
+
+
+def _kv_spec(stacked: bool) -> P:
+    return P(None, AXIS) if stacked else P(AXIS)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -207,12 +213,20 @@ def per_shard_attention(fn: Callable, mesh: Mesh) -> Callable:
     """``fn(q, k, v, k_pages, v_pages, md) -> (out, k_pages, v_pages)`` (llama's KV write and
     attention) run on each device's heads under ``shard_map``.
 
-    Shapes (global): q [T, H, D], k and v [T, KV, D], pages [KV, pages, page_size, D], out
-    [T, H, D], split on their head axis; md (``llama.AttentionMetadata``) replicated. Each device
-    sees H / N query heads over its KV / N heads, the same grouping as the whole model.
+    Shapes (global): q [T, H, D], k and v [T, KV, D], pages [KV, pages, page_size, D] (or a
+    ``PoolLayer`` of the stacked pool), out [T, H, D], split on their head axis; md
+    (``llama.AttentionMetadata``) replicated. Each device sees H / N query heads over its KV / N
+    heads, the same grouping as the whole model.
     """
     heads = P(None, AXIS, None)
-    return jax.shard_map(fn, mesh=mesh, in_specs=(heads, heads, heads, P(AXIS), P(AXIS), P()),
-                         out_specs=(heads, P(AXIS), P(AXIS)),
-                         # The Pallas kernels' custom calls carry no varying-axis types.
-                         check_vma=False)
+
+    def run(q, k, v, k_pages, v_pages, md):
+        pool = P(AXIS)
+        if isinstance(k_pages, PoolLayer):  # its stacked pool split so, its layer replicated
+            pool = PoolLayer(_kv_spec(True), P())
+        return jax.shard_map(fn, mesh=mesh, in_specs=(heads, heads, heads, pool, pool, P()),
+                             out_specs=(heads, pool, pool),
+                             # The Pallas kernels' custom calls carry no varying-axis types.
+                             check_vma=False)(q, k, v, k_pages, v_pages, md)
+
+    return run

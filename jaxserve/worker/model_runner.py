@@ -53,7 +53,7 @@ from jaxserve.worker.sampler import Logprobs, init_state
 from jaxserve.worker.sampling_fields import (SAMPLING, FilterMetadata, SamplingMetadata,
                                              neutral)
 from jaxserve.worker.step_inputs import StepLayout
-from pallas_kernels import kv_quant
+from pallas_kernels import kv_quant, reads_stacked_pools
 
 # Prompt positions whose log-probabilities one step computes (the scheduler caps the prompt
 # chunks of such requests to it): the step returns this many hidden rows, and a separate
@@ -138,7 +138,8 @@ class ModelRunner:
       attention_fn: pallas_kernels attention entry point.
       branch_free: compile the step without control flow; default: the platform's
         ``branch_free_step`` (a GPU conditional blocks the dispatching thread; the module
-        docstring says more).
+        docstring says more). A branch-free step, or one whose attention is not the reference,
+        keeps a pool per layer (unrolled layers).
       mesh: the tensor-parallel mesh (``jaxserve.models.sharding``) that params are split over;
         the KV pool is split by KV head over it, the step's other inputs and outputs are
         replicated. None: one device, the default.
@@ -196,6 +197,10 @@ class ModelRunner:
         self.prompt_logprob_rows = min(PROMPT_LOGPROB_ROWS, max_num_batched_tokens)
         if branch_free is None:
             branch_free = platform.branch_free_step
+        # The layer loop over a stacked pool is control flow, which a branch-free step has none
+        # of, and its pool is read by the reference attention only.
+        self.stacked_kv_pool = (platform.stacked_kv_pool and not branch_free
+                                and reads_stacked_pools(attention_fn))
         # Everything but the params and the pool is replicated over the mesh (None: one device).
         self._replicated = None if mesh is None else sharding.replicated(mesh)
         self.num_speculative_tokens = num_speculative_tokens
@@ -207,7 +212,7 @@ class ModelRunner:
         row_counts = sorted({layout.num_logits_rows for layout in self.step_layouts.values()})
         self.programs = jit_programs(
             config, params, attention_fn, mesh, row_counts[-1], branch_free, self.step_layouts,
-            row_counts, num_speculative_tokens, draft, page_size)
+            row_counts, self.stacked_kv_pool, num_speculative_tokens, draft, page_size)
         self.draft = draft
         self.draft_k_cache = self.draft_v_cache = None  # allocate_kv_cache
         # The draft model's q of the last proposed drafts (draft_model.propose), and each
@@ -249,26 +254,28 @@ class ModelRunner:
             bias_width=st.bias_ids.shape[1], stop_width=st.stop_ids.shape[1])
 
     def _kv_pool(self, num_pages: int, draft: bool = False):
-        """(shape [KV, num_pages, page_size, D] of one layer's K (or V) pool, KV the layout's,
-        and its sharding: split over the mesh by KV head, None on one device); ``draft``: of
-        the draft model's pool (one device)."""
+        """(shape of one K (or V) pool, its sharding, how many), KV the layout's: L pools of
+        [KV, num_pages, page_size, D], or where the platform stacks the pool
+        (``Platform.stacked_kv_pool``) one [L, KV, num_pages, page_size, D] (count None); split
+        over the mesh by KV head, None on one device. ``draft``: the draft model's pool (one
+        device, one pool a layer: its few layers run unrolled)."""
         if draft:
             c = self.draft.config
-            return (c.num_kv_heads, num_pages, self.page_size, c.head_dim), None
-        c = self.config
+            return (c.num_kv_heads, num_pages, self.page_size, c.head_dim), None, c.num_layers
+        c, stacked = self.config, self.stacked_kv_pool
         shape = (self.layout.num_kv_heads, num_pages, self.page_size, c.head_dim)
-        return shape, None if self.mesh is None else sharding.kv_sharding(self.mesh)
+        where = None if self.mesh is None else sharding.kv_sharding(self.mesh, stacked)
+        return ((c.num_layers, *shape), where, None) if stacked else (shape, where, c.num_layers)
 
-    def pool_structs(self, num_pages: int, draft: bool = False) -> tuple[list, list]:
+    def pool_structs(self, num_pages: int, draft: bool = False) -> tuple:
         """(K pools, V pools) of num_pages pages as shapes only (``kv_quant.pool_struct``), to
         compile against a pool that is not allocated; ``draft``: the draft model's (empty
         lists when there is none)."""
         if draft and self.draft is None:
             return [], []
-        shape, where = self._kv_pool(num_pages, draft)
-        layers = (self.draft if draft else self).config.num_layers
-        kv = [kv_quant.pool_struct(shape, self.kv_dtype, where)] * layers
-        return kv, kv
+        shape, where, count = self._kv_pool(num_pages, draft)
+        kv = kv_quant.pool_struct(shape, self.kv_dtype, where)
+        return (kv, kv) if count is None else ([kv] * count, [kv] * count)
 
     def allocate_kv_cache(self, num_pages: int) -> None:
         """Allocate the (zeroed) K and V pools of num_pages pages, page 0 included; on a mesh
@@ -283,10 +290,9 @@ class ModelRunner:
         """
         pools = []
         for draft in (False, True)[: 1 + (self.draft is not None)]:
-            shape, where = self._kv_pool(num_pages, draft)
-            layers = (self.draft if draft else self).config.num_layers
+            shape, where, count = self._kv_pool(num_pages, draft)
             pools.append(self.executables.compile(
-                jit_zeroed_pools(shape, self.kv_dtype, layers, where))())
+                jit_zeroed_pools(shape, self.kv_dtype, count, where))())
         shards = [s.data for x in jax.tree.leaves(pools) for s in x.addressable_shards]
         distinct, total = len({x.unsafe_buffer_pointer() for x in shards}), len(shards)
         if distinct < total:

@@ -85,21 +85,22 @@ class Programs(Generic[P]):
 
 def jit_programs(config: ModelConfig, params: dict, attention_fn: Callable, mesh: Mesh | None,
                  max_rows: int, branch_free: bool, layouts: dict[int, StepLayout],
-                 row_counts: list[int], max_drafts: int = 0, draft: DraftModel | None = None,
-                 page_size: int = 0) -> Programs:
+                 row_counts: list[int], stacked_kv_pool: bool, max_drafts: int = 0,
+                 draft: DraftModel | None = None, page_size: int = 0) -> Programs:
     """Every program, jitted: the step of each token bucket of ``layouts`` (its layout is
     static; the pool and the block table are donated; its tokens padded to ``max_rows``, the
     most logits rows of any bucket), the filtered sampler (one for every L of ``row_counts``;
     ``max_drafts``: the most drafts a sequence carries, speculative decoding), and the others.
-    On a mesh the params are split by the Megatron layout, the pool by KV head, everything
-    else replicated. ``draft``: the draft_model method's model (one device only), whose
-    programs join the table; ``page_size``: the pools' (for its ``propose``)."""
+    On a mesh the params are split by the Megatron layout, the pool (stacked by layer with
+    ``stacked_kv_pool``) by KV head, everything else replicated. ``draft``: the draft_model
+    method's model (one device only), whose programs join the table; ``page_size``: the
+    pools' (for its ``propose``)."""
     filter_fn = partial(_filter, max_drafts)
     if mesh is None:
         jit_step = partial(KeyedJit, donate_argnums=(3, 4, 5))
         jit_filter = KeyedJit(filter_fn, donate_argnums=(4,))
     else:
-        rep, kv = sharding.replicated(mesh), sharding.kv_sharding(mesh)
+        rep, kv = sharding.replicated(mesh), sharding.kv_sharding(mesh, stacked_kv_pool)
         jit_step = partial(
             KeyedJit, donate_argnums=(3, 4, 5),
             in_shardings=(sharding.param_shardings(params, mesh), rep, rep, kv, kv, rep),
@@ -194,13 +195,16 @@ def _prompt_logprobs(config, mesh, params, hidden, targets):
     return compute_logprobs(llama.compute_logits(config, params, hidden, mesh), targets)
 
 
-def jit_zeroed_pools(shape, dtype, num_layers: int, where) -> Callable:
+def jit_zeroed_pools(shape, dtype, num_layers: int | None, where) -> Callable:
     """The program that makes the zeroed KV pools (``_zeroed_pools``), placed by ``where``."""
     return KeyedJit(partial(_zeroed_pools, shape, dtype, num_layers), out_shardings=where)
 
 
-def _zeroed_pools(shape, dtype, num_layers: int):
-    """(K pools, V pools): num_layers zeroed pools each (``kv_quant.pool_zeros``)."""
+def _zeroed_pools(shape, dtype, num_layers: int | None):
+    """(K pools, V pools): lists of num_layers zeroed pools of ``shape`` each, or with None one
+    each (a pool stacked by layer, ``shape`` [L, ...]) (``kv_quant.pool_zeros``)."""
+    if num_layers is None:
+        return kv_quant.pool_zeros(shape, dtype), kv_quant.pool_zeros(shape, dtype)
     return ([kv_quant.pool_zeros(shape, dtype) for _ in range(num_layers)],
             [kv_quant.pool_zeros(shape, dtype) for _ in range(num_layers)])
 
@@ -212,6 +216,12 @@ def _write_block_table(block_table, rows, cols, pages):
 
 
 def _copy_pages(k_cache, v_cache, src, dst):
-    """Copy KV pages ``src`` [N] to ``dst`` [N] in every layer (0 -> 0 pads: the null page)."""
-    copy = lambda pool: jax.tree.map(lambda a: a.at[:, dst].set(a[:, src]), pool)  # noqa: E731
-    return [copy(k) for k in k_cache], [copy(v) for v in v_cache]
+    """Copy KV pages ``src`` [N] to ``dst`` [N] in every layer (0 -> 0 pads: the null page), of
+    per-layer pools or pools stacked by layer (pages on axis 2, all layers at once)."""
+    def copy(pool, axis: int):
+        at = (slice(None),) * axis
+        return jax.tree.map(lambda a: a.at[(*at, dst)].set(a[(*at, src)]), pool)
+
+    if isinstance(k_cache, list):
+        return [copy(k, 1) for k in k_cache], [copy(v, 1) for v in v_cache]
+    return copy(k_cache, 2), copy(v_cache, 2)

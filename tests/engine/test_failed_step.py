@@ -59,7 +59,7 @@ def test_device_state_ok_until_a_pool_array_is_lost():
     runner.allocate_kv_cache(17)
     assert runner.device_state_ok()
     # What a program that failed after the pool was donated to it leaves behind.
-    runner.v_cache[1].delete()
+    runner.v_cache.delete()
     assert not runner.device_state_ok()
-    runner.v_cache[1] = jnp.zeros(runner.v_cache[0].shape, runner.v_cache[0].dtype)
+    runner.v_cache = jnp.zeros(runner.k_cache.shape, runner.k_cache.dtype)
     assert runner.device_state_ok()

@@ -43,7 +43,7 @@ def test_fp8_weights_and_kv_cache_in_the_engine(smollm_llm):
     llm8 = LLM(log=lambda s: None, quantization="fp8", kv_cache_dtype="fp8",
                **SMALL_ENGINE | FP8_LIMITS)
     runner = llm8.engine.runner
-    assert isinstance(runner.k_cache[0], QuantizedPages)
+    assert isinstance(runner.k_cache, QuantizedPages)  # stacked by layer on the CPU
     assert all(isinstance(layer[name], Fp8Weight) for layer in runner.params["layers"]
                for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
     # Same GiB: float32 rows take 4 D bytes, FP8 rows D + 4 (the scale).

@@ -36,9 +36,8 @@ def test_peaks_count_every_program_and_the_pool_comes_after():
     assert len(every) == len(runner.token_buckets) + 3 + 4  # buckets, samplers, the others
     assert runner.peak_program_bytes == kv_sizing.peak_program_bytes(every) >= profiled
     runner.allocate_kv_cache(17)
-    leaves = jax.tree.leaves(runner.k_cache)
-    assert len(leaves) == runner.config.num_layers  # per-layer pools
-    assert sum(x.size for x in leaves) == runner.config.num_layers * runner.config.num_kv_heads * 17 * 16 * runner.config.head_dim
+    c = runner.config  # on the CPU, one pool stacked by layer (Platform.stacked_kv_pool)
+    assert runner.k_cache.shape == (c.num_layers, c.num_kv_heads, 17, 16, c.head_dim)
 
 
 def test_a_pool_whose_arrays_share_memory_is_refused(monkeypatch):

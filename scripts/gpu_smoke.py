@@ -2,8 +2,8 @@
 
 For each `--shape` (a dummy preset of `jaxserve.model_loader.dummy`, or a `config.json` path:
 random weights of that shape) and each `--model` (a real checkpoint), starts
-`python -m jaxserve.serve --model M [--load-format dummy] --port P` with no other flag, waits
-for `/health`, and sends:
+`python -m jaxserve.serve --model M [--load-format dummy] --port P` with no other flag (or with
+`--server-args`), waits for `/health`, and sends:
 
 - `chat`, `chat-stream`, `completions`: a short answer (16 tokens), streamed to `[DONE]` with no
   error event for the stream;
@@ -12,8 +12,10 @@ for `/health`, and sends:
 - `json_schema`: `response_format` with a schema; the answer must parse and validate
   (jsonschema);
 - `long-prompt`: one prompt of min(max_model_len - 64, 32,000) token ids;
+- `every-model`: a chat to each other model `/v1/models` lists (LoRA adapters);
 - `burst`: `--burst` (default 2 x 256, the GPU's default --max-num-seqs) completions sent at
-  once, each 64 prompt ids and 32 output tokens (`ignore_eos`): every one complete.
+  once, each 64 prompt ids and 32 output tokens (`ignore_eos`), cycling over the listed models:
+  every one complete.
 
 With `--hf-reference` (a real `--model` whose HF transformers counterpart is built with
 `checkpoints_tools.convert`), a second server of that model with `--dtype float32` then
@@ -36,6 +38,7 @@ import asyncio
 import json
 import os
 import pathlib
+import shlex
 import signal
 import socket
 import subprocess
@@ -137,9 +140,11 @@ def random_ids(n: int, rng) -> list[int]:
     return rng.integers(10, TOKEN_IDS_BELOW, n).tolist()
 
 
-async def checks(session, url: str, model: str, max_model_len: int, burst: int,
+async def checks(session, url: str, models: list[str], max_model_len: int, burst: int,
                  rng) -> dict[str, str]:
-    """Each request type -> "ok" or what failed."""
+    """Each request type -> "ok" or what failed. ``models``: what `/v1/models` lists, the base
+    model first; the others (LoRA adapters) each answer a chat, and the burst cycles over all."""
+    model = models[0]
     chat, comp = f"{url}/v1/chat/completions", f"{url}/v1/completions"
     msgs = [{"role": "user", "content": "What is the capital of France?"}]
     base = {"model": model, "max_tokens": 16}
@@ -194,13 +199,18 @@ async def checks(session, url: str, model: str, max_model_len: int, burst: int,
         out = await post(session, comp, base | {"prompt": random_ids(n, rng)})
         assert out["usage"]["prompt_tokens"] == n
 
+    async def every_model():
+        for name in models[1:]:
+            out = await post(session, chat, base | {"model": name, "messages": msgs})
+            assert out["model"] == name, f"asked {name}, answered as {out['model']}"
+
     async def burst_all():
-        async def one():
-            body = {"model": model, "prompt": random_ids(64, rng), "max_tokens": 32,
+        async def one(i):
+            body = {"model": models[i % len(models)], "prompt": random_ids(64, rng), "max_tokens": 32,
                     "ignore_eos": True}
             return (await post(session, comp, body))["usage"]["completion_tokens"]
 
-        got = await asyncio.gather(*(one() for _ in range(burst)), return_exceptions=True)
+        got = await asyncio.gather(*(one(i) for i in range(burst)), return_exceptions=True)
         bad = [g for g in got if g != 32]
         assert not bad, f"{len(bad)} of {burst} failed, first: {bad[0]!r}"
 
@@ -208,7 +218,8 @@ async def checks(session, url: str, model: str, max_model_len: int, burst: int,
     for name, fn in [("chat", chat_once), ("chat-stream", chat_stream),
                      ("completions", completions), ("n=4", n4), ("logprobs", logprobs),
                      ("penalties", penalties), ("json_schema", json_schema),
-                     ("long-prompt", long_prompt), ("burst", burst_all)]:
+                     ("long-prompt", long_prompt), ("every-model", every_model),
+                     ("burst", burst_all)]:
         try:
             await fn()
             results[name] = "ok"
@@ -260,8 +271,8 @@ async def greedy_agreement(session, url, model_name, hf, tokenizer, n, max_token
 
 async def serve_and(model: str, dummy: bool, args, work: pathlib.Path, label: str, flags,
                     then) -> dict:
-    """Start a server, wait for it, run ``then(session, url, card)`` and stop it: a row with
-    its command, readiness time, model card fields and what ``then`` returned (``checks``)."""
+    """Start a server, wait for it, run ``then(session, url, cards)`` (`/v1/models`' list) and
+    stop it: a row with its command, readiness time, max_model_len and what ``then`` returned."""
     row = {}
     server = Server(model, dummy, work / f"{label}.log", *flags)
     row["command"] = server.command
@@ -271,9 +282,9 @@ async def serve_and(model: str, dummy: bool, args, work: pathlib.Path, label: st
                                          connector=aiohttp.TCPConnector(limit=0)) as session:
             row["ready_s"] = round(await server.wait_ready(session, args.start_timeout), 1)
             async with session.get(f"{server.url}/v1/models") as r:
-                card = (await r.json())["data"][0]
-            row["max_model_len"] = card["max_model_len"]
-            row |= await then(session, server.url, card)
+                cards = (await r.json())["data"]
+            row["max_model_len"] = cards[0]["max_model_len"]
+            row |= await then(session, server.url, cards)
     except Exception as e:  # noqa: BLE001 - a server that did not start is one failed row
         row["checks"] = {"start": f"{type(e).__name__}: {e}"}
     finally:
@@ -286,18 +297,19 @@ async def serve_and(model: str, dummy: bool, args, work: pathlib.Path, label: st
 async def run_one(model: str, dummy: bool, args, work: pathlib.Path) -> dict:
     name = pathlib.Path(model).name if not dummy else model
 
-    async def all_checks(session, url, card):
+    async def all_checks(session, url, cards):
         rng = np.random.default_rng(0)
-        return {"checks": await checks(session, url, card["id"], card["max_model_len"],
-                                       args.burst, rng)}
+        return {"checks": await checks(session, url, [c["id"] for c in cards],
+                                       cards[0]["max_model_len"], args.burst, rng)}
 
     row = {"model": name, "dummy": dummy}
-    row |= await serve_and(model, dummy, args, work, name, (), all_checks)
+    row |= await serve_and(model, dummy, args, work, name, shlex.split(args.server_args),
+                           all_checks)
     if args.hf_reference and not dummy:
         hf, tok = hf_reference(model, work)
 
-        async def greedy(session, url, card):
-            return {"greedy": await greedy_agreement(session, url, card["id"], hf, tok,
+        async def greedy(session, url, cards):
+            return {"greedy": await greedy_agreement(session, url, cards[0]["id"], hf, tok,
                                                      args.greedy_prompts, args.greedy_tokens)}
 
         f32 = await serve_and(model, dummy, args, work, f"{name}-float32",
@@ -317,6 +329,9 @@ def main() -> int:
                     help="greedy against HF transformers for each real --model (a GGUF)")
     ap.add_argument("--greedy-prompts", type=int, default=20)
     ap.add_argument("--greedy-tokens", type=int, default=32)
+    ap.add_argument("--server-args", default="",
+                    help="more server flags, one shell-quoted string (default: none); with "
+                         "--enable-lora every listed adapter is checked too")
     ap.add_argument("--burst", type=int, default=512, help="requests sent at once")
     ap.add_argument("--start-timeout", type=float, default=900, help="seconds")
     ap.add_argument("--request-timeout", type=float, default=900, help="seconds")

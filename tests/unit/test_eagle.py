@@ -7,7 +7,9 @@ final norm, the draft LM head mapped by d2t), on a random head in the public lay
 then a chain of drafts, which must see the reference's K/V at the reference's positions."""
 
 import json
+from functools import partial
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -138,9 +140,8 @@ def test_forward_equals_reference(head):
         np.testing.assert_allclose(combined.numpy(), (torch.tensor(np.asarray(hidden))
                                                       @ w["fc.weight"].T).numpy(), atol=1e-5)
     k, v = _pool(h)
-    logits, out, _, _ = eagle.forward(method, h.config, ATTENTION, h.params,
-                                      jnp.asarray(tokens[1:]), jnp.asarray(combined.numpy()),
-                                      _metadata(0, 9), k, v)
+    logits, out, _, _ = jax.jit(partial(eagle.forward, method, h.config, ATTENTION))(
+        h.params, jnp.asarray(tokens[1:]), jnp.asarray(combined.numpy()), _metadata(0, 9), k, v)
     ref_logits, ref_out = reference(method, w, target, tokens[1:], combined)
     np.testing.assert_allclose(np.asarray(out), ref_out.numpy(), atol=1e-4, rtol=1e-4)
     finite = np.isfinite(ref_logits.numpy())
@@ -157,16 +158,16 @@ def test_catch_up_then_drafts_see_the_references_context(head):
     tokens, hidden, combined = _inputs(method, h, 9)
     k, v = _pool(h)
     slot_hidden = jnp.zeros((1, 32), jnp.float32)
+    catch_up = jax.jit(partial(eagle.catch_up, method, h.config, ATTENTION, PAGE))
     for start, n, first_valid in ((0, 6, 0), (6, 3, 1)):
         md = _metadata(start, n)
-        k, v, rows = eagle.catch_up(
-            method, h.config, ATTENTION, PAGE, h.params, jnp.asarray(tokens[start:start + n]),
-            md, jnp.zeros(1, jnp.int32), hidden[start:start + n], slot_hidden,
-            jnp.array([first_valid], jnp.int32), k, v)
+        k, v, rows = catch_up(h.params, jnp.asarray(tokens[start:start + n]), md,
+                              jnp.zeros(1, jnp.int32), hidden[start:start + n], slot_hidden,
+                              jnp.array([first_valid], jnp.int32), k, v)
         slot_hidden = eagle.write_slot_hidden(slot_hidden, rows, jnp.zeros(1, jnp.int32),
                                               jnp.array([n - 1], jnp.int32))
-    drafts, q, _, _ = eagle.propose(
-        method, h.config, ATTENTION, 2, PAGE, h.params, k, v, TABLE,
+    drafts, q, _, _ = jax.jit(partial(eagle.propose, method, h.config, ATTENTION, 2, PAGE))(
+        h.params, k, v, TABLE,
         jnp.asarray(tokens[9:10]), jnp.array([9], jnp.int32), jnp.zeros(1, jnp.int32),
         jnp.int32(1), neutral(SamplingMetadata, 1), slot_hidden)
     ref_logits, ref_out = reference(method, w, target, tokens[1:], combined)

@@ -32,7 +32,8 @@ def head_config(target: dict, method: str, draft_vocab_size: int | None = None,
     with its architecture, ``draft_vocab_size`` (default min(32000, V), the public heads')
     and, when given, ``eagle_aux_hidden_state_layer_ids``."""
     cfg = {k: v for k, v in target.items() if k not in ("quantization_config", "text_config")}
-    cfg |= {"num_hidden_layers": 1, "architectures": ["LlamaForCausalLM"]}
+    cfg |= {"num_hidden_layers": 1, "architectures": ["LlamaForCausalLM"],
+            "tie_word_embeddings": False}
     if method == "eagle3":
         cfg |= {"architectures": ["LlamaForCausalLMEagle3"],
                 "draft_vocab_size": draft_vocab_size or min(32000, target["vocab_size"])}

@@ -1,7 +1,7 @@
 """The eagle and eagle3 speculative methods (docs/spec_decode.md) on a tiny random Llama
 target with random heads in the public layout (``scripts/make_eagle_head.py``): greedy outputs
 equal the plain engine's whatever the head (rejection sampling), sampled seeded requests
-finish; an EAGLE-1 head built to reproduce a one-layer target (attention off in both, fc
+finish (two choices each); an EAGLE-1 head built to reproduce a one-layer target (attention off in both, fc
 picking the embedding, the target's MLP) has its greedy drafts accepted, which checks that
 each head step reads the right token; bad heads and targets are start-up errors naming
 ``--speculative-config``."""
@@ -10,6 +10,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 from safetensors.numpy import load_file
 
 from jaxserve.sampling_params import SamplingParams
@@ -20,7 +21,7 @@ from tests.tiny_models import TINY, save_tiny_model
 ENGINE = dict(max_model_len=128, max_num_batched_tokens=8, max_num_seqs=4,
               kv_cache_gib=0.00029, log=lambda s: None)
 GREEDY = SamplingParams(temperature=0, max_tokens=16)
-SAMPLED = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, max_tokens=16, seed=1)
+SAMPLED = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, max_tokens=16, seed=1, n=2)
 
 
 def spec(method: str, model) -> dict:
@@ -38,16 +39,21 @@ def generate(folder, speculative_config, *params: SamplingParams):
     from jaxserve import LLM
 
     llm = LLM(str(folder), speculative_config=speculative_config, **ENGINE)
-    runs = [[o.outputs[0].token_ids for o in llm.generate(prompts(), sp, use_tqdm=False)]
+    runs = [[c.token_ids for o in llm.generate(prompts(), sp, use_tqdm=False) for c in o.outputs]
             for sp in params]
     return runs, llm.engine.get_stats().spec_decoding
 
 
 @pytest.fixture(scope="module")
-def target(tmp_path_factory, smollm):
+def tiny(tmp_path_factory, smollm):
+    """(target folder, the HF target)."""
     folder = tmp_path_factory.mktemp("target")
-    save_tiny_model("llama", folder, smollm.tokenizer)
-    return folder
+    return folder, save_tiny_model("llama", folder, smollm.tokenizer)
+
+
+@pytest.fixture(scope="module")
+def target(tiny):
+    return tiny[0]
 
 
 @pytest.fixture(scope="module")
@@ -56,13 +62,37 @@ def plain_greedy(target):
 
 
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
-def test_greedy_equals_the_plain_engine(target, plain_greedy, method, tmp_path):
+def test_greedy_equals_the_plain_engine(tiny, plain_greedy, method, tmp_path):
+    """Then, after one more request, the h its slot carries is the target's at the newest
+    position the sequence computed, through rejected drafts (compared with HF's)."""
+    from jaxserve import LLM
+
+    target, hf_model = tiny
     cfg = head_config(json.loads((target / "config.json").read_text()), method, 200, [0, 1, 1])
     head = write_head(tmp_path / method, cfg, random_weights(cfg, method, std=0.1))
-    (greedy, sampled), stats = generate(target, spec(method, head), GREEDY, SAMPLED)
+    llm = LLM(str(target), speculative_config=spec(method, head), **ENGINE)
+    greedy, sampled = ([c.token_ids for o in llm.generate(prompts(), sp, use_tqdm=False)
+                        for c in o.outputs] for sp in (GREEDY, SAMPLED))
     assert greedy == plain_greedy
-    assert [len(t) for t in sampled] == [SAMPLED.max_tokens] * 3
+    assert [len(t) for t in sampled] == [SAMPLED.max_tokens] * 6
+    stats = llm.engine.get_stats().spec_decoding
     assert stats.num_drafts > 0 and stats.num_draft_tokens >= 2 * stats.num_drafts
+    hidden_pos = llm.engine.runner.input_batch.hidden_pos
+    hidden_pos[:] = -2  # a slot the next request takes starts at -1
+    prompt = prompts()[1]
+    out = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    [slot] = np.flatnonzero(hidden_pos != -2)
+    pos = int(hidden_pos[slot])
+    assert pos >= len(prompt)
+    with torch.no_grad():
+        states = hf_model(torch.tensor([prompt + out]), output_hidden_states=True).hidden_states
+    if method == "eagle":  # the final norm's output (HF's last hidden state)
+        want = states[-1][0, pos].numpy()
+    else:  # fc over the inputs of layers 0, 1, 1
+        fc = load_file(str(head / "model.safetensors"))["fc.weight"]
+        want = fc @ np.concatenate([states[i][0, pos].numpy() for i in (0, 1, 1)])
+    np.testing.assert_allclose(np.asarray(llm.engine.runner.slot_hidden[slot]), want,
+                               atol=1e-4)
 
 
 def test_head_that_reproduces_the_target_is_accepted(tmp_path, smollm):
@@ -87,9 +117,9 @@ def test_head_that_reproduces_the_target_is_accepted(tmp_path, smollm):
     for name in ("post_attention_layernorm.weight", "mlp.gate_proj.weight",
                  "mlp.up_proj.weight", "mlp.down_proj.weight"):
         w[f"layers.0.{name}"] = t[f"model.layers.0.{name}"]
-    (greedy, sampled), stats = generate(folder, spec("eagle", write_head(tmp_path / "head", head, w)),
-                                        GREEDY, SAMPLED)
-    assert [len(t) for t in greedy + sampled] == [16] * 6
+    model = write_head(tmp_path / "head", head, w)
+    (greedy, sampled), stats = generate(folder, spec("eagle", model), GREEDY, SAMPLED)
+    assert [len(t) for t in greedy + sampled] == [16] * 9
     assert stats.num_draft_tokens > 40
     assert stats.num_accepted_tokens >= 0.8 * stats.num_draft_tokens
     assert stats.num_accepted_tokens_per_pos[-1] > 0

@@ -200,3 +200,11 @@ def test_bad_heads_name_the_field(tmp_path):
     with pytest.raises(ValueError, match="method: .*Qwen2ForCausalLM"):
         eagle.check_target(ModelConfig.from_hf_config(
             {**TARGET, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}))
+
+
+def test_tensor_parallel_is_refused():
+    from jaxserve.engine.core import load_drafter
+
+    with pytest.raises(ValueError, match="method 'eagle3' runs on one device"):
+        load_drafter("eagle3", "nowhere", ModelConfig.from_hf_config(TARGET), {}, jnp.float32,
+                     None, mesh=object())

@@ -104,7 +104,7 @@ def load_head(method: str, hf_config: dict, weights: dict, target: ModelConfig,
                                ("vocab_size", c.vocab_size, target.vocab_size)):
         if ours != theirs:
             raise ValueError(f"model: the EAGLE head's {name} is {ours}, the target's {theirs}")
-    L, E = target.num_layers, c.hidden_size
+    L = target.num_layers
     if method == "eagle":
         aux_layers = ()
     else:

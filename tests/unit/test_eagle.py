@@ -208,3 +208,26 @@ def test_tensor_parallel_is_refused():
     with pytest.raises(ValueError, match="method 'eagle3' runs on one device"):
         load_drafter("eagle3", "nowhere", ModelConfig.from_hf_config(TARGET), {}, jnp.float32,
                      None, mesh=object())
+
+
+def test_target_returns_the_heads_hidden_states_in_both_layer_layouts():
+    """``llama.forward``'s aux_layers: the inputs of the layers asked for (layer 0's: the
+    embedding), in the order asked, from the unrolled layers (a pool per layer) and the CPU's
+    loop over a stacked pool alike; () the final norm's output."""
+    c = ModelConfig.from_hf_config(TARGET)
+    params = llama.random_params(c, jnp.float32, seed=4)
+    tokens = jnp.asarray(np.random.default_rng(5).integers(0, 96, 7), jnp.int32)
+    shape = (c.num_kv_heads, 12, PAGE, c.head_dim)
+    pools = {"per layer": [jnp.zeros(shape, jnp.float32)] * c.num_layers,
+             "stacked": jnp.zeros((c.num_layers, *shape), jnp.float32)}
+    out = {}
+    for layout, pool in pools.items():
+        for aux in ((3, 0, 2), ()):
+            out[layout, aux] = np.asarray(llama.forward(
+                c, params, tokens, _metadata(0, 7), pool, pool, jnp.arange(7),
+                attention_fn=ATTENTION, aux_layers=aux)[-1])
+    for aux in ((3, 0, 2), ()):
+        np.testing.assert_allclose(out["per layer", aux], out["stacked", aux], atol=1e-5)
+    np.testing.assert_allclose(out["stacked", (3, 0, 2)][:, 32:64],
+                               np.asarray(params["embed_tokens"])[tokens], atol=0)
+    assert out["stacked", ()].shape == (7, 32)

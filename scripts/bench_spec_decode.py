@@ -20,7 +20,7 @@ equal the plain engine's token for token.
   python scripts/bench_spec_decode.py                       # k = 4, lookup 2..4, 64 tokens
   python scripts/bench_spec_decode.py --num-speculative-tokens 8 --max-tokens 128
   python scripts/bench_spec_decode.py --draft-model /tmp/smollm2-4-layers  # adds draft_model
-  python scripts/bench_spec_decode.py --eagle3 /tmp/smollm2-eagle3          # adds eagle3
+  python scripts/bench_spec_decode.py --eagle3 smollm2-eagle3-head         # adds eagle3
 """
 
 import argparse

@@ -3,9 +3,9 @@
 and json alone. No trained head can be fetched on the measurement machines; a random one costs
 what a trained one costs (its drafts are almost never accepted), e.g. for Llama-3.1-8B's shapes:
 
-    python scripts/make_eagle_head.py --model llama-3.1-8b --method eagle3 --out /tmp/eagle3
+    python scripts/make_eagle_head.py --model llama-3.1-8b --method eagle3 --out eagle3-head
     python -m jaxserve.serve --model llama-3.1-8b --load-format dummy --speculative-config \\
-        '{"method": "eagle3", "model": "/tmp/eagle3", "num_speculative_tokens": 3}'
+        '{"method": "eagle3", "model": "eagle3-head", "num_speculative_tokens": 3}'
 
 Weights are normal(0, ``--std``), norm weights 1; eagle3's draft vocabulary is a random sorted
 subset of the target's (``d2t``: its offsets, ``t2d``: its mask).

@@ -8,7 +8,8 @@ what a trained one costs (its drafts are almost never accepted), e.g. for Llama-
         '{"method": "eagle3", "model": "eagle3-head", "num_speculative_tokens": 3}'
 
 Weights are normal(0, ``--std``), norm weights 1; eagle3's draft vocabulary is a random sorted
-subset of the target's (``d2t``: its offsets, ``t2d``: its mask).
+subset of the target's (``d2t``: its offsets, ``t2d``: its mask): ``eagle.random_weights``,
+what ``"model": "dummy"`` draws at start-up.
 """
 
 import argparse
@@ -19,51 +20,10 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
-from jaxserve.config import ModelConfig
 from jaxserve.model_loader.dummy import load_dummy
-from jaxserve.spec_decode.eagle import expected_shapes
+from jaxserve.spec_decode.eagle import head_config, random_weights
 
 DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}
-
-
-def head_config(target: dict, method: str, draft_vocab_size: int | None = None,
-                aux_layer_ids: list[int] | None = None) -> dict:
-    """The head's config.json: the target's Llama shapes with one decoder layer; eagle3's
-    with its architecture, ``draft_vocab_size`` (default min(32000, V), the public heads')
-    and, when given, ``eagle_aux_hidden_state_layer_ids``."""
-    cfg = {k: v for k, v in target.items() if k not in ("quantization_config", "text_config")}
-    cfg |= {"num_hidden_layers": 1, "architectures": ["LlamaForCausalLM"],
-            "tie_word_embeddings": False}
-    if method == "eagle3":
-        cfg |= {"architectures": ["LlamaForCausalLMEagle3"],
-                "draft_vocab_size": draft_vocab_size or min(32000, target["vocab_size"])}
-        if aux_layer_ids is not None:
-            cfg["eagle_aux_hidden_state_layer_ids"] = list(aux_layer_ids)
-    return cfg
-
-
-def random_weights(cfg: dict, method: str, std: float = 0.02, seed: int = 0,
-                   dtype=np.float32) -> dict[str, np.ndarray]:
-    """Random tensors of the head of config ``cfg`` (``head_config``), by their checkpoint
-    names: no ``fc.bias`` and no ``embed_tokens.weight`` (the target's serves)."""
-    rng = np.random.default_rng(seed)
-    c = ModelConfig.from_hf_config({**cfg, "architectures": ["LlamaForCausalLM"]})
-    shapes = expected_shapes(method, c, 3 if method == "eagle3" else 2,
-                             cfg.get("draft_vocab_size"))
-    out = {}
-    for name, shape in shapes.items():
-        if name in ("fc.bias", "embed_tokens.weight", "d2t"):
-            continue
-        if name.endswith("norm.weight"):
-            out[name] = np.ones(shape, dtype)
-        else:
-            out[name] = (std * rng.standard_normal(shape, np.float32)).astype(dtype)
-    if method == "eagle3":
-        vocab = cfg["vocab_size"]
-        ids = np.sort(rng.choice(vocab, cfg["draft_vocab_size"], replace=False))
-        out["d2t"] = (ids - np.arange(len(ids))).astype(np.int64)
-        out["t2d"] = np.isin(np.arange(vocab), ids)
-    return out
 
 
 def write_head(folder: pathlib.Path, cfg: dict, weights: dict[str, np.ndarray]) -> pathlib.Path:

@@ -68,10 +68,12 @@ def kv_bytes_per_page(model_config, layout: sharding.Layout, page_size: int, kv_
 
 
 
-def load_drafter(method: str, model: str, target: ModelConfig, target_params: dict, dtype,
-                 config: EngineConfig, mesh) -> DraftModel | eagle.EagleHead:
+def load_drafter(method: str, model: str, target_hf_config: dict, target: ModelConfig,
+                 target_params: dict, dtype, config: EngineConfig,
+                 mesh) -> DraftModel | eagle.EagleHead:
     """The draft_model method's model or an EAGLE head, its params in ``dtype`` on the one
-    device.
+    device; an EAGLE ``model`` "dummy" is a random head of the target's shapes
+    (``eagle.random_weights``, drawn from ``config.seed``).
 
     Raises:
       ValueError: naming the field: "model": a path that holds no model, a vocabulary (or,
@@ -83,6 +85,10 @@ def load_drafter(method: str, model: str, target: ModelConfig, target_params: di
         raise ValueError(f"method {method!r} runs on one device; drop --tensor-parallel-size")
     if method in eagle.METHODS:
         eagle.check_target(target)
+        if model == eagle.DUMMY:
+            cfg = eagle.head_config(target_hf_config, method)
+            weights = eagle.random_weights(cfg, method, seed=config.seed, dtype=np.dtype(dtype))
+            return eagle.load_head(method, cfg, weights, target, target_params, dtype)
     try:
         source, fmt = resolve_model(model)
         ckpt = load_checkpoint(source, fmt, with_tokenizer=False)
@@ -174,13 +180,14 @@ class EngineCore:
         quantization = resolve_method(ckpt.hf_config, config.quantization)
         self.model_config, params = build_params(ckpt.hf_config, ckpt.weights, dtype, config.seed,
                                                  mesh, quantization, config.max_model_len)
+        hf_config = ckpt.hf_config
         del ckpt
         mc = self.model_config
         draft = None
         if self.spec_config is not None and self.spec_config.model is not None:
             try:
-                draft = load_drafter(self.spec_config.method, self.spec_config.model, mc,
-                                     params, dtype, config, mesh)
+                draft = load_drafter(self.spec_config.method, self.spec_config.model, hf_config,
+                                     mc, params, dtype, config, mesh)
             except ValueError as e:
                 raise ValueError(f"--speculative-config: {e}") from None
         self.lora_manager = None

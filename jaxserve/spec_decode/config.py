@@ -21,8 +21,8 @@ class SpeculativeConfig:
       method: "ngram" (prompt lookup over the sequence's own tokens), "draft_model" (a
         smaller model with the target's vocabulary, ``draft_model.py``), "eagle" or "eagle3"
         (a head over the target's hidden states, ``eagle.py``).
-      model: the draft model's or the EAGLE head's path or name (``resolve_model``), the
-        methods of MODEL_METHODS only.
+      model: the draft model's or the EAGLE head's path or name (``resolve_model``; an EAGLE
+        head's "dummy": a random one, ``eagle.DUMMY``), the methods of MODEL_METHODS only.
       num_speculative_tokens: k, drafts proposed and verified per sequence and step, 1 to
         MAX_SPECULATIVE_TOKENS.
       prompt_lookup_max, prompt_lookup_min: the longest and shortest suffix (tokens) the n-gram

@@ -55,6 +55,9 @@ from jaxserve.spec_decode.draft_model import draft_chain
 from jaxserve.worker.sampling_fields import SamplingMetadata
 
 METHODS = ("eagle", "eagle3")
+# "model" of a random head of the target's shapes (``random_weights``): speed runs where no
+# trained head can be fetched.
+DUMMY = "dummy"
 # Targets a Llama head attaches to: plain RMSNorm decoders whose LM head reads the final norm's
 # output as is (no embedding scale, no logit soft-cap).
 TARGET_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
@@ -168,6 +171,46 @@ def expected_shapes(method: str, c: ModelConfig, num_inputs: int,
     out |= {f"midlayer.{n}": s for n, s in (layer | wide | {"hidden_norm.weight": (E,)}).items()}
     vd = draft_vocab_size or c.vocab_size
     return out | {"norm.weight": (E,), "lm_head.weight": (vd, E), "d2t": (vd,)}
+
+
+def head_config(target: dict, method: str, draft_vocab_size: int | None = None,
+                aux_layer_ids: list[int] | None = None) -> dict:
+    """The head's config.json: the target's Llama shapes with one decoder layer; eagle3's
+    with its architecture, ``draft_vocab_size`` (default min(32000, V), the public heads')
+    and, when given, ``eagle_aux_hidden_state_layer_ids``."""
+    cfg = {k: v for k, v in target.items() if k not in ("quantization_config", "text_config")}
+    cfg |= {"num_hidden_layers": 1, "architectures": ["LlamaForCausalLM"],
+            "tie_word_embeddings": False}
+    if method == "eagle3":
+        cfg |= {"architectures": ["LlamaForCausalLMEagle3"],
+                "draft_vocab_size": draft_vocab_size or min(32000, target["vocab_size"])}
+        if aux_layer_ids is not None:
+            cfg["eagle_aux_hidden_state_layer_ids"] = list(aux_layer_ids)
+    return cfg
+
+
+def random_weights(cfg: dict, method: str, std: float = 0.02, seed: int = 0,
+                   dtype=np.float32) -> dict[str, np.ndarray]:
+    """Random tensors of the head of config ``cfg`` (``head_config``), by their checkpoint
+    names: no ``fc.bias`` and no ``embed_tokens.weight`` (the target's serves)."""
+    rng = np.random.default_rng(seed)
+    c = ModelConfig.from_hf_config({**cfg, "architectures": ["LlamaForCausalLM"]})
+    shapes = expected_shapes(method, c, 3 if method == "eagle3" else 2,
+                             cfg.get("draft_vocab_size"))
+    out = {}
+    for name, shape in shapes.items():
+        if name in ("fc.bias", "embed_tokens.weight", "d2t"):
+            continue
+        if name.endswith("norm.weight"):
+            out[name] = np.ones(shape, dtype)
+        else:
+            out[name] = (std * rng.standard_normal(shape, np.float32)).astype(dtype)
+    if method == "eagle3":
+        vocab = cfg["vocab_size"]
+        ids = np.sort(rng.choice(vocab, cfg["draft_vocab_size"], replace=False))
+        out["d2t"] = (ids - np.arange(len(ids))).astype(np.int64)
+        out["t2d"] = np.isin(np.arange(vocab), ids)
+    return out
 
 
 def combine(method: str, params: dict, hidden):

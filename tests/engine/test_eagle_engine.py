@@ -14,7 +14,8 @@ import torch
 from safetensors.numpy import load_file
 
 from jaxserve.sampling_params import SamplingParams
-from scripts.make_eagle_head import head_config, random_weights, write_head
+from jaxserve.spec_decode.eagle import head_config, random_weights
+from scripts.make_eagle_head import write_head
 from tests.tiny_models import TINY, save_tiny_model
 
 # As the draft_model tests: 8-token steps (prompts in chunks), a pool small enough to preempt.

@@ -19,9 +19,10 @@ from jaxserve.config import ModelConfig
 from jaxserve.model_loader.hf_folder import load_hf_folder
 from jaxserve.models import llama
 from jaxserve.spec_decode import eagle
+from jaxserve.spec_decode.eagle import head_config, random_weights
 from jaxserve.worker.sampling_fields import SamplingMetadata, neutral
 from pallas_kernels import get_attention_fn
-from scripts.make_eagle_head import head_config, random_weights, write_head
+from scripts.make_eagle_head import write_head
 
 TARGET = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=96,
               hidden_size=32, intermediate_size=48, num_hidden_layers=4,
@@ -202,12 +203,18 @@ def test_bad_heads_name_the_field(tmp_path):
             {**TARGET, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}))
 
 
-def test_tensor_parallel_is_refused():
+def test_dummy_head_and_tensor_parallel():
+    """"model": "dummy" is a random head of the target's shapes; a mesh is refused."""
+    from jaxserve.config import EngineConfig
     from jaxserve.engine.core import load_drafter
 
+    target = ModelConfig.from_hf_config(TARGET)
+    params = llama.random_params(target, jnp.float32)
+    h = load_drafter("eagle3", "dummy", TARGET, target, params, jnp.float32, EngineConfig(), None)
+    assert h.aux_layers == (2, 2, 1) and h.params["fc"].shape == (96, 32)
+    assert h.params["embed_tokens"] is params["embed_tokens"]
     with pytest.raises(ValueError, match="method 'eagle3' runs on one device"):
-        load_drafter("eagle3", "nowhere", ModelConfig.from_hf_config(TARGET), {}, jnp.float32,
-                     None, mesh=object())
+        load_drafter("eagle3", "nowhere", TARGET, target, {}, jnp.float32, None, mesh=object())
 
 
 def test_target_returns_the_heads_hidden_states_in_both_layer_layouts():

@@ -100,9 +100,7 @@ def load_head(method: str, hf_config: dict, weights: dict, target: ModelConfig,
         target's, another layer count than one (eagle3), aux layer ids outside the target's
         layers, a missing tensor or one of the wrong shape.
     """
-    cfg = {**hf_config, "architectures": ["LlamaForCausalLM"]}
-    cfg.pop("draft_vocab_size", None)
-    c = ModelConfig.from_hf_config(cfg)
+    c = _layer_config(hf_config)
     for name, ours, theirs in (("hidden_size", c.hidden_size, target.hidden_size),
                                ("vocab_size", c.vocab_size, target.vocab_size)):
         if ours != theirs:
@@ -152,6 +150,12 @@ def load_head(method: str, hf_config: dict, weights: dict, target: ModelConfig,
     return EagleHead(method, c, params, aux_layers)
 
 
+def _layer_config(hf_config: dict) -> ModelConfig:
+    """The shapes of a head's Llama layers from its config.json (eagle3's architecture
+    name read as Llama's)."""
+    return ModelConfig.from_hf_config({**hf_config, "architectures": ["LlamaForCausalLM"]})
+
+
 def expected_shapes(method: str, c: ModelConfig, num_inputs: int,
                     draft_vocab_size: int | None) -> dict[str, tuple[int, ...]]:
     """{tensor name: shape} of a head's checkpoint (module docstring); ``fc.bias`` and
@@ -194,8 +198,7 @@ def random_weights(cfg: dict, method: str, std: float = 0.02, seed: int = 0,
     """Random tensors of the head of config ``cfg`` (``head_config``), by their checkpoint
     names: no ``fc.bias`` and no ``embed_tokens.weight`` (the target's serves)."""
     rng = np.random.default_rng(seed)
-    c = ModelConfig.from_hf_config({**cfg, "architectures": ["LlamaForCausalLM"]})
-    shapes = expected_shapes(method, c, 3 if method == "eagle3" else 2,
+    shapes = expected_shapes(method, _layer_config(cfg), 3 if method == "eagle3" else 2,
                              cfg.get("draft_vocab_size"))
     out = {}
     for name, shape in shapes.items():

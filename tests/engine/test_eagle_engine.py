@@ -1,10 +1,10 @@
 """The eagle and eagle3 speculative methods (docs/spec_decode.md) on a tiny random Llama
 target with random heads in the public layout (``scripts/make_eagle_head.py``): greedy outputs
 equal the plain engine's whatever the head (rejection sampling), sampled seeded requests
-finish (two choices each); an EAGLE-1 head built to reproduce a one-layer target (attention off in both, fc
-picking the embedding, the target's MLP) has its greedy drafts accepted, which checks that
-each head step reads the right token; bad heads and targets are start-up errors naming
-``--speculative-config``."""
+finish (two choices each) and the h a slot carries is the target's; an EAGLE-1 head built to
+reproduce a one-layer target (attention off in both, fc picking the embedding, the target's
+MLP) has its drafts accepted, which checks that each head step reads the right token; bad
+heads and targets are start-up errors naming ``--speculative-config``."""
 
 import json
 

@@ -15,6 +15,7 @@ and the draft's K/V of the same tokens in the draft pool. Two programs keep it:
   from q, the draft's distribution under the request's temperature, top-k and top-p), whose q
   the runner keeps for the verifying step. Its K/V past the emitted token go to the lookahead pages
   the scheduler allocated; the next step's ``draft_step`` writes them again with the same tokens.
+  The k steps are ``draft_chain``, which EAGLE heads (``eagle.py``) run too.
 
 The verifying step's rows draw from ``rejection_sampler.verify_distribution`` of the target's
 p and that q (greedy rows: accept while the argmax equals the draft), which keeps the target's

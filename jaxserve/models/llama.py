@@ -658,13 +658,18 @@ def random_params(config: ModelConfig, dtype, seed: int = 0, mesh: Mesh | None =
 def _random_from_hf(key, shapes: tuple, dtype, build: Callable, layout: sharding.Layout,
                     mesh: Mesh | None, quantization: str | None = None) -> dict:
     """``build`` (``_outer_from_hf`` or ``_layer_from_hf``) of random HF tensors of ``shapes``
-    (((name, shape), ...)), in one executable."""
-    t = {}
-    for k, (name, shape) in zip(jax.random.split(key, len(shapes)), shapes):
+    (((name, shape), ...)), in one executable. Tensors of one shape come from one draw (an MoE
+    layer's experts: 3 draws, not 3 per expert; hundreds of separate draws took XLA:GPU
+    minutes to compile)."""
+    t, by_shape = {}, {}
+    for name, shape in shapes:
         if name.endswith("norm.weight"):
             t[name] = jnp.ones(shape, dtype)
         elif name.endswith(".bias"):
             t[name] = jnp.zeros(shape, dtype)
         else:
-            t[name] = 0.02 * jax.random.normal(k, shape, dtype)
+            by_shape.setdefault(tuple(shape), []).append(name)
+    for k, (shape, names) in zip(jax.random.split(key, max(len(by_shape), 1)), by_shape.items()):
+        draw = 0.02 * jax.random.normal(k, (len(names), *shape), dtype)
+        t |= {name: draw[i] for i, name in enumerate(names)}
     return build(t, dtype, layout, mesh, quantization)

@@ -53,12 +53,13 @@ def check_vocabulary(draft: ModelConfig, target: ModelConfig) -> None:
                          f"the target's {target.vocab_size}; they must share the tokenizer")
 
 
-def draft_step(config: ModelConfig, attention_fn, metadata, params, token_ids, k_cache,
-               v_cache):
+def draft_step(config: ModelConfig, attention_fn, grouped_gemm, metadata, params, token_ids,
+               k_cache, v_cache):
     """The draft model over a step's tokens: writes their K/V into the draft pool.
 
     Args:
       config, params: the draft model.
+      attention_fn, grouped_gemm: its kernels (``llama.forward``).
       metadata: the step's ``llama.AttentionMetadata`` (the target's, same block table).
       token_ids: [T] int32, the step's tokens.
       k_cache, v_cache: the draft pool (donate it).
@@ -67,17 +68,19 @@ def draft_step(config: ModelConfig, attention_fn, metadata, params, token_ids, k
       (k_cache, v_cache) updated; the logits are not computed (XLA drops them).
     """
     _, k_cache, v_cache = llama.forward(config, params, token_ids, metadata, k_cache, v_cache,
-                                        jnp.zeros(1, jnp.int32), attention_fn=attention_fn)
+                                        jnp.zeros(1, jnp.int32), attention_fn=attention_fn,
+                                        grouped_gemm=grouped_gemm)
     return k_cache, v_cache
 
 
-def propose(config: ModelConfig, attention_fn, num_drafts: int, page_size: int, params,
-            k_cache, v_cache, block_table, token_ids, positions, slots, num_seqs,
+def propose(config: ModelConfig, attention_fn, grouped_gemm, num_drafts: int, page_size: int,
+            params, k_cache, v_cache, block_table, token_ids, positions, slots, num_seqs,
             sm: SamplingMetadata):
     """num_drafts drafts after each sequence's last emitted token.
 
     Args:
       config, params: the draft model.
+      attention_fn, grouped_gemm: its kernels (``llama.forward``).
       num_drafts: k (static).
       page_size: tokens per page (static).
       k_cache, v_cache: the draft pool (donate it).
@@ -106,7 +109,7 @@ def propose(config: ModelConfig, attention_fn, num_drafts: int, page_size: int, 
                                      qsl, jnp.where(live, pos + 1, 0), tables)
         logits, k_cache, v_cache = llama.forward(
             config, params, token_ids, md, k_cache, v_cache, jnp.arange(b, dtype=jnp.int32),
-            attention_fn=attention_fn)
+            attention_fn=attention_fn, grouped_gemm=grouped_gemm)
         token_ids, q = sample_draft(logits, dataclasses.replace(sm, steps=sm.steps + j))
         drafts.append(token_ids)
         probs.append(q)

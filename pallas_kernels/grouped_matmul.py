@@ -59,10 +59,10 @@ def resolve_gmm_tuning(num_rows: int, num_groups: int, itemsize: int = 2,
                        tuning: GmmTuning | None = None) -> GmmTuning:
     """Fills the unset fields of ``tuning``; returns a complete GmmTuning.
 
-    Defaults (not yet measured on a GPU; scripts/bench_moe.py sweeps them): block_m the rows
-    a group holds on average (M / G) as a power of two in [16, 128], as vLLM's fused_moe
-    shrinks its tile at small batches (a decode step gives most experts a row or two, and
-    every tile's rows past its group are wasted work); block_n 128; block_k 64 for 16-bit
+    Defaults (not measured on a GPU yet; scripts/bench_moe.py --gmm-tuning times others):
+    block_m the rows a group holds on average (M / G) as a power of two in [16, 128], as vLLM's
+    fused_moe shrinks its tile at small batches (a decode step gives most experts a row or two,
+    and every tile's rows past its group are wasted work); block_n 128; block_k 64 for 16-bit
     operands, 32 for float32 (twice the shared memory per element); 8 warps for a 128 x 128
     tile, else 4; 3 stages.
     """

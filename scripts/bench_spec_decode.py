@@ -1,4 +1,5 @@
-"""Batch-1 decode speed with n-gram and draft-model speculative decoding against the plain engine.
+"""Batch-1 decode speed with n-gram, draft-model and EAGLE speculative decoding against the plain
+engine.
 
 The requests of data/spec_decode_prompts.json (repeat, correct or summarise a given paragraph:
 their outputs copy their input) run one at a time, greedy, --max-tokens each, through the
@@ -6,7 +7,9 @@ offline ``LLM`` (chat template applied), on three engines of the same limits: pl
 scheduling, the default), plain with --no-async-scheduling (what running synchronously costs by
 itself: the engine runs the steps that may carry drafts synchronously, docs/spec_decode.md),
 n-gram speculation and, with --draft-model, the draft_model method (greedy drafts of that
-model, e.g. the default model's first layers: ``checkpoints_tools.convert --num-layers``). All
+model, e.g. the default model's first layers: ``checkpoints_tools.convert --num-layers``), with
+--eagle / --eagle3 those methods with that head (``scripts/make_eagle_head.py`` writes a
+random one for the model's shapes). All
 are built first and each runs one warm-up request; then each
 request runs on each in turn, --repeats times, so that load from other jobs on a shared
 machine falls on all alike. Reported per engine: output tokens / wall time of its
@@ -17,6 +20,7 @@ equal the plain engine's token for token.
   python scripts/bench_spec_decode.py                       # k = 4, lookup 2..4, 64 tokens
   python scripts/bench_spec_decode.py --num-speculative-tokens 8 --max-tokens 128
   python scripts/bench_spec_decode.py --draft-model /tmp/smollm2-4-layers  # adds draft_model
+  python scripts/bench_spec_decode.py --eagle3 smollm2-eagle3-head         # adds eagle3
 """
 
 import argparse
@@ -40,6 +44,8 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=64)
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--draft-model", default=None, help="adds the draft_model method with it")
+    ap.add_argument("--eagle", default=None, help="adds the eagle method with this head")
+    ap.add_argument("--eagle3", default=None, help="adds the eagle3 method with this head")
     args = ap.parse_args()
     prompts = [r["prompt"] for r in json.loads(REQUESTS.read_text())]
     limits = dict(max_num_seqs=1, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -49,10 +55,12 @@ def main() -> None:
             "prompt_lookup_min": args.prompt_lookup_min}
     configs = [("plain", {}), ("plain, synchronous", {"async_scheduling": False}),
                ("ngram", {"speculative_config": spec})]
-    if args.draft_model:
-        configs.append(("draft_model", {"speculative_config": {
-            "method": "draft_model", "model": args.draft_model,
-            "num_speculative_tokens": args.num_speculative_tokens}}))
+    for method, model in (("draft_model", args.draft_model), ("eagle", args.eagle),
+                          ("eagle3", args.eagle3)):
+        if model:
+            configs.append((method, {"speculative_config": {
+                "method": method, "model": model,
+                "num_speculative_tokens": args.num_speculative_tokens}}))
     engines = {name: LLM(args.model, **limits, **extra) for name, extra in configs}
     methods = [name for name, extra in configs if extra.get("speculative_config")]
     greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens)

@@ -32,9 +32,9 @@ sequence with ``allowed_token_ids`` is constrained too: its fixed row is ANDed i
 
 With speculative decoding (``spec_config``, docs/spec_decode.md) a running sequence that decodes
 with nothing in flight gets up to k draft tokens from the NgramProposer, or, with the
-draft_model method, those the runner's draft model proposed after the sequence's last step
-(``ModelRunnerOutput.draft_token_ids``; that step allocated pages for k lookahead positions,
-where the draft model writes its drafts' K/V, as vLLM's ``num_lookahead_tokens``): they join
+draft_model, eagle and eagle3 methods, those the runner's drafter proposed after the sequence's
+last step (``ModelRunnerOutput.draft_token_ids``; that step allocated pages for k lookahead
+positions, where the drafter writes its drafts' K/V, as vLLM's ``num_lookahead_tokens``): they join
 its step as extra scheduled tokens (budget, pages and max_tokens / max_model_len allow for
 them) and ``update`` takes the accepted ones with the sampled token, stops at a stop token
 among them, and takes back the computed positions of the rejected ones. Constrained sequences

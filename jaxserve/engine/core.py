@@ -19,6 +19,7 @@ from jaxserve import distributed, host_memory
 from jaxserve.config import EngineConfig, ModelConfig, resolve_config
 from jaxserve.sampling_params import describe_sampling_defaults
 from jaxserve.spec_decode.config import SpeculativeConfig
+from jaxserve.spec_decode import eagle
 from jaxserve.spec_decode.draft_model import DraftModel, check_vocabulary
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.request import Request
@@ -67,21 +68,35 @@ def kv_bytes_per_page(model_config, layout: sharding.Layout, page_size: int, kv_
 
 
 
-def load_draft_model(model: str, target: ModelConfig, dtype, config: EngineConfig,
-                     mesh) -> DraftModel:
-    """The draft_model method's model, its params in ``dtype`` on the one device.
+def load_drafter(method: str, model: str, target_hf_config: dict, target: ModelConfig,
+                 target_params: dict, dtype, config: EngineConfig,
+                 mesh) -> DraftModel | eagle.EagleHead:
+    """The draft_model method's model or an EAGLE head, its params in ``dtype`` on the one
+    device; an EAGLE ``model`` "dummy" is a random head of the target's shapes
+    (``eagle.random_weights``, drawn from ``config.seed``).
 
     Raises:
-      ValueError: naming the field "model": a path that holds no model, a vocabulary other
-        than the target's, or a tensor-parallel mesh (the draft pool is not split).
+      ValueError: naming the field: "model": a path that holds no model, a vocabulary (or,
+        EAGLE, a hidden size) other than the target's, a head not in its method's layout
+        (``eagle.load_head``); "method": a tensor-parallel mesh (the drafter's pool is not
+        split), a target an EAGLE head does not attach to.
     """
     if mesh is not None:
-        raise ValueError("method \"draft_model\" runs on one device; drop --tensor-parallel-size")
+        raise ValueError(f"method {method!r} runs on one device; drop --tensor-parallel-size")
+    if method in eagle.METHODS:
+        eagle.check_target(target)
+        if model == eagle.DUMMY:
+            cfg = eagle.head_config(target_hf_config, method)
+            weights = eagle.random_weights(cfg, method, seed=config.seed, dtype=np.dtype(dtype))
+            return eagle.load_head(method, cfg, weights, target, target_params, dtype)
     try:
         source, fmt = resolve_model(model)
         ckpt = load_checkpoint(source, fmt, with_tokenizer=False)
     except (ValueError, OSError) as e:
         raise ValueError(f"model {model!r}: {e}") from None
+    if method in eagle.METHODS:
+        return eagle.load_head(method, ckpt.hf_config, ckpt.weights, target, target_params,
+                               dtype)
     draft_config = ModelConfig.from_hf_config(ckpt.hf_config)
     check_vocabulary(draft_config, target)
     draft_config, params = build_params(ckpt.hf_config, ckpt.weights, dtype, config.seed,
@@ -165,12 +180,14 @@ class EngineCore:
         quantization = resolve_method(ckpt.hf_config, config.quantization)
         self.model_config, params = build_params(ckpt.hf_config, ckpt.weights, dtype, config.seed,
                                                  mesh, quantization, config.max_model_len)
+        hf_config = ckpt.hf_config
         del ckpt
         mc = self.model_config
         draft = None
-        if self.spec_config is not None and self.spec_config.method == "draft_model":
+        if self.spec_config is not None and self.spec_config.model is not None:
             try:
-                draft = load_draft_model(self.spec_config.model, mc, dtype, config, mesh)
+                draft = load_drafter(self.spec_config.method, self.spec_config.model, hf_config,
+                                     mc, params, dtype, config, mesh)
             except ValueError as e:
                 raise ValueError(f"--speculative-config: {e}") from None
         self.lora_manager = None

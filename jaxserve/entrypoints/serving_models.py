@@ -54,13 +54,16 @@ async def add_lora(app: web.Application, name: str, path: str) -> LoRARequest:
     """Serve the PEFT folder ``path`` as ``name`` once it passes the checks.
 
     Raises:
-      APIError: 400 without --enable-lora, for a name already served, or an adapter the
-        checks refuse (the message names it and why).
+      APIError: 400 without --enable-lora, for an empty name or path (vLLM's text), a name
+        already served, or an adapter the checks refuse (the message names it and why).
     """
     llm, state = app[LLM_KEY], app[STATE_KEY]
     loras = state["lora_requests"]
     if llm.lora_shapes is None:
         raise APIError(400, "LoRA adapters need a server started with --enable-lora")
+    if not name or not path:
+        raise APIError(400, "Both 'lora_name' and 'lora_path' must be provided.",
+                       param="lora_path" if name else "lora_name")
     if name in loras or name == (state["served_model_name"] or llm.model_name):
         raise APIError(400, f"The lora adapter '{name}' has already been loaded.",
                        param="lora_name")

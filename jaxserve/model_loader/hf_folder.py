@@ -79,7 +79,7 @@ def _dtype_of(safetensors_dtype: str) -> np.dtype:
 
     names = {"F64": np.float64, "F32": np.float32, "F16": np.float16,
              "BF16": ml_dtypes.bfloat16, "F8_E4M3": ml_dtypes.float8_e4m3fn,
-             "I64": np.int64, "I32": np.int32}
+             "I64": np.int64, "I32": np.int32, "BOOL": np.bool_}
     return np.dtype(names[safetensors_dtype])
 
 

@@ -66,7 +66,7 @@ jax.tree_util.register_dataclass(
 )
 
 
-def _rms_norm(x: jax.Array, weight: jax.Array, eps: float, unit_offset: bool = False) -> jax.Array:
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, unit_offset: bool = False) -> jax.Array:
     """RMSNorm over the last axis, as HF rounds it: Llama's ``weight * normed.to(dtype)``, or
     with ``unit_offset`` Gemma's ``(normed * (1 + weight)).to(dtype)`` in float32."""
     xf = x.astype(jnp.float32)
@@ -156,8 +156,8 @@ def _write_and_attend(attention_fn: Callable, q, k, v, k_pages, v_pages, md: Att
 def _decoder_layer(hidden: jax.Array, p: dict, k_pages: jax.Array, v_pages: jax.Array,
                    cos: jax.Array, sin: jax.Array, md: AttentionMetadata,
                    lora_slots: jax.Array | None = None, *, opts: LayerOptions,
-                   attention_fn: Callable, mesh: Mesh | None, grouped_gemm: Callable,
-                   sliding_window: int | None = None):
+                   attention_fn: Callable, mesh: Mesh | None, sliding_window: int | None = None,
+                   grouped_gemm: Callable = jax.lax.ragged_dot):
     """One decoder layer: hidden [T, E] -> (hidden, k_pages, v_pages with this step's K/V).
 
     A jitted function of its own so that the step traces and lowers one layer, not L: every
@@ -172,12 +172,23 @@ def _decoder_layer(hidden: jax.Array, p: dict, k_pages: jax.Array, v_pages: jax.
     ``opts.sandwich_norms`` (Gemma) the attention's and the MLP's outputs are normed before
     they join the residual, and ``pre_feedforward_layernorm`` norms the MLP's input.
     Projections with LoRA adapters add each token's delta (``lora_slots``, ``linear``).
+    An EAGLE head's layers (``jaxserve.spec_decode.eagle``): without ``input_layernorm``
+    (EAGLE-1's first) the input is not normed; with ``hidden_norm`` (EAGLE-3's) ``hidden`` is
+    [T, 2E], the token's embedding then the hidden state: q/k/v read both normed, the hidden
+    state is the residual.
     """
     n = sharding.mesh_size(mesh)
     H, KV = opts.num_heads, k_pages.shape[0]  # the pool's KV heads (replicated past the model's)
     num_tokens, D = hidden.shape[0], k_pages.shape[-1]
-    norm = partial(_rms_norm, eps=opts.eps, unit_offset=opts.norm_unit_offset)
-    x = norm(hidden, p["input_layernorm"])
+    norm = partial(rms_norm, eps=opts.eps, unit_offset=opts.norm_unit_offset)
+    if "hidden_norm" in p:  # EAGLE-3's layer: [embedding | hidden], the hidden the residual
+        embeds, hidden = jnp.split(hidden, 2, axis=-1)
+        x = jnp.concatenate([norm(embeds, p["input_layernorm"]), norm(hidden, p["hidden_norm"])],
+                            axis=-1)
+    elif "input_layernorm" in p:
+        x = norm(hidden, p["input_layernorm"])
+    else:  # EAGLE-1's first layer has no input norm
+        x = hidden
     qkv = linear(x, p["qkv_proj"], lora_slots)
     if "qkv_bias" in p:
         qkv = qkv + p["qkv_bias"]
@@ -237,6 +248,7 @@ def forward(
     mesh: Mesh | None = None,
     hidden_indices: jax.Array | None = None,
     lora_slots: jax.Array | None = None,
+    aux_layers: tuple[int, ...] | None = None,
     grouped_gemm: Callable = jax.lax.ragged_dot,
 ):
     """One model step over a flattened ragged batch.
@@ -263,29 +275,54 @@ def forward(
         are returned too, for ``compute_logits`` later (prompt log-probabilities).
       lora_slots: [T] int32 each token's LoRA adapter slot (0: none), read by the projections
         that carry adapters (``jaxserve.lora.layers.LoRALinear``).
+      aux_layers: the hidden states an EAGLE head reads (``jaxserve.spec_decode.eagle``):
+        () the final norm's output [T, E] (EAGLE-1); layer ids (EAGLE-3) the inputs of those
+        layers (the residual stream), concatenated in the order given, [T, len * E]; None:
+        none.
       grouped_gemm: the MoE layers' expert GEMMs (``moe.get_grouped_gemm``; the engine's from
         ``Platform.moe_grouped_gemm``).
 
     Returns:
       (logits [S, V] float32 over the whole vocabulary, replicated on a mesh; k_cache, v_cache
-      updated in place), plus the [R, E] hidden rows when hidden_indices is given.
+      updated in place), plus the [R, E] hidden rows when hidden_indices is given, plus the
+      head's hidden states when aux_layers is given.
     """
     with matmul_precision(params["embed_tokens"].dtype):
         return _forward(config, params, token_ids, md, k_cache, v_cache, logits_indices,
-                        attention_fn, mesh, hidden_indices, lora_slots, grouped_gemm)
+                        attention_fn, mesh, hidden_indices, lora_slots, aux_layers, grouped_gemm)
 
 
-def _forward(c: ModelConfig, params, token_ids, md, k_cache, v_cache, logits_indices,
-             attention_fn, mesh, hidden_indices, lora_slots, grouped_gemm):
+def rope_tables(c: ModelConfig, positions: jax.Array):
+    """(cos, sin) [T, R // 2] float32 of ``positions`` under the model's RoPE, and those of its
+    local (sliding-window) layers (Gemma 3's own theta; else the same)."""
     def cos_sin(theta: float, scaling: dict | None):
         inv_freq = jnp.asarray(rope_inv_freq(c.rotary_dim or c.head_dim, theta, scaling))
-        angles = md.positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+        angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
         cos, sin = jnp.cos(angles), jnp.sin(angles)
         factor = rope_attention_factor(scaling)
         return (cos, sin) if factor == 1.0 else (cos * factor, sin * factor)
 
     rope = cos_sin(c.rope_theta, c.rope_scaling)
-    local_rope = rope if c.local_rope_theta is None else cos_sin(c.local_rope_theta, None)
+    return rope, rope if c.local_rope_theta is None else cos_sin(c.local_rope_theta, None)
+
+
+def run_layers(c: ModelConfig, layers: list[dict], hidden, md: AttentionMetadata, k_cache: list,
+               v_cache: list, attention_fn: Callable):
+    """``layers`` in turn over ``hidden`` [T, E] with a pool per layer (one device): (hidden,
+    k_cache, v_cache). An EAGLE head's layers (``jaxserve.spec_decode.eagle``) run so."""
+    rope, _ = rope_tables(c, md.positions)
+    opts = LayerOptions.of(c)
+    k_cache, v_cache = list(k_cache), list(v_cache)
+    for i, p in enumerate(layers):
+        hidden, k_cache[i], v_cache[i] = _decoder_layer(
+            hidden, p, k_cache[i], v_cache[i], *rope, md, opts=opts, attention_fn=attention_fn,
+            mesh=None)
+    return hidden, k_cache, v_cache
+
+
+def _forward(c: ModelConfig, params, token_ids, md, k_cache, v_cache, logits_indices,
+             attention_fn, mesh, hidden_indices, lora_slots, aux_layers, grouped_gemm):
+    rope, local_rope = rope_tables(c, md.positions)
     opts = LayerOptions.of(c)
 
     embed = params["embed_tokens"]
@@ -299,21 +336,29 @@ def _forward(c: ModelConfig, params, token_ids, md, k_cache, v_cache, logits_ind
                               attention_fn=attention_fn, mesh=mesh, sliding_window=window,
                               grouped_gemm=grouped_gemm)
 
-    layers = params["layers"]
+    layers, aux = params["layers"], {}
     if isinstance(k_cache, list | tuple):  # a pool per layer: the layers unrolled
         k_cache, v_cache = list(k_cache), list(v_cache)
         for i, p in enumerate(layers):
+            if aux_layers and i in aux_layers:
+                aux[i] = hidden
             hidden, k_cache[i], v_cache[i] = layer(hidden, p, k_cache[i], v_cache[i],
                                                    _window(c, i))
     else:  # pools stacked by layer: a loop over each run of alike layers
-        for start, stop in _runs(c):
+        for start, stop in _runs(c, aux_layers or ()):
+            if aux_layers and start in aux_layers:
+                aux[start] = hidden
             hidden, k_cache, v_cache = _layer_loop(partial(layer, window=_window(c, start)),
                                                    layers, start, stop, hidden, k_cache, v_cache)
 
-    logits = compute_logits(c, params, hidden[logits_indices], mesh)
-    if hidden_indices is None:
-        return logits, k_cache, v_cache
-    return logits, k_cache, v_cache, hidden[hidden_indices]
+    out = (compute_logits(c, params, hidden[logits_indices], mesh), k_cache, v_cache)
+    if hidden_indices is not None:
+        out += (hidden[hidden_indices],)
+    if aux_layers == ():  # EAGLE-1 reads the final norm's output
+        out += (rms_norm(hidden, params["norm"], c.rms_norm_eps, c.norm_unit_offset),)
+    elif aux_layers is not None:
+        out += (jnp.concatenate([aux[i] for i in aux_layers], axis=-1),)
+    return out
 
 
 def _window(c: ModelConfig, i: int) -> int | None:
@@ -321,11 +366,13 @@ def _window(c: ModelConfig, i: int) -> int | None:
     return c.layer_windows[i] if c.layer_windows else None
 
 
-def _runs(c: ModelConfig) -> list[tuple[int, int]]:
+def _runs(c: ModelConfig, breaks: tuple[int, ...] = ()) -> list[tuple[int, int]]:
     """[start, stop) of each run of consecutive layers alike (same window, both dense or both
-    MoE): one loop each."""
+    MoE): one loop each; a run also starts at each layer of ``breaks`` (whose input hidden
+    state the step returns)."""
     kind = lambda i: (_window(c, i), bool(c.sparse_layers and c.sparse_layers[i]))  # noqa: E731
-    starts = [i for i in range(c.num_layers) if i == 0 or kind(i) != kind(i - 1)]
+    starts = [i for i in range(c.num_layers)
+              if i == 0 or i in breaks or kind(i) != kind(i - 1)]
     return list(zip(starts, starts[1:] + [c.num_layers]))
 
 
@@ -366,7 +413,7 @@ def compute_logits(config: ModelConfig, params: dict, hidden: jax.Array,
     """The final norm and the LM head: last hidden states [N, E] -> logits [N, V] float32, over
     the whole vocabulary (gathered on a mesh), capped at C tanh(x / C) with the config's
     ``final_logit_softcapping`` C."""
-    hidden = _rms_norm(hidden, params["norm"], config.rms_norm_eps, config.norm_unit_offset)
+    hidden = rms_norm(hidden, params["norm"], config.rms_norm_eps, config.norm_unit_offset)
     lm_head = params.get("lm_head", params["embed_tokens"])
     with matmul_precision(lm_head.dtype):
         logits = jnp.einsum("se,ve->sv", hidden, lm_head, preferred_element_type=jnp.float32)
@@ -489,6 +536,12 @@ def _outer_from_hf(t: dict, dtype, layout: sharding.Layout, mesh: Mesh | None,
     return _constrain(p, mesh)
 
 
+def layer_params(t: dict, dtype, config: ModelConfig) -> dict:
+    """One decoder layer's params on the one device from its HF tensors (names under
+    ``model.layers.N.``; ``_layer_from_hf``): an EAGLE head's layers are built so."""
+    return _layer_from_hf(_place(t, None), dtype, sharding.Layout.of(config, 1), None)
+
+
 # The decoder layer's linear projections: the weights ``--quantization`` stores in its format.
 LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
@@ -517,7 +570,6 @@ def _layer_from_hf(t: dict, dtype, layout: sharding.Layout, mesh: Mesh | None,
     qkv = lambda get: [get("q"), *(_repeat_kv_heads(get(x), layout) for x in "kv")]  # noqa: E731
     # Linear weights [out, in] become [in, out] (the step computes x @ w); FP8 ones stay.
     p = {
-        "input_layernorm": t["input_layernorm.weight"],
         "post_attention_layernorm": t["post_attention_layernorm.weight"],
         "qkv_proj": _fuse(qkv(lambda x: proj(f"self_attn.{x}_proj")), n),
         "o_proj": _fuse([proj("self_attn.o_proj")], n),
@@ -531,7 +583,9 @@ def _layer_from_hf(t: dict, dtype, layout: sharding.Layout, mesh: Mesh | None,
         p["qkv_bias"] = _columns_by_shard(qkv(lambda x: t[f"self_attn.{x}_proj.bias"]), n)
     if "self_attn.q_norm.weight" in t:
         p["q_norm"], p["k_norm"] = t["self_attn.q_norm.weight"], t["self_attn.k_norm.weight"]
-    for name in ("pre_feedforward_layernorm", "post_feedforward_layernorm"):
+    # input_layernorm: absent in EAGLE-1's first layer; hidden_norm: EAGLE-3's layer
+    for name in ("input_layernorm", "hidden_norm", "pre_feedforward_layernorm",
+                 "post_feedforward_layernorm"):
         if f"{name}.weight" in t:
             p[name] = t[f"{name}.weight"]
     p = {name: w if isinstance(w, Fp8Weight) else w.astype(dtype) for name, w in p.items()}

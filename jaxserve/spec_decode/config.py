@@ -6,8 +6,10 @@ import json
 from dataclasses import dataclass
 
 # Methods vLLM V1 has that this engine does not build yet: refused by name, not accepted.
-NOT_BUILT = ("eagle", "eagle3", "medusa", "mtp")
-METHODS = ("ngram", "draft_model")
+NOT_BUILT = ("medusa", "mtp")
+METHODS = ("ngram", "draft_model", "eagle", "eagle3")
+# Methods that draft with a model of their own: "model" is its path.
+MODEL_METHODS = ("draft_model", "eagle", "eagle3")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -16,9 +18,11 @@ class SpeculativeConfig:
     """How the engine speculates.
 
     Attributes:
-      method: "ngram" (prompt lookup over the sequence's own tokens) or "draft_model" (a
-        smaller model with the target's vocabulary drafts greedily, ``draft_model.py``).
-      model: the draft model's path or name (``resolve_model``), "draft_model" only.
+      method: "ngram" (prompt lookup over the sequence's own tokens), "draft_model" (a
+        smaller model with the target's vocabulary, ``draft_model.py``), "eagle" or "eagle3"
+        (a head over the target's hidden states, ``eagle.py``).
+      model: the draft model's or the EAGLE head's path or name (``resolve_model``; an EAGLE
+        head's "dummy": a random one, ``eagle.DUMMY``), the methods of MODEL_METHODS only.
       num_speculative_tokens: k, drafts proposed and verified per sequence and step, 1 to
         MAX_SPECULATIVE_TOKENS.
       prompt_lookup_max, prompt_lookup_min: the longest and shortest suffix (tokens) the n-gram
@@ -55,9 +59,9 @@ class SpeculativeConfig:
                              f"use one of {', '.join(METHODS)}")
         if method not in METHODS:
             raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
-        if (method == "draft_model") != isinstance(d.get("model"), str):
-            raise ValueError("model (the draft model's path) is required by method "
-                             "\"draft_model\" and by it alone")
+        if (method in MODEL_METHODS) != isinstance(d.get("model"), str):
+            raise ValueError(f"model (the drafter's path) is required by methods "
+                             f"{', '.join(MODEL_METHODS)} and by them alone")
         d = dict(d)
         lo, hi = d.get("prompt_lookup_min"), d.get("prompt_lookup_max")
         if lo is None and hi is None:

@@ -34,6 +34,8 @@ class InputBatch:
         whose sampled token is this request's newest token while the host does not know it yet
         (async scheduling), else -1 and -1. The step after that one reads the token from the
         device; ``record_sampled`` writes it into token_ids once it reaches the host.
+      hidden_pos: [max_num_seqs] int32, the position whose target hidden state an EAGLE
+        head's carry holds for the slot (``ModelRunner.slot_hidden``), -1: none.
     """
 
     def __init__(self, max_num_seqs: int, max_model_len: int, max_pages_per_seq: int):
@@ -48,6 +50,7 @@ class InputBatch:
         self.lora_slot = np.zeros(n, np.int32)
         for f in PER_SLOT:
             setattr(self, f.name, np.full(n, f.default, f.dtype))
+        self.hidden_pos = np.full(n, -1, np.int32)
         self.in_flight_row = np.full(n, -1, np.int32)
         self.in_flight_step = np.full(n, -1, np.int64)
         self.req_index: dict[str, int] = {}
@@ -82,7 +85,7 @@ class InputBatch:
                 getattr(self, f.name)[i] = f.of_request(r)
             if self.penalized[i] or self.logit_bias[i] or self.min_tokens[i]:
                 needs_state.append((i, r))
-            self.in_flight_row[i] = self.in_flight_step[i] = -1
+            self.in_flight_row[i] = self.in_flight_step[i] = self.hidden_pos[i] = -1
         for rid, pages in sched.new_block_ids.items():
             i = self.req_index[rid]
             b = self.num_blocks[i]

@@ -21,7 +21,9 @@ draft tokens are scheduled tokens with a logits row each, so a bucket has a fixe
 logits rows L at least S (``logits_rows_for``; docs/spec_decode.md), and ``get_output`` returns
 the tokens of the rows ``rejection_sampler.emitted_rows`` picks. With the draft_model method a
 draft pool follows the target pool (``spec_decode/draft_model.py``): each step runs the draft
-model over its tokens, and ``get_output`` of a step that asks for drafts proposes them.
+model over its tokens, and ``get_output`` of a step that asks for drafts proposes them. An EAGLE
+head (``spec_decode/eagle.py``) does the same from the hidden states the step returns, and keeps
+each sequence's newest one on the device (``slot_hidden``).
 """
 
 from collections.abc import Callable
@@ -40,6 +42,7 @@ from jaxserve.engine.kv_sizing import peak_program_bytes
 from jaxserve.models import moe, sharding
 from jaxserve.platforms import current_platform
 from jaxserve.spec_decode.draft_model import DraftModel
+from jaxserve.spec_decode.eagle import EagleHead
 from jaxserve.spec_decode.rejection_sampler import emitted_rows
 from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
 from jaxserve.structured_output.manager import bitmask_width
@@ -101,6 +104,8 @@ class StepHandle:
       prompt_targets: [PROMPT_LOGPROB_ROWS] the prompt tokens those rows predict.
       propose: the draft model proposes drafts after the step
         (``SchedulerOutput.propose_drafts``).
+      rows_hidden: an EAGLE head's h of the step's logits rows ([max_rows, E], device), for
+        the sequences whose drafts were rejected; else None.
       filter_inputs: what ``ModelRunner.sample_filtered`` needs while the step's filtered
         sampler is not dispatched yet (its constrained rows wait for their bitmask), else None.
     """
@@ -119,6 +124,7 @@ class StepHandle:
     prompt_targets: np.ndarray | None = None
     filter_inputs: tuple | None = None
     propose: bool = False
+    rows_hidden: jax.Array | None = None
 
     @property
     def awaits_bitmask(self) -> bool:
@@ -154,8 +160,8 @@ class ModelRunner:
         decoding, docs/spec_decode.md; 0: off).
       max_spec_seqs: the most sequences that carry drafts in one step; with
         num_speculative_tokens, the logits rows each bucket computes (``logits_rows_for``).
-      draft: the draft_model method's model (one device: no mesh), whose pool of the target's
-        page count the runner keeps beside the target's; None: no draft model.
+      draft: the draft_model method's model or an EAGLE head (one device: no mesh), whose
+        pool of the target's page count the runner keeps beside the target's; None: neither.
     """
 
     def __init__(
@@ -176,7 +182,7 @@ class ModelRunner:
         lora=None,
         num_speculative_tokens: int = 0,
         max_spec_seqs: int = 0,
-        draft: DraftModel | None = None,
+        draft: DraftModel | EagleHead | None = None,
     ):
         self.config = config
         self.lora = lora
@@ -225,6 +231,11 @@ class ModelRunner:
         if draft is not None:
             self._draft_probs = jnp.zeros(
                 (max_spec_seqs * num_speculative_tokens, config.vocab_size), jnp.float32)
+        # An EAGLE head's h of each slot's newest computed position (InputBatch.hidden_pos)
+        self.slot_hidden = None
+        if isinstance(draft, EagleHead):
+            self.slot_hidden = jnp.zeros((max_num_seqs, config.hidden_size),
+                                         params["embed_tokens"].dtype)
         self.compiled: Programs | None = None  # compile_buckets
         self._prev_sampled = jnp.zeros(row_counts[-1], jnp.int32, device=self._replicated)
         # The InputBatch's block table, kept on the device: a step sends only the entries that
@@ -351,17 +362,21 @@ class ModelRunner:
         drafts = {}
         if self.draft is not None:
             rows = np.zeros(self.max_spec_seqs, np.int32)
+            eagle = () if self.slot_hidden is None else (self.slot_hidden,)
             drafts = dict(
                 draft_step={t: (self.draft.params, np.zeros(layout.size, np.int32),
                                 self._prev_sampled, draft_k_cache, draft_v_cache,
-                                self.block_table)
+                                self.block_table, *self._eagle_step_args(t))
                             for t, layout in self.step_layouts.items()},
                 propose=(self.draft.params, draft_k_cache, draft_v_cache, self.block_table,
                          rows, rows, rows, np.int32(0),
-                         neutral(SamplingMetadata, self.max_spec_seqs)),
+                         neutral(SamplingMetadata, self.max_spec_seqs), *eagle),
                 draft_page_copy=(draft_k_cache, draft_v_cache, np.zeros(self.max_num_seqs,
                                                                           np.int32),
                                  np.zeros(self.max_num_seqs, np.int32)))
+            if eagle:
+                drafts["hidden_fixup"] = (self.slot_hidden, self._rows_hidden_struct(),
+                                          rows, rows)
         pages = np.zeros(self.max_num_seqs, np.int32)
         entries = np.zeros(BLOCK_TABLE_WRITES, np.int32)
         hidden = jax.ShapeDtypeStruct((self.prompt_logprob_rows, self.config.hidden_size),
@@ -378,6 +393,19 @@ class ModelRunner:
             block_table_write=(self.block_table, entries, entries, entries),
             prompt_logprobs=(self.params, hidden, np.zeros(self.prompt_logprob_rows, np.int32)),
             **drafts)
+
+    def _eagle_step_args(self, t: int) -> tuple:
+        """Placeholders of ``programs._eagle_step``'s arguments after the pool and block table,
+        for bucket t (none without an EAGLE head)."""
+        if self.slot_hidden is None:
+            return ()
+        width = self.config.hidden_size * max(1, len(self.draft.aux_layers))
+        hidden = jax.ShapeDtypeStruct((t, width), self.slot_hidden.dtype)
+        return hidden, self.slot_hidden, np.zeros((3, self.step_layouts[t].seqs), np.int32)
+
+    def _rows_hidden_struct(self) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct((self._prev_sampled.shape[0], self.config.hidden_size),
+                                    self.slot_hidden.dtype)
 
     def _filter_args(self, s: int) -> tuple:
         """Placeholder arguments of the sampler of s logits rows (``programs._filter``)."""
@@ -450,13 +478,17 @@ class ModelRunner:
         x = self.inputs.build(sched, t, self._step_count - 1)
         for r, c, p in x.early_block_table_writes:
             self.block_table = self.compiled.block_table_write(self.block_table, r, c, p)
-        sampled, logits, hidden, self.k_cache, self.v_cache, self.block_table = step(
+        sampled, logits, hidden, self.k_cache, self.v_cache, self.block_table, *aux = step(
             self.params, x.packed, self._prev_sampled, self.k_cache, self.v_cache,
             self.block_table)
+        rows_hidden = None
         if self.draft is not None:  # the draft pool covers every token the target's does
-            self.draft_k_cache, self.draft_v_cache = self.compiled.draft_step[t](
+            out = self.compiled.draft_step[t](
                 self.draft.params, x.packed, self._prev_sampled, self.draft_k_cache,
-                self.draft_v_cache, self.block_table)
+                self.draft_v_cache, self.block_table, *self._eagle_inputs(t, x, aux))
+            self.draft_k_cache, self.draft_v_cache = out[:2]
+            if aux:
+                self.slot_hidden, rows_hidden = out[2:]
         f = self.inputs.filter_inputs(sched, x, self._draft_prob_rows(x))
         copies = self.inputs.page_copies(sched)
         if copies is not None:
@@ -477,7 +509,8 @@ class ModelRunner:
         handle = StepHandle(self._step_count - 1, sampled, rows, [x.req_ids[i] for i in seqs],
                             x.num_drafts[seqs], x.draft_ids, x.seq_start, None,
                             f.logprob_ks[seqs], prompt_logprobs, x.prompt_spans,
-                            x.prompt_targets, propose=sched.propose_drafts)
+                            x.prompt_targets, propose=sched.propose_drafts,
+                            rows_hidden=rows_hidden)
         self._prev_sampled = sampled
         if f.fm is not None:
             handle.filter_inputs = (logits, x.sm, f.fm, np.flatnonzero(f.structured),
@@ -485,6 +518,22 @@ class ModelRunner:
             if not f.structured.any() or sched.grammar_bitmask is not None:
                 self.sample_filtered(handle, sched.grammar_bitmask)
         return handle
+
+    def _eagle_inputs(self, t: int, x, aux: list) -> tuple:
+        """``programs._eagle_step``'s inputs after the block table, for the step ``x`` of
+        bucket t (InputBatch not yet advanced): the step's hidden states and the carry rows;
+        records each sequence's newest h position (``InputBatch.hidden_pos``). () without an
+        EAGLE head."""
+        if not aux:
+            return ()
+        b, n = self.input_batch, len(x.slots)
+        start = b.num_computed_tokens[x.slots]
+        carry = np.zeros((3, self.step_layouts[t].seqs), np.int32)
+        carry[1] = self.max_num_seqs  # padding: written nowhere
+        carry[:, :n] = [(start > 0) & (b.hidden_pos[x.slots] == start - 1), x.slots,
+                        x.last_rows]
+        b.hidden_pos[x.slots] = x.context - 1
+        return aux[0], self.slot_hidden, carry
 
     def _draft_prob_rows(self, x) -> np.ndarray | None:
         """[m] int32: per logits row of the step ``x``, the row of ``_draft_probs`` holding the
@@ -524,7 +573,7 @@ class ModelRunner:
         (donated to a program that then failed) and none holding a failed program's error."""
         arrays = jax.tree.leaves((self.k_cache, self.v_cache, self.block_table,
                                   self._prev_sampled, self.sampling_state, self.draft_k_cache,
-                                  self.draft_v_cache, self._draft_probs))
+                                  self.draft_v_cache, self._draft_probs, self.slot_hidden))
         try:
             if any(a.is_deleted() for a in arrays):
                 return False
@@ -571,9 +620,28 @@ class ModelRunner:
                 prompt_logprobs[rid] = (first, _trim(lp, rows, [k] * n))
         accepted = {rid: t[:-1] for rid, t, k in zip(handle.req_ids, tokens,
                                                     handle.num_drafts.tolist()) if k}
+        if handle.rows_hidden is not None and any(rejected):
+            self._fix_hidden(handle, rejected)
         drafts = self._propose(handle.req_ids, tokens) if handle.propose else {}
         return ModelRunnerOutput({rid: t[-1] for rid, t in zip(handle.req_ids, tokens)},
                                  logprobs, prompt_logprobs, accepted, drafts)
+
+    def _fix_hidden(self, handle: StepHandle, rejected: list[int]) -> None:
+        """An EAGLE head's h of the sequences that rejected drafts: that of their last emitted
+        row, not of their last row (``eagle.write_slot_hidden``)."""
+        b = self.input_batch
+        fix = [(b.req_index[rid], row - back, back) for rid, row, back in
+               zip(handle.req_ids, handle.rows.tolist(), rejected)
+               if back and rid in b.req_index]
+        if not fix:
+            return
+        slots, rows, back = np.array(fix, np.int32).T
+        b.hidden_pos[slots] -= back
+        at = np.zeros((2, self.max_spec_seqs), np.int32)
+        at[0] = self.max_num_seqs  # padding: written nowhere
+        at[:, : len(fix)] = slots, rows
+        self.slot_hidden = self.compiled.hidden_fixup(self.slot_hidden, handle.rows_hidden,
+                                                      *at)
 
     def _propose(self, req_ids: list[str], tokens: list[list[int]]) -> dict[str, list[int]]:
         """The draft model's k drafts (``draft_model.propose``) after each request's newest
@@ -586,6 +654,8 @@ class ModelRunner:
         ok = (slots >= 0) & (pos + k <= self.max_model_len)
         ok &= (pos + k - 1) // ps < b.num_blocks[slots]
         ok &= b.num_tokens[slots] == pos + 1  # the newest token is the only one not computed
+        if self.slot_hidden is not None:  # an EAGLE head starts from the h before that token
+            ok &= b.hidden_pos[slots] == pos - 1
         live = np.flatnonzero(ok)
         n = len(live)
         self._proposed_rows = {}
@@ -597,9 +667,10 @@ class ModelRunner:
         steps = (b.num_tokens - b.num_prompt_tokens)[slots[live]]
         sm = SamplingMetadata(**self.inputs.gather(SAMPLING, slots[live], self.max_spec_seqs,
                                                    steps=steps))
+        eagle = () if self.slot_hidden is None else (self.slot_hidden,)
         drafts, self._draft_probs, self.draft_k_cache, self.draft_v_cache = (
             self.compiled.propose(self.draft.params, self.draft_k_cache, self.draft_v_cache,
-                                  self.block_table, *rows, np.int32(n), sm))
+                                  self.block_table, *rows, np.int32(n), sm, *eagle))
         drafts = np.asarray(drafts)
         self._proposed_rows = {req_ids[i]: j for j, i in enumerate(live)}
         return {req_ids[i]: drafts[j].tolist() for j, i in enumerate(live)}

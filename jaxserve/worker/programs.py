@@ -17,8 +17,9 @@ from jax.sharding import Mesh
 
 from jaxserve.config import ModelConfig
 from jaxserve.models import llama, sharding
-from jaxserve.spec_decode import draft_model
+from jaxserve.spec_decode import draft_model, eagle
 from jaxserve.spec_decode.draft_model import DraftModel
+from jaxserve.spec_decode.eagle import EagleHead
 from jaxserve.worker.executable_cache import KeyedJit
 from jaxserve.worker.sampler import (compute_logprobs, sample_filtered, sample_unfiltered,
                                      write_state_row)
@@ -42,9 +43,12 @@ class Programs(Generic[P]):
       page_copy: ``_copy_pages``, forked choices' pages.
       block_table_write: ``_write_block_table``, entries that do not fit in the step's inputs.
       prompt_logprobs: ``_prompt_logprobs``.
-      draft_step: by token bucket T, ``_draft_step`` (the draft_model method; else empty).
-      propose: ``draft_model.propose`` (the draft_model method; else None).
-      draft_page_copy: ``_copy_pages`` of the draft pool (the draft_model method; else None).
+      draft_step: by token bucket T, ``_draft_step`` (the draft_model method) or
+        ``_eagle_step`` (eagle, eagle3); else empty.
+      propose: ``draft_model.propose`` or ``eagle.propose``; else None.
+      draft_page_copy: ``_copy_pages`` of the drafter's pool; else None.
+      hidden_fixup: ``eagle.write_slot_hidden`` (eagle, eagle3: the h of a sequence whose
+        drafts were rejected); else None.
     """
 
     step: dict[int, P]
@@ -56,6 +60,7 @@ class Programs(Generic[P]):
     draft_step: dict[int, P] = field(default_factory=dict)
     propose: P | None = None
     draft_page_copy: P | None = None
+    hidden_fixup: P | None = None
 
     def entries(self) -> Iterator[tuple[str, int | None, P]]:
         """(field, T or S or None, entry) of every program: steps, samplers, then the others
@@ -86,7 +91,7 @@ class Programs(Generic[P]):
 def jit_programs(config: ModelConfig, params: dict, attention_fn: Callable,
                  grouped_gemm: Callable, mesh: Mesh | None, max_rows: int, branch_free: bool,
                  layouts: dict[int, StepLayout], row_counts: list[int], stacked_kv_pool: bool,
-                 max_drafts: int = 0, draft: DraftModel | None = None,
+                 max_drafts: int = 0, draft: DraftModel | EagleHead | None = None,
                  page_size: int = 0) -> Programs:
     """Every program, jitted: the step of each token bucket of ``layouts`` (its layout is
     static; the pool and the block table are donated; its tokens padded to ``max_rows``, the
@@ -94,9 +99,10 @@ def jit_programs(config: ModelConfig, params: dict, attention_fn: Callable,
     ``max_drafts``: the most drafts a sequence carries, speculative decoding), and the others.
     On a mesh the params are split by the Megatron layout, the pool (stacked by layer with
     ``stacked_kv_pool``) by KV head, everything else replicated. ``draft``: the draft_model
-    method's model (one device only), whose programs join the table; ``page_size``: the
-    pools' (for its ``propose``). ``attention_fn`` and ``grouped_gemm`` (the MoE layers' expert
-    GEMMs) are the models' kernels (``llama.forward``)."""
+    method's model or an EAGLE head (one device only), whose programs join the table (the
+    step then returns the head's hidden states too); ``page_size``: the pools' (for its
+    ``propose``). ``attention_fn`` and ``grouped_gemm`` (the MoE layers' expert GEMMs) are the
+    models' kernels (``llama.forward``)."""
     filter_fn = partial(_filter, max_drafts)
     if mesh is None:
         jit_step = partial(KeyedJit, donate_argnums=(3, 4, 5))
@@ -109,8 +115,17 @@ def jit_programs(config: ModelConfig, params: dict, attention_fn: Callable,
             out_shardings=(rep, rep, rep, kv, kv, rep))
         jit_filter = KeyedJit(filter_fn, donate_argnums=(4,), in_shardings=rep,
                              out_shardings=rep)
-    drafts = {}
-    if draft is not None:
+    drafts, aux_layers = {}, None
+    if isinstance(draft, EagleHead):
+        aux_layers, static = draft.aux_layers, (draft.method, draft.config, attention_fn)
+        drafts = dict(
+            draft_step={t: KeyedJit(partial(_eagle_step, *static, page_size, max_rows, layout),
+                                    donate_argnums=(3, 4, 7)) for t, layout in layouts.items()},
+            propose=KeyedJit(partial(eagle.propose, *static, max_drafts, page_size),
+                             donate_argnums=(1, 2)),
+            draft_page_copy=KeyedJit(_copy_pages, donate_argnums=(0, 1)),
+            hidden_fixup=KeyedJit(eagle.write_slot_hidden, donate_argnums=(0,)))
+    elif draft is not None:
         drafts = dict(
             draft_step={t: KeyedJit(partial(_draft_step, draft.config, attention_fn, grouped_gemm,
                                             layout),
@@ -120,7 +135,8 @@ def jit_programs(config: ModelConfig, params: dict, attention_fn: Callable,
             draft_page_copy=KeyedJit(_copy_pages, donate_argnums=(0, 1)))
     return Programs(
         step={t: jit_step(partial(_step, config, attention_fn, grouped_gemm, mesh, max_rows,
-                                  branch_free, layout)) for t, layout in layouts.items()},
+                                  branch_free, layout, aux_layers))
+              for t, layout in layouts.items()},
         filter={n: jit_filter for n in row_counts},
         state_writer=KeyedJit(write_state_row, donate_argnums=(0,)),
         page_copy=KeyedJit(_copy_pages, donate_argnums=(0, 1)),
@@ -141,8 +157,8 @@ def _step_metadata(x, block_table) -> llama.AttentionMetadata:
                                    x["seq_lens"], block_table[x["seq_slots"]])
 
 
-def _step(config, attention_fn, grouped_gemm, mesh, max_rows, branch_free, layout, params,
-          packed, prev_sampled, k_cache, v_cache, block_table):
+def _step(config, attention_fn, grouped_gemm, mesh, max_rows, branch_free, layout, aux_layers,
+          params, packed, prev_sampled, k_cache, v_cache, block_table):
     """One model step of a token bucket, from its host inputs ``packed`` ([layout.size] int32,
     ``StepLayout.pack``: one transfer).
 
@@ -156,20 +172,21 @@ def _step(config, attention_fn, grouped_gemm, mesh, max_rows, branch_free, layou
     in every bucket), the logits [L, V] (one row per ``logits_indices``) for ``_filter``, the hidden rows [R, E] at
     ``hidden_indices`` for ``_prompt_logprobs``, the updated KV pool and the updated block
     table. ``branch_free``: no control flow (the GPU; see the sampler's module docstring).
-    ``mesh``: the tensor-parallel mesh (None: one device)."""
+    ``mesh``: the tensor-parallel mesh (None: one device). ``aux_layers``: with an EAGLE head
+    (``llama.forward``'s), the step returns the head's hidden states [T, nE] last."""
     x = layout.unpack(packed)
     token_ids = _step_tokens(x, prev_sampled)
     block_table = _write_block_table(block_table, x["block_table_rows"], x["block_table_cols"],
                                      x["block_table_pages"])
     md = _step_metadata(x, block_table)
     sm = SamplingMetadata(**{f.name: x[f.name] for f in dataclasses.fields(SamplingMetadata)})
-    logits, k_cache, v_cache, hidden = llama.forward(
+    logits, k_cache, v_cache, hidden, *aux = llama.forward(
         config, params, token_ids, md, k_cache, v_cache, x["logits_indices"],
         attention_fn=attention_fn, mesh=mesh, hidden_indices=x["hidden_indices"],
-        lora_slots=x["lora_slots"], grouped_gemm=grouped_gemm)
+        lora_slots=x["lora_slots"], aux_layers=aux_layers, grouped_gemm=grouped_gemm)
     sampled = sample_unfiltered(logits, sm, branch_free=branch_free)
     return (jnp.pad(sampled, (0, max_rows - sampled.shape[0])), logits, hidden, k_cache,
-            v_cache, block_table)
+            v_cache, block_table, *aux)
 
 
 def _draft_step(config, attention_fn, grouped_gemm, layout, params, packed, prev_sampled,
@@ -181,6 +198,26 @@ def _draft_step(config, attention_fn, grouped_gemm, layout, params, packed, prev
     return draft_model.draft_step(config, attention_fn, grouped_gemm,
                                   _step_metadata(x, block_table), params,
                                   _step_tokens(x, prev_sampled), k_cache, v_cache)
+
+
+def _eagle_step(method, config, attention_fn, page_size, max_rows, layout, params, packed,
+                prev_sampled, k_cache, v_cache, block_table, hidden, slot_hidden, carry_rows):
+    """``eagle.catch_up`` over the tokens of the step of ``packed`` (as ``_draft_step``), with
+    that step's head hidden states ``hidden`` [T, nE], then each sequence's newest h into
+    ``slot_hidden`` (donated). ``carry_rows`` [3, S] int32: per sequence, whether slot_hidden
+    holds the h before its first token, the slot to write (past the table: none) and its
+    logits row whose h that is. Returns the head's pool, slot_hidden, and the h of the step's
+    logits rows padded to [max_rows, E] (for ``eagle.write_slot_hidden`` once rejected drafts
+    are known)."""
+    x = layout.unpack(packed)
+    md = _step_metadata(x, block_table)
+    k_cache, v_cache, h = eagle.catch_up(
+        method, config, attention_fn, page_size, params, _step_tokens(x, prev_sampled), md,
+        x["seq_slots"], hidden, slot_hidden, carry_rows[0], k_cache, v_cache)
+    rows_hidden = h[x["logits_indices"]]
+    rows_hidden = jnp.pad(rows_hidden, ((0, max_rows - rows_hidden.shape[0]), (0, 0)))
+    slot_hidden = eagle.write_slot_hidden(slot_hidden, rows_hidden, carry_rows[1], carry_rows[2])
+    return k_cache, v_cache, slot_hidden, rows_hidden
 
 
 def _filter(max_drafts, logits, sampled, sm, fm, state, bitmask, draft_probs):

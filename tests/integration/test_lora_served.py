@@ -89,6 +89,9 @@ def test_runtime_load_serves_then_unload_gives_404(lora):
     again = httpx.post(f"{server.url}/v1/load_lora_adapter",
                        json={"lora_name": "math", "lora_path": str(adapters["math"])})
     assert again.status_code == 400 and "already been loaded" in again.text
+    empty = httpx.post(f"{server.url}/v1/load_lora_adapter",
+                       json={"lora_name": "", "lora_path": str(adapters["math"])})
+    assert empty.status_code == 400 and empty.json()["error"]["param"] == "lora_name"
     # Three adapters in flight over two slots: the scheduler holds one back.
     with ThreadPoolExecutor(3) as pool:
         served = dict(zip(("math", "sql", "chat"), pool.map(

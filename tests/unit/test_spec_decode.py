@@ -26,7 +26,9 @@ def test_config_defaults_follow_vllm():
 
 @pytest.mark.parametrize("d, field", [
     ({"method": "medusa", "num_speculative_tokens": 2}, "medusa"),
-    ({"method": "eagle", "num_speculative_tokens": 2}, "not built"),
+    ({"method": "mtp", "num_speculative_tokens": 2}, "not built"),
+    ({"method": "eagle", "num_speculative_tokens": 2}, "model"),
+    ({"method": "eagle3", "num_speculative_tokens": 2, "model": 3}, "model"),
     ({"method": "draft_model", "num_speculative_tokens": 2}, "model"),
     ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "model"),
     ({"method": "ngrams", "num_speculative_tokens": 2}, "method"),
@@ -146,16 +148,20 @@ def chi_square_p(samples: np.ndarray, p: np.ndarray) -> float:
 
 
 # A draft model's sampled drafts (a real q): the draft's logits, a distribution far from the
-# target's (TV > 0.3), so that drafts are rejected often.
-DRAFT_LOGITS = np.array([0.0, 2.2, 0.3, 1.9, -0.4, 1.0, 0.2, 0.1], np.float32)
+# target's (TV > 0.3), so that drafts are rejected often. An EAGLE-3 head's logits are -inf
+# outside its draft vocabulary (eagle.forward): there q is 0 and only the residual draws.
+DRAFT_LOGITS = {
+    "draft_model": np.array([0.0, 2.2, 0.3, 1.9, -0.4, 1.0, 0.2, 0.1], np.float32),
+    "eagle3": np.array([-np.inf, 2.2, -np.inf, 1.9, -0.4, 1.0, 0.2, -np.inf], np.float32)}
 ALPHA_Q = 0.01 / 3  # the three tests of real-q drafts, a family at false-alarm rate 0.01
 
 
-@pytest.fixture(scope="module")
-def draft_model_draws():
-    """(drafts, tokens): N trials of one verified row each, the draft d drawn by sample_draft
-    from DRAFT_LOGITS (trial's seed, step 0), the row drawn by sample_filtered against the q it
-    returned (target LOGITS[0], no penalties)."""
+@pytest.fixture(scope="module", params=list(DRAFT_LOGITS))
+def draft_model_draws(request):
+    """(draft logits, drafts, tokens): N trials of one verified row each, the draft d drawn by
+    sample_draft from the method's DRAFT_LOGITS (trial's seed, step 0), the row drawn by
+    sample_filtered against the q it returned (target LOGITS[0], no penalties)."""
+    draft_logits = DRAFT_LOGITS[request.param]
     n = 12000
     sm = neutral(SamplingMetadata, n, temperature=np.full(n, TEMPERATURE, np.float32),
                  top_k=np.full(n, TOP_K, np.int32), top_p=np.full(n, TOP_P, np.float32),
@@ -169,22 +175,22 @@ def draft_model_draws():
         tokens = sample_filtered(logits, jnp.zeros(n, jnp.int32), sm, fm, draft_probs=q)[0]
         return drafts, tokens
 
-    drafts, tokens = run(jnp.asarray(np.tile(DRAFT_LOGITS, (n, 1))),
+    drafts, tokens = run(jnp.asarray(np.tile(draft_logits, (n, 1))),
                          jnp.asarray(np.tile(LOGITS[0], (n, 1))), sm)
-    return np.asarray(drafts), np.asarray(tokens)
+    return draft_logits, np.asarray(drafts), np.asarray(tokens)
 
 
 def test_draft_model_drafts_follow_q(draft_model_draws):
-    drafts, _ = draft_model_draws
-    q = processed(DRAFT_LOGITS)
+    draft_logits, drafts, _ = draft_model_draws
+    q = processed(draft_logits)
     assert len(drafts) >= trials_needed(int((q > 0).sum()) - 1)
     assert chi_square_p(drafts, q) > ALPHA_Q
 
 
 def test_draft_model_verified_token_has_the_target_distribution(draft_model_draws):
     """Accepted (x == d) or not, the emitted token follows p: speculative sampling with q."""
-    drafts, tokens = draft_model_draws
-    p, q = processed(LOGITS[0]), processed(DRAFT_LOGITS)
+    draft_logits, drafts, tokens = draft_model_draws
+    p, q = processed(LOGITS[0]), processed(draft_logits)
     assert np.abs(p - q).sum() / 2 > 0.3
     accept = np.minimum(1, p[drafts] / q[drafts])
     assert abs((tokens == drafts).mean() - accept.mean()) < 4 * np.sqrt(0.25 / len(drafts))
@@ -192,8 +198,8 @@ def test_draft_model_verified_token_has_the_target_distribution(draft_model_draw
 
 
 def test_draft_model_rejected_token_has_the_residual_distribution(draft_model_draws):
-    drafts, tokens = draft_model_draws
-    p, q = processed(LOGITS[0]), processed(DRAFT_LOGITS)
+    draft_logits, drafts, tokens = draft_model_draws
+    p, q = processed(LOGITS[0]), processed(draft_logits)
     rejected = tokens != drafts
     residual = np.maximum(p - q, 0)
     residual /= residual.sum()

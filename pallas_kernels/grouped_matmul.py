@@ -16,8 +16,9 @@ reads its tile's (group, first row, group's end row) from an int32 table, loads 
 
 Sources (ideas, no code): the tile schedule of JAX's TPU ``megablox/gmm.py`` (there tiles are
 aligned to block_m and shared by neighbouring groups; here a group starts its own tiles, so no
-row is read by two groups' programs), the persistent grouped GEMM of the Triton tutorials, and
-vLLM's ``fused_moe`` Triton kernel (tile sizes by rows per expert).
+row is read by two groups' programs), and vLLM's ``fused_moe`` Triton kernel, whose
+``moe_align_block_size`` pads each expert's rows to whole tiles (the same bound: rows plus
+experts x (block_m - 1)) and whose tile sizes follow the batch.
 """
 
 from __future__ import annotations

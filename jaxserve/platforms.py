@@ -22,6 +22,8 @@ class Platform:
       dtype: --dtype auto (the weights'; the KV pool's with --kv-cache-dtype auto).
       attention_backend: --attention-backend auto ("pallas" or "reference").
       interpret_pallas: the Pallas kernels run in interpret mode (slow; for tests).
+      moe_grouped_gemm: the MoE layers' expert GEMMs (``moe.GROUPED_GEMMS``): "ragged_dot"
+        (XLA's ``jax.lax.ragged_dot``) or "pallas" (``pallas_kernels.grouped_matmul``).
       min_token_bucket: smallest token bucket the model runner compiles (tokens).
       branch_free_step: the step is compiled without control flow (an XLA conditional on a GPU
         blocks the dispatching thread).
@@ -46,6 +48,7 @@ class Platform:
     dtype: str
     attention_backend: str
     interpret_pallas: bool
+    moe_grouped_gemm: str
     min_token_bucket: int
     branch_free_step: bool
     op_by_op_min_tokens: int | None
@@ -62,7 +65,8 @@ class Platform:
 
 CPU = Platform(
     name="cpu", max_num_seqs=32, max_num_batched_tokens=512, max_model_len=4096,
-    dtype="float32", attention_backend="reference", interpret_pallas=True, min_token_bucket=1,
+    dtype="float32", attention_backend="reference", interpret_pallas=True,
+    moe_grouped_gemm="ragged_dot", min_token_bucket=1,
     branch_free_step=False, op_by_op_min_tokens=None, device_memory=False,
     stacked_kv_pool=True)
 
@@ -74,9 +78,11 @@ CPU = Platform(
 # FP8 dots: XLA autotunes Triton GEMM fusions for them against cuBLASLt and picks cuBLASLt's
 # FP8 GEMM anyway; the autotuning took 181 s to compile four 8B layers at 8,192 tokens, without
 # Triton GEMMs 0.5 s, and the program ran as fast (13.8 vs 13.7 ms; H200, 2026-12-04).
+# MoE grouped GEMMs: scripts/bench_moe.py's ragged_dot and pallas columns on the H200 decide.
 GPU = Platform(
     name="gpu", max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=None,
-    dtype="bfloat16", attention_backend="pallas", interpret_pallas=False, min_token_bucket=16,
+    dtype="bfloat16", attention_backend="pallas", interpret_pallas=False,
+    moe_grouped_gemm="ragged_dot", min_token_bucket=16,
     branch_free_step=True, op_by_op_min_tokens=512, device_memory=True, stacked_kv_pool=False,
     fp8_step_options=(("xla_gpu_enable_triton_gemm", False),))
 

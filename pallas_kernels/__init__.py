@@ -1,4 +1,5 @@
-"""Attention ops over the paged KV pool: Pallas kernels and their pure-JAX oracles.
+"""Attention ops over the paged KV pool: Pallas kernels and their pure-JAX oracles; and the MoE
+experts' grouped GEMM (``grouped_matmul.grouped_matmul``, ``jax.lax.ragged_dot``'s semantics).
 
 * ``attention`` — the model's one entry point for a mixed ragged batch (Pallas, Triton backend).
 * ``paged_attention`` — decode only, one query token per sequence (Pallas, flash-decoding).

@@ -151,11 +151,13 @@ def _write_and_attend(attention_fn: Callable, q, k, v, k_pages, v_pages, md: Att
     return out, k_pages, v_pages
 
 
-@partial(jax.jit, static_argnames=("opts", "attention_fn", "mesh", "sliding_window"))
+@partial(jax.jit, static_argnames=("opts", "attention_fn", "mesh", "sliding_window",
+                                   "grouped_gemm"))
 def _decoder_layer(hidden: jax.Array, p: dict, k_pages: jax.Array, v_pages: jax.Array,
                    cos: jax.Array, sin: jax.Array, md: AttentionMetadata,
                    lora_slots: jax.Array | None = None, *, opts: LayerOptions,
-                   attention_fn: Callable, mesh: Mesh | None, sliding_window: int | None = None):
+                   attention_fn: Callable, mesh: Mesh | None, sliding_window: int | None = None,
+                   grouped_gemm: Callable = jax.lax.ragged_dot):
     """One decoder layer: hidden [T, E] -> (hidden, k_pages, v_pages with this step's K/V).
 
     A jitted function of its own so that the step traces and lowers one layer, not L: every
@@ -165,7 +167,8 @@ def _decoder_layer(hidden: jax.Array, p: dict, k_pages: jax.Array, v_pages: jax.
     With a mesh, the fused projections hold their columns shard by shard (``sharding``), and
     the KV write and attention run per shard. A layer with a ``sliding_window`` attends to
     that many keys at most (``ModelConfig.layer_windows``). A layer whose params hold a
-    ``router`` runs the MoE block (``moe.sparse_mlp``) instead of the dense MLP. With
+    ``router`` runs the MoE block (``moe.sparse_mlp``, its expert GEMMs ``grouped_gemm``) instead
+    of the dense MLP. With
     ``opts.sandwich_norms`` (Gemma) the attention's and the MLP's outputs are normed before
     they join the residual, and ``pre_feedforward_layernorm`` norms the MLP's input.
     Projections with LoRA adapters add each token's delta (``lora_slots``, ``linear``).
@@ -213,7 +216,7 @@ def _decoder_layer(hidden: jax.Array, p: dict, k_pages: jax.Array, v_pages: jax.
         x = norm(hidden, p["post_attention_layernorm"])
     if "router" in p:
         mlp = moe.sparse_mlp(x, p, opts.num_experts_per_tok, opts.norm_topk_prob, n,
-                             opts.hidden_act)
+                             opts.hidden_act, grouped_gemm, mesh)
     else:
         gate_up = linear(x, p["gate_up_proj"], lora_slots)  # [gate | up] per shard
         mlp = linear(moe.gated_act(gate_up, n, opts.hidden_act), p["down_proj"], lora_slots)
@@ -246,6 +249,7 @@ def forward(
     hidden_indices: jax.Array | None = None,
     lora_slots: jax.Array | None = None,
     aux_layers: tuple[int, ...] | None = None,
+    grouped_gemm: Callable = jax.lax.ragged_dot,
 ):
     """One model step over a flattened ragged batch.
 
@@ -275,6 +279,8 @@ def forward(
         () the final norm's output [T, E] (EAGLE-1); layer ids (EAGLE-3) the inputs of those
         layers (the residual stream), concatenated in the order given, [T, len * E]; None:
         none.
+      grouped_gemm: the MoE layers' expert GEMMs (``moe.get_grouped_gemm``; the engine's from
+        ``Platform.moe_grouped_gemm``).
 
     Returns:
       (logits [S, V] float32 over the whole vocabulary, replicated on a mesh; k_cache, v_cache
@@ -283,7 +289,7 @@ def forward(
     """
     with matmul_precision(params["embed_tokens"].dtype):
         return _forward(config, params, token_ids, md, k_cache, v_cache, logits_indices,
-                        attention_fn, mesh, hidden_indices, lora_slots, aux_layers)
+                        attention_fn, mesh, hidden_indices, lora_slots, aux_layers, grouped_gemm)
 
 
 def rope_tables(c: ModelConfig, positions: jax.Array):
@@ -315,7 +321,7 @@ def run_layers(c: ModelConfig, layers: list[dict], hidden, md: AttentionMetadata
 
 
 def _forward(c: ModelConfig, params, token_ids, md, k_cache, v_cache, logits_indices,
-             attention_fn, mesh, hidden_indices, lora_slots, aux_layers):
+             attention_fn, mesh, hidden_indices, lora_slots, aux_layers, grouped_gemm):
     rope, local_rope = rope_tables(c, md.positions)
     opts = LayerOptions.of(c)
 
@@ -327,7 +333,8 @@ def _forward(c: ModelConfig, params, token_ids, md, k_cache, v_cache, logits_ind
     def layer(hidden, p, k_pages, v_pages, window):
         cos, sin = rope if window is None else local_rope
         return _decoder_layer(hidden, p, k_pages, v_pages, cos, sin, md, lora_slots, opts=opts,
-                              attention_fn=attention_fn, mesh=mesh, sliding_window=window)
+                              attention_fn=attention_fn, mesh=mesh, sliding_window=window,
+                              grouped_gemm=grouped_gemm)
 
     layers, aux = params["layers"], {}
     if isinstance(k_cache, list | tuple):  # a pool per layer: the layers unrolled

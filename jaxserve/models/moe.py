@@ -10,9 +10,11 @@ largest probabilities pick its experts (``lax.top_k``: ties go to the lower expe
 probability-weighted sum of the chosen experts' SwiGLU MLPs, plus for Qwen2-MoE
 ``sigmoid(x @ shared_expert_gate) * shared_expert(x)``.
 
-The experts run as two grouped GEMMs (``jax.lax.ragged_dot``): the T x k (token, expert) pairs
-are sorted by expert, each expert's rows multiply its own weights, and the results are weighted
-and summed back per token; no per-expert loop, and shapes fixed by the token bucket.
+The experts run as two grouped GEMMs: the T x k (token, expert) pairs are sorted by expert,
+each expert's rows multiply its own weights, and the results are weighted and summed back per
+token; no per-expert loop, and shapes fixed by the token bucket. The grouped GEMM is XLA's
+``jax.lax.ragged_dot`` or the Pallas kernel ``pallas_kernels.grouped_matmul`` (same semantics;
+``Platform.moe_grouped_gemm`` picks one, ``get_grouped_gemm``).
 
 Params of a sparse layer (X experts, E hidden, I ``moe_intermediate_size``, S
 ``shared_expert_intermediate_size``): ``router`` [E, X]; ``experts_gate_up`` [X, E, 2 I], each
@@ -21,14 +23,39 @@ expert's columns [gate | up] shard by shard (``llama._columns_by_shard``); ``exp
 ``shared_expert_gate`` [E, 1]. Under tensor parallelism each expert is split by columns as a
 dense MLP is (its gate/up columns and down rows over the devices; one all-reduce after the
 down projection): every device holds a slice of every expert, so the per-token routing needs no
-exchange of tokens between devices.
+exchange of tokens between devices. XLA splits ``ragged_dot`` over the mesh itself; a Pallas
+call it cannot split, so with the Pallas GEMM the routed experts run per shard
+(``sharding.per_shard_experts``).
 """
+
+import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
+from jaxserve.models import sharding
 from jaxserve.models.families import ARCHITECTURES, EXPERT_NAMES
+from pallas_kernels.grouped_matmul import grouped_matmul
+
+GROUPED_GEMMS = ("ragged_dot", "pallas")
+
+
+def get_grouped_gemm(name: str, interpret: bool = False) -> Callable:
+    """The experts' grouped GEMM ``gemm(lhs [M, K], rhs [G, K, N], group_sizes [G]) -> [M, N]``
+    (``jax.lax.ragged_dot``'s semantics) named by ``Platform.moe_grouped_gemm``: "ragged_dot"
+    (XLA) or "pallas" (``pallas_kernels.grouped_matmul``; with ``interpret``, in interpret
+    mode: slow, for tests off a GPU).
+
+    Raises:
+      ValueError: for a name other than ragged_dot, pallas.
+    """
+    if name not in GROUPED_GEMMS:
+        raise ValueError(f"unknown MoE grouped GEMM {name!r} ({', '.join(GROUPED_GEMMS)})")
+    if name == "ragged_dot":
+        return jax.lax.ragged_dot
+    return functools.partial(grouped_matmul, interpret=True) if interpret else grouped_matmul
 
 
 def hf_layer_shapes(config: ModelConfig) -> dict:
@@ -101,24 +128,42 @@ def route(x: jax.Array, router: jax.Array, top_k: int,
     return weights, experts
 
 
-def sparse_mlp(x: jax.Array, p: dict, top_k: int, norm_topk_prob: bool, n: int,
-               act: str = "silu") -> jax.Array:
-    """The sparse MLP block: x [T, E] -> [T, E] in x's dtype; p a sparse layer's params, its
-    gate/up columns laid out for an n-device mesh; ``top_k`` experts a token (``route``), each
-    expert's activation ``act`` (``gated_act``)."""
+def routed_experts(x: jax.Array, router: jax.Array, gate_up: jax.Array, down: jax.Array, *,
+                   top_k: int, norm_topk_prob: bool, n: int, act: str,
+                   grouped_gemm: Callable) -> jax.Array:
+    """The routed experts' part of the block: x [T, E] -> [T, E] float32, the ``top_k``
+    chosen experts' outputs weighted and summed per token; gate_up [X, E, 2 I] (columns laid
+    out for n shards), down [X, I, E]; ``grouped_gemm`` (``get_grouped_gemm``) runs both
+    projections."""
     num_tokens, k = x.shape[0], top_k
-    num_experts = p["router"].shape[1]
-    weights, experts = route(x, p["router"], top_k, norm_topk_prob)
+    weights, experts = route(x, router, top_k, norm_topk_prob)
     # The T k (token, expert) pairs, sorted by expert: each expert's rows are contiguous.
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     token = order // k  # the token of each sorted pair
-    rows = x[token]
-    group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
-    h = jax.lax.ragged_dot(rows, p["experts_gate_up"], group_sizes)
-    y = jax.lax.ragged_dot(gated_act(h, n, act), p["experts_down"], group_sizes)
+    group_sizes = jnp.bincount(flat, length=router.shape[1]).astype(jnp.int32)
+    h = grouped_gemm(x[token], gate_up, group_sizes)
+    y = grouped_gemm(gated_act(h, n, act), down, group_sizes)
     y = y.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
-    out = jnp.zeros((num_tokens, x.shape[1]), jnp.float32).at[token].add(y)
+    return jnp.zeros((num_tokens, x.shape[1]), jnp.float32).at[token].add(y)
+
+
+def sparse_mlp(x: jax.Array, p: dict, top_k: int, norm_topk_prob: bool, n: int,
+               act: str = "silu", grouped_gemm: Callable = jax.lax.ragged_dot,
+               mesh=None) -> jax.Array:
+    """The sparse MLP block: x [T, E] -> [T, E] in x's dtype; p a sparse layer's params, its
+    gate/up columns laid out for an n-device mesh; ``top_k`` experts a token (``route``), each
+    expert's activation ``act`` (``gated_act``), the expert GEMMs ``grouped_gemm``
+    (``get_grouped_gemm``). ``mesh``: the tensor-parallel mesh of the params (n devices), on
+    which a grouped GEMM other than ragged_dot runs per shard (module docstring); None: one
+    device."""
+    routed = functools.partial(routed_experts, top_k=top_k, norm_topk_prob=norm_topk_prob,
+                               act=act, grouped_gemm=grouped_gemm)
+    args = (x, p["router"], p["experts_gate_up"], p["experts_down"])
+    if mesh is None or grouped_gemm is jax.lax.ragged_dot:
+        out = routed(*args, n=n)
+    else:
+        out = sharding.per_shard_experts(functools.partial(routed, n=1), mesh)(*args)
     if "shared_gate_up" in p:
         shared = gated_act(x @ p["shared_gate_up"], n, act) @ p["shared_down"]
         gate = jax.nn.sigmoid(jnp.dot(x, p["shared_expert_gate"],

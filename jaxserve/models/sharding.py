@@ -230,3 +230,23 @@ def per_shard_attention(fn: Callable, mesh: Mesh) -> Callable:
                              check_vma=False)(q, k, v, k_pages, v_pages, md)
 
     return run
+
+
+def per_shard_experts(fn: Callable, mesh: Mesh) -> Callable:
+    """``fn(x, router, gate_up, down) -> [T, E] float32`` (``moe.routed_experts`` of one
+    shard's experts, n = 1) run on each device's slice of every expert under ``shard_map``, the
+    partial sums of the down projection added over the mesh (one psum, as the dense MLP's
+    all-reduce).
+
+    Shapes (global): x [T, E] and router [E, X] replicated, gate_up [X, E, 2 I] split on its
+    columns (each device's [gate | up] slice, ``llama._columns_by_shard``), down [X, I, E] on
+    its rows.
+    """
+    def run(*args):
+        return jax.lax.psum(fn(*args), AXIS)
+
+    return jax.shard_map(run, mesh=mesh, in_specs=(P(), P(), P(None, None, AXIS),
+                                                   P(None, AXIS, None)),
+                         out_specs=P(),
+                         # The Pallas kernel's custom call carries no varying-axis types.
+                         check_vma=False)

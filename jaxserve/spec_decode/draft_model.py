@@ -54,12 +54,13 @@ def check_vocabulary(draft: ModelConfig, target: ModelConfig) -> None:
                          f"the target's {target.vocab_size}; they must share the tokenizer")
 
 
-def draft_step(config: ModelConfig, attention_fn, metadata, params, token_ids, k_cache,
-               v_cache):
+def draft_step(config: ModelConfig, attention_fn, grouped_gemm, metadata, params, token_ids,
+               k_cache, v_cache):
     """The draft model over a step's tokens: writes their K/V into the draft pool.
 
     Args:
       config, params: the draft model.
+      attention_fn, grouped_gemm: its kernels (``llama.forward``).
       metadata: the step's ``llama.AttentionMetadata`` (the target's, same block table).
       token_ids: [T] int32, the step's tokens.
       k_cache, v_cache: the draft pool (donate it).
@@ -68,18 +69,20 @@ def draft_step(config: ModelConfig, attention_fn, metadata, params, token_ids, k
       (k_cache, v_cache) updated; the logits are not computed (XLA drops them).
     """
     _, k_cache, v_cache = llama.forward(config, params, token_ids, metadata, k_cache, v_cache,
-                                        jnp.zeros(1, jnp.int32), attention_fn=attention_fn)
+                                        jnp.zeros(1, jnp.int32), attention_fn=attention_fn,
+                                        grouped_gemm=grouped_gemm)
     return k_cache, v_cache
 
 
-def propose(config: ModelConfig, attention_fn, num_drafts: int, page_size: int, params,
-            k_cache, v_cache, block_table, token_ids, positions, slots, num_seqs,
+def propose(config: ModelConfig, attention_fn, grouped_gemm, num_drafts: int, page_size: int,
+            params, k_cache, v_cache, block_table, token_ids, positions, slots, num_seqs,
             sm: SamplingMetadata):
     """num_drafts drafts after each sequence's last emitted token (``draft_chain`` from it, at
     its position).
 
     Args:
       config, params: the draft model.
+      attention_fn, grouped_gemm: its kernels (``llama.forward``).
       num_drafts, page_size, k_cache, v_cache, block_table, slots, num_seqs, sm: as
         ``draft_chain``.
       token_ids: [B] int32 each sequence's last emitted token; rows from num_seqs on pad.
@@ -93,7 +96,7 @@ def propose(config: ModelConfig, attention_fn, num_drafts: int, page_size: int, 
 
     def step(tokens, md, k_cache, v_cache, carry):
         return (*llama.forward(config, params, tokens, md, k_cache, v_cache, rows,
-                               attention_fn=attention_fn), carry)
+                               attention_fn=attention_fn, grouped_gemm=grouped_gemm), carry)
 
     drafts, q, k_cache, v_cache, _ = draft_chain(
         step, num_drafts, page_size, k_cache, v_cache, block_table, token_ids, positions,

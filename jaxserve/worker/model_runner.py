@@ -39,7 +39,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from jaxserve.engine import LogprobsLists
 from jaxserve.engine.kv_sizing import peak_program_bytes
-from jaxserve.models import sharding
+from jaxserve.models import moe, sharding
 from jaxserve.platforms import current_platform
 from jaxserve.spec_decode.draft_model import DraftModel
 from jaxserve.spec_decode.eagle import EagleHead
@@ -216,9 +216,12 @@ class ModelRunner:
                           self.logits_rows_for(t))
             for t in self.token_buckets}
         row_counts = sorted({layout.num_logits_rows for layout in self.step_layouts.values()})
+        # The MoE layers' expert GEMMs: the platform's choice, as the step's other kernels.
+        grouped_gemm = moe.get_grouped_gemm(platform.moe_grouped_gemm, platform.interpret_pallas)
         self.programs = jit_programs(
-            config, params, attention_fn, mesh, row_counts[-1], branch_free, self.step_layouts,
-            row_counts, self.stacked_kv_pool, num_speculative_tokens, draft, page_size)
+            config, params, attention_fn, grouped_gemm, mesh, row_counts[-1], branch_free,
+            self.step_layouts, row_counts, self.stacked_kv_pool, num_speculative_tokens, draft,
+            page_size)
         self.draft = draft
         self.draft_k_cache = self.draft_v_cache = None  # allocate_kv_cache
         # The draft model's q of the last proposed drafts (draft_model.propose), and each

@@ -88,10 +88,11 @@ class Programs(Generic[P]):
         return cls(**tables)
 
 
-def jit_programs(config: ModelConfig, params: dict, attention_fn: Callable, mesh: Mesh | None,
-                 max_rows: int, branch_free: bool, layouts: dict[int, StepLayout],
-                 row_counts: list[int], stacked_kv_pool: bool, max_drafts: int = 0,
-                 draft: DraftModel | EagleHead | None = None, page_size: int = 0) -> Programs:
+def jit_programs(config: ModelConfig, params: dict, attention_fn: Callable,
+                 grouped_gemm: Callable, mesh: Mesh | None, max_rows: int, branch_free: bool,
+                 layouts: dict[int, StepLayout], row_counts: list[int], stacked_kv_pool: bool,
+                 max_drafts: int = 0, draft: DraftModel | EagleHead | None = None,
+                 page_size: int = 0) -> Programs:
     """Every program, jitted: the step of each token bucket of ``layouts`` (its layout is
     static; the pool and the block table are donated; its tokens padded to ``max_rows``, the
     most logits rows of any bucket), the filtered sampler (one for every L of ``row_counts``;
@@ -100,7 +101,8 @@ def jit_programs(config: ModelConfig, params: dict, attention_fn: Callable, mesh
     ``stacked_kv_pool``) by KV head, everything else replicated. ``draft``: the draft_model
     method's model or an EAGLE head (one device only), whose programs join the table (the
     step then returns the head's hidden states too); ``page_size``: the pools' (for its
-    ``propose``)."""
+    ``propose``). ``attention_fn`` and ``grouped_gemm`` (the MoE layers' expert GEMMs) are the
+    models' kernels (``llama.forward``)."""
     filter_fn = partial(_filter, max_drafts)
     if mesh is None:
         jit_step = partial(KeyedJit, donate_argnums=(3, 4, 5))
@@ -125,14 +127,16 @@ def jit_programs(config: ModelConfig, params: dict, attention_fn: Callable, mesh
             hidden_fixup=KeyedJit(eagle.write_slot_hidden, donate_argnums=(0,)))
     elif draft is not None:
         drafts = dict(
-            draft_step={t: KeyedJit(partial(_draft_step, draft.config, attention_fn, layout),
+            draft_step={t: KeyedJit(partial(_draft_step, draft.config, attention_fn, grouped_gemm,
+                                            layout),
                                     donate_argnums=(3, 4)) for t, layout in layouts.items()},
             propose=KeyedJit(partial(draft_model.propose, draft.config, attention_fn,
-                                     max_drafts, page_size), donate_argnums=(1, 2)),
+                                     grouped_gemm, max_drafts, page_size), donate_argnums=(1, 2)),
             draft_page_copy=KeyedJit(_copy_pages, donate_argnums=(0, 1)))
     return Programs(
-        step={t: jit_step(partial(_step, config, attention_fn, mesh, max_rows, branch_free,
-                                  layout, aux_layers)) for t, layout in layouts.items()},
+        step={t: jit_step(partial(_step, config, attention_fn, grouped_gemm, mesh, max_rows,
+                                  branch_free, layout, aux_layers))
+              for t, layout in layouts.items()},
         filter={n: jit_filter for n in row_counts},
         state_writer=KeyedJit(write_state_row, donate_argnums=(0,)),
         page_copy=KeyedJit(_copy_pages, donate_argnums=(0, 1)),
@@ -153,8 +157,8 @@ def _step_metadata(x, block_table) -> llama.AttentionMetadata:
                                    x["seq_lens"], block_table[x["seq_slots"]])
 
 
-def _step(config, attention_fn, mesh, max_rows, branch_free, layout, aux_layers, params, packed,
-          prev_sampled, k_cache, v_cache, block_table):
+def _step(config, attention_fn, grouped_gemm, mesh, max_rows, branch_free, layout, aux_layers,
+          params, packed, prev_sampled, k_cache, v_cache, block_table):
     """One model step of a token bucket, from its host inputs ``packed`` ([layout.size] int32,
     ``StepLayout.pack``: one transfer).
 
@@ -179,19 +183,20 @@ def _step(config, attention_fn, mesh, max_rows, branch_free, layout, aux_layers,
     logits, k_cache, v_cache, hidden, *aux = llama.forward(
         config, params, token_ids, md, k_cache, v_cache, x["logits_indices"],
         attention_fn=attention_fn, mesh=mesh, hidden_indices=x["hidden_indices"],
-        lora_slots=x["lora_slots"], aux_layers=aux_layers)
+        lora_slots=x["lora_slots"], aux_layers=aux_layers, grouped_gemm=grouped_gemm)
     sampled = sample_unfiltered(logits, sm, branch_free=branch_free)
     return (jnp.pad(sampled, (0, max_rows - sampled.shape[0])), logits, hidden, k_cache,
             v_cache, block_table, *aux)
 
 
-def _draft_step(config, attention_fn, layout, params, packed, prev_sampled, k_cache, v_cache,
-                block_table):
+def _draft_step(config, attention_fn, grouped_gemm, layout, params, packed, prev_sampled,
+                k_cache, v_cache, block_table):
     """``draft_model.draft_step`` over the tokens of the step of ``packed`` (the same inputs
     as ``_step``; ``block_table``: the one that step returned, its writes applied). Returns the
     draft pool."""
     x = layout.unpack(packed)
-    return draft_model.draft_step(config, attention_fn, _step_metadata(x, block_table), params,
+    return draft_model.draft_step(config, attention_fn, grouped_gemm,
+                                  _step_metadata(x, block_table), params,
                                   _step_tokens(x, prev_sampled), k_cache, v_cache)
 
 

@@ -171,3 +171,27 @@ def test_moe_and_other_families_logits_at_tp2_equal_tp1():
     assert found["qwen2_moe"]["expert_shard"] == [6, 64, 32]
     assert {"gemma2", "gemma3", "phi3"} <= set(found)
     assert all(r["rel"] < 1e-5 for r in found.values()), found
+
+
+MOE_PALLAS_TP = """
+import json
+import jax, jax.numpy as jnp
+from jaxserve.models import moe, sharding
+from tests.unit.test_moe_grouped_gemm import _params
+
+mesh = sharding.make_mesh(2)
+p = _params(jax.random.key(3), shared=24)
+p = jax.device_put(p, sharding.param_shardings(p, mesh))
+x = jax.random.normal(jax.random.key(1), (19, 32))
+pallas = moe.get_grouped_gemm("pallas", interpret=True)
+run = lambda gemm: jax.jit(lambda x, p: moe.sparse_mlp(x, p, 3, True, 2, grouped_gemm=gemm,
+                                                       mesh=mesh))(x, p)
+ref, out = run(jax.lax.ragged_dot), run(pallas)
+print(json.dumps({"rel": float(jnp.abs(out - ref).max() / jnp.abs(ref).max())}))
+"""
+
+
+def test_moe_pallas_grouped_gemm_per_shard_equals_ragged_dot():
+    """The Pallas expert GEMMs, which XLA cannot split, run per shard over 2 fake devices
+    (``sharding.per_shard_experts``): the block's output is ragged_dot's."""
+    assert tp_utils.run_python(MOE_PALLAS_TP, devices=2)["rel"] < 1e-5

@@ -1,7 +1,8 @@
 """Lower the Pallas kernels for the cuda platform on CPU (docs/architecture.md, "CPU and GPU").
 
 This catches Pallas-to-Triton errors (block shapes, power-of-two sizes, unsupported ops) in CI;
-Triton-to-PTX errors (shared memory, registers) show only on a GPU (test_attention_gpu.py).
+Triton-to-PTX errors (shared memory, registers) show only on a GPU (test_attention_gpu.py,
+test_grouped_matmul_gpu.py).
 The shapes include the tiles the GPU defaults pick for the benchmark workloads.
 """
 
@@ -9,7 +10,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from jaxserve.config import ModelConfig
+from jaxserve.model_loader.dummy import PRESETS
 from pallas_kernels.flash_attention import PrefillTuning, attention
+from pallas_kernels.grouped_matmul import GmmTuning, grouped_matmul
 from pallas_kernels.kv_quant import QuantizedPages
 from pallas_kernels.paged_attention import DecodeTuning, paged_attention
 
@@ -71,3 +75,31 @@ def test_fp8_pool_lowers_for_cuda(split):
         lambda q, k, v, *md: attention(q, k, v, *md, split_decode=split),
         a["q"], pool, pool, a["qsl"], a["seq_lens"], a["bt"])
     assert "ui8" in text
+
+
+MOE_SHAPES = ["qwen3-30b-a3b", "mixtral-8x7b"]  # presets of jaxserve.model_loader.dummy
+
+
+def moe_gemm_avals(shape: str, num_tokens: int, projection: str, dtype=jnp.bfloat16):
+    """(lhs, rhs, group_sizes) avals of one expert GEMM of ``moe.sparse_mlp`` for the preset
+    ``shape``: the T k sorted rows through gate_up [X, E, 2 I] or down [X, I, E]."""
+    c = ModelConfig.from_hf_config(PRESETS[shape])
+    E, I, X = c.hidden_size, c.moe_intermediate_size, c.num_experts
+    K, N = (E, 2 * I) if projection == "gate_up" else (I, E)
+    s = jax.ShapeDtypeStruct
+    return (s((num_tokens * c.num_experts_per_tok, K), dtype), s((X, K, N), dtype),
+            s((X,), jnp.int32))
+
+
+@pytest.mark.parametrize("projection", ["gate_up", "down"])
+@pytest.mark.parametrize("num_tokens", [16, 256, 2048])
+@pytest.mark.parametrize("shape", MOE_SHAPES)
+def test_grouped_matmul_lowers_for_cuda(shape, num_tokens, projection):
+    _export_cuda(grouped_matmul, *moe_gemm_avals(shape, num_tokens, projection))
+
+
+def test_grouped_matmul_float32_short_blocks_lower_for_cuda():
+    """float32 operands, and K and N that are not multiples of the tile (masked loads)."""
+    s = jax.ShapeDtypeStruct
+    _export_cuda(lambda a, b, g: grouped_matmul(a, b, g, tuning=GmmTuning(block_n=32)),
+                 s((50, 24), jnp.float32), s((5, 24, 40), jnp.float32), s((5,), jnp.int32))

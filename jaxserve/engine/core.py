@@ -202,6 +202,13 @@ class EngineCore:
             + ("" if mesh is None else f"; split over {mesh.size} devices (tensor parallel)"))
         log(f"scheduler: max_num_seqs {config.max_num_seqs}, max_num_batched_tokens "
             f"{config.max_num_batched_tokens}, max_model_len {config.max_model_len}")
+        if self.spec_config is not None:
+            sc = self.spec_config
+            log(f"speculative decoding: {sc.method}"
+                + (f" ({sc.model})" if sc.model else
+                   f" (prompt lookup {sc.prompt_lookup_min}-{sc.prompt_lookup_max} tokens)")
+                + f", {sc.num_speculative_tokens} drafts a step, off while more than "
+                f"{sc.disable_by_batch_size} requests are unfinished")
         structured = pool.submit(_structured_output_manager, tokenizer, mc, config.max_num_seqs)
         pool.shutdown(wait=False)
         kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype)

@@ -104,6 +104,8 @@ def read_adapter(path: str, shapes: LoRAShapes | None, max_rank: int,
     def refuse(why: str) -> ValueError:
         return ValueError(f"LoRA adapter {path}: {why}")
 
+    if not folder.is_dir():
+        raise refuse("no such folder")
     for name in (CONFIG_NAME, WEIGHTS_NAME):
         if not (folder / name).is_file():
             raise refuse(f"no {name} in the folder")

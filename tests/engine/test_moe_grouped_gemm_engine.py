@@ -1,31 +1,38 @@
 """The engine with the Pallas grouped GEMM as its MoE expert GEMMs (``Platform.moe_grouped_gemm``
-"pallas", interpreted on the CPU) gives ragged_dot's greedy tokens on a tiny Qwen3-MoE: the
-platform's choice reaches every step program."""
+"pallas", interpreted on the CPU) gives HF's greedy tokens on a tiny Qwen3-MoE (the near-tie
+rule): the platform's choice reaches every step program (one engine; the ragged_dot engine's
+equality with HF is test_model_parity's)."""
 
 import dataclasses
 
 import numpy as np
+import torch
 
 from jaxserve.platforms import CPU
 from jaxserve.sampling_params import SamplingParams
+from tests.greedy import compare_greedy, hf_greedy_margins
 from tests.tiny_models import TINY, save_tiny_model
 
 ENGINE = dict(max_model_len=128, max_num_batched_tokens=8, max_num_seqs=4, kv_cache_gib=0.01,
               log=lambda s: None)
 
 
-def test_pallas_grouped_gemm_engine_equals_ragged_dot(tmp_path, smollm, monkeypatch):
+def test_pallas_grouped_gemm_engine_equals_hf(tmp_path, smollm, monkeypatch):
     from jaxserve import LLM
     from jaxserve.worker import model_runner
 
-    save_tiny_model("qwen3_moe", tmp_path, smollm.tokenizer)
+    hf_model = save_tiny_model("qwen3_moe", tmp_path, smollm.tokenizer)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, TINY["vocab_size"], size=n).tolist() for n in (5, 20)]
-    tokens = {}
-    for name in ("ragged_dot", "pallas"):
-        platform = dataclasses.replace(CPU, moe_grouped_gemm=name)
-        monkeypatch.setattr(model_runner, "current_platform", lambda p=platform: p)
-        outs = LLM(str(tmp_path), **ENGINE).generate(
-            prompts, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
-        tokens[name] = [o.outputs[0].token_ids for o in outs]
-    assert tokens["pallas"] == tokens["ragged_dot"]
+    platform = dataclasses.replace(CPU, moe_grouped_gemm="pallas")
+    monkeypatch.setattr(model_runner, "current_platform", lambda: platform)
+    outs = LLM(str(tmp_path), **ENGINE).generate(
+        prompts, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    for ids, out in zip(prompts, outs):
+        with torch.no_grad():
+            ref = hf_model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False,
+                                    attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                    )[0, len(ids):].tolist()
+        got = out.outputs[0].token_ids
+        ok, n = compare_greedy(got, ref, hf_greedy_margins(hf_model, ids, ref))
+        assert ok, (n, got, ref)

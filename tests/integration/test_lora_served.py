@@ -111,7 +111,7 @@ def test_runtime_load_serves_then_unload_gives_404(lora):
 
 
 @pytest.mark.parametrize("why, says", [
-    ("missing", "no adapter_config.json"), ("rank", f"exceeds --max-lora-rank {MAX_RANK}"),
+    ("missing", "no such folder"), ("rank", f"exceeds --max-lora-rank {MAX_RANK}"),
     ("target", "unsupported target modules ['lm_head']"), ("shape", "another base model")])
 def test_bad_adapter_load_is_400_naming_it(lora, why, says):
     server, _, _, bad, ids, _ = lora

@@ -267,16 +267,33 @@ def _sample_sorted(scaled: jax.Array, k: jax.Array, top_p: jax.Array, keys: jax.
 
 
 def _top_k_top_p_masked(scaled: jax.Array, k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """[S, V] ``scaled`` with -inf outside each row's top-k, then top-p, set (a full sort);
-    k: [S] int32, 0 when off; top_p: [S] float32."""
+    """[S, V] ``scaled`` with -inf outside each row's top-k, then top-p, set; k: [S] int32, 0
+    when off; top_p: [S] float32. When every row's cut lies among the K_MAX largest logits
+    (1 <= k <= K_MAX, or neither top-k nor top-p), the threshold comes from ``lax.top_k``'s
+    candidates, as ``_sample_top_k`` draws; else from a full sort of each row (on the CPU
+    ~100x the time: a draft model's sampled drafts and their verification run it every step)."""
     vocab = scaled.shape[-1]
-    sorted_logits = jnp.sort(scaled, axis=-1)[:, ::-1]
-    kth = jnp.take_along_axis(sorted_logits, (jnp.where(k > 0, k, vocab) - 1)[:, None], axis=-1)
-    probs = jax.nn.softmax(jnp.where(sorted_logits >= kth, sorted_logits, -jnp.inf), axis=-1)
-    num_keep = jnp.maximum(jnp.sum(_top_p_keep(probs, top_p), axis=-1), 1)
-    threshold = jnp.take_along_axis(sorted_logits, (num_keep - 1)[:, None], axis=-1)
-    threshold = jnp.maximum(threshold, kth)
-    return jnp.where(scaled >= threshold, scaled, -jnp.inf)
+    k_max = min(K_MAX, vocab)
+
+    def threshold(ranked: jax.Array) -> jax.Array:
+        """[S, 1] the smallest kept logit, from each row's largest logits in descending order
+        ([S, N], N >= every k used)."""
+        n = ranked.shape[-1]
+        kk = jnp.where(k > 0, jnp.minimum(k, n), n)
+        kth = jnp.take_along_axis(ranked, (kk - 1)[:, None], axis=-1)
+        probs = jax.nn.softmax(jnp.where(ranked >= kth, ranked, -jnp.inf), axis=-1)
+        num_keep = jnp.maximum(jnp.sum(_top_p_keep(probs, top_p), axis=-1), 1)
+        cut = jnp.take_along_axis(ranked, (num_keep - 1)[:, None], axis=-1)
+        return jnp.maximum(cut, kth)
+
+    def from_candidates():
+        cut = threshold(jax.lax.top_k(scaled, k_max)[0])
+        return jnp.where((k > 0)[:, None], cut, -jnp.inf)  # rows with neither: no cut
+
+    fits = jnp.all(((k >= 1) & (k <= k_max)) | ((k == 0) & (top_p >= 1)))
+    cut = jax.lax.cond(fits, from_candidates,
+                       lambda: threshold(jnp.sort(scaled, axis=-1)[:, ::-1]))
+    return jnp.where(scaled >= cut, scaled, -jnp.inf)
 
 
 def _sample_sorted_rows(
@@ -386,7 +403,7 @@ def sample_filtered(logits: jax.Array, tokens: jax.Array, sm: SamplingMetadata,
       draft_probs: [N, V] float32, the q of drafts a draft model sampled (``sample_draft``);
         a sampled row with ``fm.draft_prob_rows`` >= 0 verifies its draft against that row of
         it: it draws from ``rejection_sampler.verify_distribution`` of its processed
-        distribution (min-p, top-k and top-p by the full sort). None: no such rows.
+        distribution (min-p, top-k and top-p: ``_top_k_top_p_masked``). None: no such rows.
 
     Returns:
       (tokens [S] int32, the state with the drawn tokens counted (or None), Logprobs of the

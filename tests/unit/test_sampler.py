@@ -319,3 +319,33 @@ def test_filtered_rows_count_their_tokens_and_greedy_takes_the_processed_argmax(
     assert counts[0, 6] == 1 and counts[0, 5] == 1 and counts[1, 5] == 1 and counts[2].sum() == 0
     # Log-probabilities are of the raw logits, whatever the penalty did.
     assert float(lp.token_logprobs[0]) == pytest.approx(2.5 - np.log(np.exp(logits[0]).sum()), abs=1e-5)
+
+
+def _kept_numpy(row: np.ndarray, k: int, top_p: float) -> np.ndarray:
+    """The tokens top-k (0: off) then top-p keep, by definition: the k largest (ties at the
+    k-th kept), then the shortest prefix of their distribution reaching top_p (ties kept)."""
+    desc = np.sort(row)[::-1]
+    kth = desc[(k or len(row)) - 1]
+    kept = desc[desc >= kth].astype(np.float64)
+    probs = np.exp(kept - kept.max()) / np.exp(kept - kept.max()).sum()
+    mass_before = np.cumsum(probs) - probs
+    n = max(int(np.sum((top_p >= 1) | (mass_before < top_p))), 1)
+    return row >= max(kept[n - 1], kth)
+
+
+@pytest.mark.parametrize("ks, ps", [
+    ([40, 1, K_MAX, 3, 0], [0.4, 1.0, 0.9, 0.5, 1.0]),  # every cut among the candidates
+    ([40, K_MAX + 1, 3, 0, 0], [0.4, 1.0, 0.5, 0.9, 1.0]),  # a row past them: the full sort
+])
+def test_top_k_top_p_mask_equals_the_definition(ks, ps):
+    # The mask a draft's q and its verification use: from lax.top_k's candidates when they
+    # hold every row's cut, else from a full sort; both give the definition's set.
+    from jaxserve.worker.sampler import _top_k_top_p_masked
+
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(len(ks), 3000)).astype(np.float32)
+    logits[:, :20] = logits.max() + 0.5  # a tie across the top of every row
+    got = np.isfinite(np.asarray(_top_k_top_p_masked(
+        jnp.asarray(logits), jnp.asarray(ks, jnp.int32), jnp.asarray(ps, jnp.float32))))
+    for i, (k, p) in enumerate(zip(ks, ps)):
+        np.testing.assert_array_equal(got[i], _kept_numpy(logits[i], k, p), err_msg=f"row {i}")

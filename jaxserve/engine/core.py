@@ -270,9 +270,11 @@ class EngineCore:
         jax.clear_caches()
         host_memory.release_freed()
         on_host = lambda tree: (0 if platform.device_memory  # noqa: E731
-                                else sum(x.nbytes for x in jax.tree.leaves(tree)))
-        line = host_memory.describe(on_host(self.runner.params),
-                                    on_host((self.runner.k_cache, self.runner.v_cache)))
+                                else sum({id(x): x.nbytes for x in jax.tree.leaves(tree)}.values()))
+        r = self.runner  # a draft model's or EAGLE head's too (an array they share: once)
+        line = host_memory.describe(
+            on_host((r.params, None if r.draft is None else r.draft.params)),
+            on_host((r.k_cache, r.v_cache, r.draft_k_cache, r.draft_v_cache)))
         if line:
             log(line)
         self.scheduler = Scheduler(

@@ -78,11 +78,12 @@ CPU = Platform(
 # FP8 dots: XLA autotunes Triton GEMM fusions for them against cuBLASLt and picks cuBLASLt's
 # FP8 GEMM anyway; the autotuning took 181 s to compile four 8B layers at 8,192 tokens, without
 # Triton GEMMs 0.5 s, and the program ran as fast (13.8 vs 13.7 ms; H200, 2026-12-04).
-# MoE grouped GEMMs: scripts/bench_moe.py's ragged_dot and pallas columns on the H200 decide.
+# MoE grouped GEMMs: the Pallas kernel beats XLA's ragged_dot at every step size of
+# scripts/bench_moe.py on the H200 (1.0-4.4x at Mixtral's shapes, 1.8-33x at Qwen3-30B-A3B's).
 GPU = Platform(
     name="gpu", max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=None,
     dtype="bfloat16", attention_backend="pallas", interpret_pallas=False,
-    moe_grouped_gemm="ragged_dot", min_token_bucket=16,
+    moe_grouped_gemm="pallas", min_token_bucket=16,
     branch_free_step=True, op_by_op_min_tokens=512, device_memory=True, stacked_kv_pool=False,
     fp8_step_options=(("xla_gpu_enable_triton_gemm", False),))
 

@@ -666,8 +666,7 @@ def _random_from_hf(key, shapes: tuple, dtype, build: Callable, layout: sharding
                     mesh: Mesh | None, quantization: str | None = None) -> dict:
     """``build`` (``_outer_from_hf`` or ``_layer_from_hf``) of random HF tensors of ``shapes``
     (((name, shape), ...)), in one executable. Tensors of one shape come from one draw (an MoE
-    layer's experts: 3 draws, not 3 per expert; hundreds of separate draws took XLA:GPU
-    minutes to compile)."""
+    layer's experts: 3 draws, not 3 per expert)."""
     t, by_shape = {}, {}
     for name, shape in shapes:
         if name.endswith("norm.weight"):
@@ -677,6 +676,9 @@ def _random_from_hf(key, shapes: tuple, dtype, build: Callable, layout: sharding
         else:
             by_shape.setdefault(tuple(shape), []).append(name)
     for k, (shape, names) in zip(jax.random.split(key, max(len(by_shape), 1)), by_shape.items()):
-        draw = 0.02 * jax.random.normal(k, (len(names), *shape), dtype)
+        # The barrier keeps XLA from fusing the generator into each tensor's slice (an MoE
+        # layer's 384 copies of it compiled for minutes on XLA:GPU).
+        draw = jax.lax.optimization_barrier(
+            0.02 * jax.random.normal(k, (len(names), *shape), dtype))
         t |= {name: draw[i] for i, name in enumerate(names)}
     return build(t, dtype, layout, mesh, quantization)

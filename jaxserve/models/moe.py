@@ -90,12 +90,16 @@ def params_from_hf(t: dict, columns_by_shard, n: int) -> dict:
                                  if f"{names[0]}.gate.weight" in t and
                                  f"{names[0]}.experts.0.{names[1]}.weight" in t)
     router = t[f"{block}.gate.weight"]
-    expert = lambda x, name: t[f"{block}.experts.{x}.{name}.weight"]  # noqa: E731
+
+    def stacked(name):  # [X, in, out]: one stack and one transpose per projection, as per-expert
+        # transposes and concatenations made XLA:GPU compile a 128-expert layer for minutes
+        return jnp.stack([t[f"{block}.experts.{x}.{name}.weight"]
+                          for x in range(router.shape[0])]).swapaxes(1, 2)
+
     p = {
         "router": router.T,
-        "experts_gate_up": jnp.stack([columns_by_shard([expert(x, gate).T, expert(x, up).T], n)
-                                      for x in range(router.shape[0])]),
-        "experts_down": jnp.stack([expert(x, down).T for x in range(router.shape[0])]),
+        "experts_gate_up": columns_by_shard([stacked(gate), stacked(up)], n),
+        "experts_down": stacked(down),
     }
     if f"{block}.shared_expert_gate.weight" in t:
         shared = lambda name: t[f"{block}.shared_expert.{name}.weight"].T  # noqa: E731

@@ -31,6 +31,7 @@ import time
 import traceback
 from multiprocessing.connection import Connection
 
+from jaxserve import host_memory
 from jaxserve.config import EngineConfig
 from jaxserve.engine import EngineCoreRequest, child_request_id
 from jaxserve.engine import messages as M
@@ -66,6 +67,10 @@ class _Exit(Exception):
 # that recurs whatever the batch is not one request's doing.
 MAX_FAILED_STEPS = 3
 
+# Seconds without a message after the last step before the engine hands freed heap back: long
+# enough that a steady trickle of requests never waits on it.
+IDLE_TRIM_S = 1.0
+
 
 def check_engine_request(req: EngineCoreRequest, vocab_size: int, max_model_len: int) -> None:
     """What the model runner's arrays need of a request. Raises ValidationError on the field."""
@@ -86,6 +91,7 @@ class EngineCoreProc:
         self.live: set[str] = set()
         self._last_stats = None
         self._failed_steps = 0  # in a row
+        self._worked = False  # a step ran since the heap was last handed back
 
     # -- pipe --------------------------------------------------------------------------------
 
@@ -193,6 +199,10 @@ class EngineCoreProc:
             while True:
                 if not self.core.has_unfinished_requests():
                     self._send_stats_if_changed()
+                    if self._worked and not self.conn.poll(IDLE_TRIM_S):
+                        # Idle after work: hand back the heap pages its requests freed.
+                        host_memory.release_freed()
+                        self._worked = False
                     msg = self._recv()  # idle: block until the API side has something
                     if msg is not None:
                         self._handle(msg)
@@ -202,6 +212,7 @@ class EngineCoreProc:
                         self._handle(msg)
                 if self.core.has_unfinished_requests():
                     self._step()
+                    self._worked = True
         except _Exit:
             return
 

@@ -1,11 +1,49 @@
 """Saving and loading tokenizer folders, shared by the engine and the API process (no JAX here).
 
 ``save_tokenizer`` writes a folder that transformers 4.x and 5.x both load; ``load_tokenizer``
-loads one without Hub access, and without importing torch where it can (see its docstring).
+loads one without Hub access, and without importing torch where it can (see its docstring);
+``TokenizerVocab.read`` reads what llguidance needs of one without importing transformers.
 """
 
+import copy
 import json
 import pathlib
+from dataclasses import dataclass
+
+# What ``save_tokenizer`` adds to a folder beside transformers' files: the facts a process that
+# does not import transformers needs of the tokenizer (``TokenizerVocab.read``).
+FACTS_FILE = "jaxserve_tokenizer.json"
+
+
+@dataclass(frozen=True)
+class TokenizerVocab:
+    """A fast tokenizer as llguidance takes it (``structured_output.grammar.build_ll_tokenizer``).
+
+    Attributes:
+      json: the Rust tokenizer serialised (tokenizer.json's format; padding and truncation,
+        which llguidance does not use, off or as saved).
+      size: ``len(tokenizer)``: ids it defines, added tokens included.
+      eos_token_id: the tokenizer's own EOS id; None without one.
+    """
+
+    json: str
+    size: int
+    eos_token_id: int | None
+
+    @classmethod
+    def of(cls, tokenizer) -> "TokenizerVocab":
+        """Of a transformers fast tokenizer (as ``llguidance.hf.from_tokenizer`` reads one)."""
+        backend = copy.copy(tokenizer.backend_tokenizer)
+        backend.no_padding()
+        backend.no_truncation()
+        return cls(backend.to_str(), len(tokenizer), tokenizer.eos_token_id)
+
+    @classmethod
+    def read(cls, folder: str | pathlib.Path) -> "TokenizerVocab":
+        """Of a ``save_tokenizer`` folder, without importing transformers."""
+        folder = pathlib.Path(folder)
+        facts = json.loads((folder / FACTS_FILE).read_text())
+        return cls((folder / "tokenizer.json").read_text(), facts["size"], facts["eos_token_id"])
 
 
 def load_tokenizer(folder: pathlib.Path):
@@ -43,3 +81,5 @@ def save_tokenizer(tokenizer, folder: str | pathlib.Path) -> None:
     if getattr(tokenizer, "chat_template", None) and "chat_template" not in cfg:
         cfg["chat_template"] = tokenizer.chat_template
     cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
+    (folder / FACTS_FILE).write_text(json.dumps({"size": len(tokenizer),
+                                                 "eos_token_id": tokenizer.eos_token_id}) + "\n")

@@ -47,10 +47,11 @@ def _without_max_length(schema):
 def bench_mask(num_seqs: int, steps: int, seed: int) -> None:
     from jaxserve.model_loader.loader import load_tokenizer_of
     from jaxserve.structured_output.manager import StructuredOutputManager
+    from jaxserve.tokenizer_io import TokenizerVocab
 
     tok = load_tokenizer_of(None)
     vocab = 49152
-    manager = StructuredOutputManager(tok, vocab, [tok.eos_token_id], num_seqs)
+    manager = StructuredOutputManager(TokenizerVocab.of(tok), vocab, [tok.eos_token_id], num_seqs)
     for label, transform in (("strings with maxLength", lambda s: s),
                              ("strings without maxLength", _without_max_length)):
         print(f"{label}:")

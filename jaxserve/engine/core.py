@@ -5,8 +5,10 @@ Token ids in, token ids out: no text here.
 """
 
 import atexit
+import functools
 import os
 import random
+import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -36,15 +38,16 @@ from jaxserve.lora import manager as lora_manager
 from jaxserve.model_loader import (
     load_checkpoint,
     load_generation_config,
-    load_tokenizer_of,
     resolve_model,
 )
+from jaxserve.model_loader.tokenizer_export import export_tokenizer
 from jaxserve.model_loader.default_model import cache_dir
 from jaxserve.models import sharding
 from jaxserve.models.fp8_checkpoint import resolve_method
 from jaxserve.models.registry import build_params, resolve_kv_cache_dtype
 from jaxserve.platforms import current_platform
 from jaxserve.structured_output.manager import StructuredOutputManager, token_bitmask
+from jaxserve.tokenizer_io import TokenizerVocab, load_tokenizer
 from jaxserve.worker.executable_cache import ExecutableCache
 from jaxserve.worker.model_runner import ModelRunner
 from pallas_kernels import get_attention_fn, kv_quant
@@ -112,12 +115,13 @@ def _timed(fn, *args):
 
 def _structured_output_manager(tokenizer_future, model_config, max_num_seqs: int):
     """(StructuredOutputManager, EOS ids, seconds), once ``tokenizer_future`` (of ``_timed``)
-    has the tokenizer. Generation ends at the model's EOS ids (config.json / GGUF) and the
-    tokenizer's own."""
-    tokenizer = tokenizer_future.result()[0]
-    eos = set(model_config.eos_token_ids) | {tokenizer.eos_token_id}
+    has written the tokenizer's folder. Generation ends at the model's EOS ids (config.json /
+    GGUF) and the tokenizer's own."""
+    folder = tokenizer_future.result()[0]
+    vocab = TokenizerVocab.read(folder)
+    eos = set(model_config.eos_token_ids) | {vocab.eos_token_id}
     eos_token_ids = tuple(sorted(t for t in eos if t is not None))
-    (manager, seconds) = _timed(StructuredOutputManager, tokenizer, model_config.vocab_size,
+    (manager, seconds) = _timed(StructuredOutputManager, vocab, model_config.vocab_size,
                                 eos_token_ids, max_num_seqs)
     return manager, eos_token_ids, seconds
 
@@ -148,11 +152,14 @@ class EngineCore:
         self.generation_config = load_generation_config(source, fmt, config.generation_config)
         log(f"sampling defaults for requests that leave them out: "
             f"{describe_sampling_defaults(self.generation_config)}")
-        # The tokenizer (importing transformers: seconds on the GPU machine) loads on a thread
-        # while the backend starts and the parameters are built and the steps compiled; the
-        # structured outputs' LLTokenizer follows it there once the model's EOS ids are known.
+        # The tokenizer is written to a folder by a child process (importing transformers:
+        # seconds on the GPU machine, and heap this process would keep) while the backend
+        # starts and the parameters are built and the steps compiled; the structured outputs'
+        # LLTokenizer follows it on a thread once the model's EOS ids are known.
+        self._tokenizer_dir = tempfile.TemporaryDirectory(prefix="jaxserve-tokenizer-",
+                                                          ignore_cleanup_errors=True)
         pool = ThreadPoolExecutor(1)
-        tokenizer = pool.submit(_timed, load_tokenizer_of, source, fmt)
+        tokenizer = pool.submit(_timed, export_tokenizer, source, fmt, self._tokenizer_dir.name)
         # JAX caps its GPU allocator at XLA_PYTHON_CLIENT_MEM_FRACTION (0.75 unless set) of total
         # memory; raise the cap above --gpu-memory-utilization, and keep preallocation on (one
         # region, see kv_sizing), before the backend starts (the next line starts it). This is
@@ -258,8 +265,8 @@ class EngineCore:
         log(f"allocated the KV pool in {time.perf_counter() - t3:.1f}s")
         if platform.device_memory:
             self._check_peak_fits(self.runner.peak_program_bytes)
-        self.tokenizer, tokenizer_s = tokenizer.result()
-        log(f"tokenizer loaded in {tokenizer_s:.1f}s on a thread alongside; engine ready "
+        self.tokenizer_dir, tokenizer_s = tokenizer.result()
+        log(f"tokenizer written in {tokenizer_s:.1f}s by a child process alongside; engine ready "
             f"{time.perf_counter() - start:.1f}s after it began")
 
         self.vocab_size = mc.vocab_size
@@ -504,6 +511,12 @@ class EngineCore:
                 handle, held = held, handle
             if handle is not None:
                 self.runner.get_output(handle)
+
+    @functools.cached_property
+    def tokenizer(self):
+        """The transformers tokenizer of ``tokenizer_dir`` (for ``LLM`` and tools; the server's
+        engine process never loads it)."""
+        return load_tokenizer(self.tokenizer_dir)
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.get_stats()

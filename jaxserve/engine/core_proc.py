@@ -25,7 +25,6 @@ import gc
 import os
 import signal
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -37,7 +36,6 @@ from jaxserve.engine import EngineCoreRequest, child_request_id
 from jaxserve.engine import messages as M
 from jaxserve.engine.input_processor import check_sampling_token_ids, check_token_ids
 from jaxserve.exceptions import ValidationError
-from jaxserve.tokenizer_io import save_tokenizer
 
 
 def _log(msg: str) -> None:
@@ -241,21 +239,19 @@ def run_engine_core(config: EngineConfig, conn: Connection, parent_pid: int | No
             from jaxserve.engine.core import EngineCore  # imports JAX: engine process only
 
             core = EngineCore(config, log=_log)
-            tokenizer_dir = tempfile.mkdtemp(prefix="jaxserve-tokenizer-")
-            save_tokenizer(core.tokenizer, tokenizer_dir)
         except Exception as e:  # noqa: BLE001 - reported as one line by the API process
             if os.environ.get("JAXSERVE_DEBUG"):
                 traceback.print_exc()
             conn.send_bytes(M.encode(M.Error([], _describe(e), kind="internal", fatal=True)))
             return
-        # What start-up made (the model runner, its compiled steps, the tokenizer) lives as long
+        # What start-up made (the model runner, its compiled steps) lives as long
         # as the process: frozen, a full collection no longer scans it (120-220 ms on 2 CPU
         # cores with a tiny model, one in a run of 60 requests, in a request's path if unlucky).
         gc.collect()
         gc.freeze()
         conn.send_bytes(M.encode(M.Ready(
             model_name=str(core.model_name), config=core.config,
-            tokenizer_dir=tokenizer_dir, eos_token_ids=list(core.eos_token_ids),
+            tokenizer_dir=core.tokenizer_dir, eos_token_ids=list(core.eos_token_ids),
             vocab_size=core.vocab_size,
             allocator_fraction=core.allocator_fraction,
             generation_config=dict(core.generation_config),

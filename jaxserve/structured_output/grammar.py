@@ -1,5 +1,5 @@
 """llguidance grammars (vLLM V1's ``backend_guidance``): a StructuredOutputsParams -> the
-grammar text llguidance takes, the LLTokenizer built from the HF tokenizer, and compiling a
+grammar text llguidance takes, the LLTokenizer built from the tokenizer, and compiling a
 grammar into an ``LLMatcher`` within fixed resource limits.
 
 Used by both processes: the API process compiles a request's grammar once to refuse a bad one
@@ -21,6 +21,7 @@ import llguidance
 
 from jaxserve.exceptions import ValidationError
 from jaxserve.sampling_params import StructuredOutputsParams
+from jaxserve.tokenizer_io import TokenizerVocab
 
 # llguidance's own bounds on the work of compiling a grammar and of each mask (its defaults,
 # with a smaller grammar size: a request's spec is at most MAX_STRUCTURED_OUTPUT_CHARS).
@@ -135,25 +136,24 @@ def limits() -> llguidance.LLParserLimits:
     return llguidance.LLParserLimits(**LIMITS)
 
 
-def build_ll_tokenizer(tokenizer, vocab_size: int, eos_token_ids) -> llguidance.LLTokenizer:
-    """The LLTokenizer of a transformers fast tokenizer (about 0.4 s for SmolLM2's 49,152
-    tokens; build it once).
+def build_ll_tokenizer(vocab: TokenizerVocab, vocab_size: int,
+                       eos_token_ids) -> llguidance.LLTokenizer:
+    """The LLTokenizer of a fast tokenizer (about 0.4 s for SmolLM2's 49,152 tokens; build it
+    once), as ``llguidance.hf.from_tokenizer`` builds it, without transformers.
 
     Args:
-      tokenizer: the model's fast tokenizer.
+      vocab: the model's fast tokenizer (``TokenizerVocab.of`` one, or ``.read`` its folder).
       vocab_size: the model's vocabulary size (rows of its logits). The LLTokenizer covers
-        max(vocab_size, len(tokenizer)) ids; ids the tokenizer does not define (a model's
+        max(vocab_size, vocab.size) ids; ids the tokenizer does not define (a model's
         padded vocabulary) are never allowed by a mask.
       eos_token_ids: the ids that end generation; a grammar that is complete allows them.
         llguidance refuses an EOS id the tokenizer does not define, which a dummy model's
         borrowed tokenizer can lack (Llama-3.1's 128001 against SmolLM2's 49,152 tokens): such
         ids are left out, and with none left the tokenizer's own EOS stands in.
     """
-    import llguidance.hf  # imports transformers (seconds on a GPU machine): not at start-up
-
-    eos = sorted(i for i in eos_token_ids if i < len(tokenizer))
-    return llguidance.hf.from_tokenizer(tokenizer, n_vocab=max(vocab_size, len(tokenizer)),
-                                        eos_token=eos or None, slices=SLICES)
+    eos = sorted(i for i in eos_token_ids if i < vocab.size)
+    return llguidance.LLTokenizer(vocab.json, n_vocab=max(vocab_size, vocab.size),
+                                  eos_token=eos or vocab.eos_token_id, slices=SLICES)
 
 
 def grammar_text(params: StructuredOutputsParams) -> str:

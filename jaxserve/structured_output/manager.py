@@ -40,14 +40,14 @@ def token_bitmask(token_ids, vocab_size: int) -> np.ndarray:
 
 class StructuredOutputManager:
     """Args:
-      tokenizer: the model's fast tokenizer.
+      vocab: the model's fast tokenizer (``TokenizerVocab``).
       vocab_size: the model's vocabulary size V (the bitmask rows cover V tokens).
       eos_token_ids: the ids that end generation.
       max_num_seqs: the most sequences one step samples.
     """
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids, max_num_seqs: int):
-        self.ll_tokenizer = build_ll_tokenizer(tokenizer, vocab_size, eos_token_ids)
+    def __init__(self, vocab, vocab_size: int, eos_token_ids, max_num_seqs: int):
+        self.ll_tokenizer = build_ll_tokenizer(vocab, vocab_size, eos_token_ids)
         self.width = bitmask_width(vocab_size)
         self._compiled: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
         self._executor = llguidance.LLExecutor()

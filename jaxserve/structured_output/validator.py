@@ -21,6 +21,7 @@ from collections import OrderedDict
 from jaxserve.exceptions import ValidationError
 from jaxserve.sampling_params import StructuredOutputsParams
 from jaxserve.structured_output.grammar import build_ll_tokenizer, compile_matcher
+from jaxserve.tokenizer_io import TokenizerVocab
 
 MAX_CACHED_VERDICTS = 1024
 COMPILE_TIMEOUT_S = 10.0
@@ -42,8 +43,8 @@ class GrammarValidator:
         # Built on that thread, ahead of the first compile: the server is ready without
         # waiting for it (0.6 s of the 8B model's start on the H200). The engine built the
         # same one before it was ready, so it does not fail here.
-        self._ll_tokenizer = self._pool.submit(build_ll_tokenizer, tokenizer, vocab_size,
-                                               eos_token_ids)
+        self._ll_tokenizer = self._pool.submit(build_ll_tokenizer, TokenizerVocab.of(tokenizer),
+                                               vocab_size, eos_token_ids)
         # (kind, SHA-256 of the spec) -> "" (compiles) or the error
         self._verdicts: OrderedDict[tuple[str, bytes], str] = OrderedDict()
         self._pending: dict[tuple[str, bytes], asyncio.Future] = {}

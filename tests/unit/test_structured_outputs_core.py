@@ -11,6 +11,7 @@ import pytest
 
 from jaxserve.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
 from jaxserve.sampling_params import StructuredOutputsParams as SO
+from jaxserve.tokenizer_io import TokenizerVocab
 from jaxserve.worker.sampler import apply_grammar_bitmask, sample_filtered
 from jaxserve.worker.sampling_fields import SamplingMetadata
 
@@ -29,7 +30,8 @@ def tokenizer():
 def manager(tokenizer):
     from jaxserve.structured_output.manager import StructuredOutputManager
 
-    return StructuredOutputManager(tokenizer, 49152, [tokenizer.eos_token_id], max_num_seqs=4)
+    return StructuredOutputManager(TokenizerVocab.of(tokenizer), 49152, [tokenizer.eos_token_id],
+                                   max_num_seqs=4)
 
 
 @pytest.mark.parametrize("kw", [{}, {"regex": "a", "choice": ["a"]}, {"json_object": False},
@@ -154,7 +156,8 @@ def test_borrowed_tokenizer_without_the_models_eos(tokenizer):
     manager starts, and a complete grammar allows the tokenizer's EOS."""
     from jaxserve.structured_output.manager import StructuredOutputManager
 
-    m = StructuredOutputManager(tokenizer, 128256, [128001, 128009], max_num_seqs=1)
+    m = StructuredOutputManager(TokenizerVocab.of(tokenizer), 128256, [128001, 128009],
+                                max_num_seqs=1)
     g = m.grammar_init(SO(choice=["yes"]))
     assert all(g.consume_token(t) for t in tokenizer.encode("yes", add_special_tokens=False))
     assert list(_allowed(m.grammar_bitmask([g])[0], 128256)) == [tokenizer.eos_token_id]
@@ -271,9 +274,11 @@ def test_grammar_bombs_compile_or_fail_without_crashing_the_process():
 import llguidance, llguidance.numpy as lln
 from jaxserve.model_loader.loader import load_tokenizer_of
 from jaxserve.sampling_params import StructuredOutputsParams as SO
+from jaxserve.tokenizer_io import TokenizerVocab
 from jaxserve.structured_output.grammar import build_ll_tokenizer, compile_matcher
+from jaxserve.tokenizer_io import TokenizerVocab
 from tests.grammar_bombs import lark_bombs, schema_bombs
-llt = build_ll_tokenizer(load_tokenizer_of(None), 49152, [2])
+llt = build_ll_tokenizer(TokenizerVocab.of(load_tokenizer_of(None)), 49152, [2])
 mask = lln.allocate_token_bitmask(1, llt.vocab_size)
 for g in lark_bombs():
     m = compile_matcher(llt, SO(grammar=g))

@@ -15,6 +15,7 @@ from jaxserve.entrypoints.tool_grammar import call_schema, tool_call_grammar
 from jaxserve.entrypoints.tool_parsers import TOOL_PARSERS
 from jaxserve.sampling_params import StructuredOutputsParams
 from jaxserve.structured_output.grammar import build_ll_tokenizer, compile_matcher
+from jaxserve.tokenizer_io import TokenizerVocab
 
 WEATHER = {"name": "get_weather", "description": "Current weather in a city.", "parameters": {
     "type": "object", "properties": {
@@ -40,7 +41,7 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def ll_tokenizer(tokenizer):
-    return build_ll_tokenizer(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    return build_ll_tokenizer(TokenizerVocab.of(tokenizer), len(tokenizer), [tokenizer.eos_token_id])
 
 
 def _matcher(ll_tokenizer, grammar):

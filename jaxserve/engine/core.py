@@ -132,13 +132,17 @@ class EngineCore:
     Args:
       config: engine settings; ``self.config`` is the ResolvedConfig the engine runs with.
       log: receives one line per start-up phase.
+      tokenizer_dir: an empty folder the checkpoint's tokenizer is written to
+        (``self.tokenizer_dir``; the server's API process owns it); None: a temporary one that
+        goes with this engine.
 
     Raises:
       ValueError: unusable model path, unsupported architecture or dtype, or settings that do not
         fit (the message names the flag to change).
     """
 
-    def __init__(self, config: EngineConfig, log: Callable[[str], None] = print):
+    def __init__(self, config: EngineConfig, log: Callable[[str], None] = print,
+                 tokenizer_dir: str | None = None):
         enable_compilation_cache()
         distributed.initialize(config)  # before the first use of a JAX backend
         start = time.perf_counter()
@@ -156,10 +160,12 @@ class EngineCore:
         # seconds on the GPU machine, and heap this process would keep) while the backend
         # starts and the parameters are built and the steps compiled; the structured outputs'
         # LLTokenizer follows it on a thread once the model's EOS ids are known.
-        self._tokenizer_dir = tempfile.TemporaryDirectory(prefix="jaxserve-tokenizer-",
-                                                          ignore_cleanup_errors=True)
+        if tokenizer_dir is None:  # removed with this engine
+            self._tokenizer_dir = tempfile.TemporaryDirectory(prefix="jaxserve-tokenizer-",
+                                                              ignore_cleanup_errors=True)
+            tokenizer_dir = self._tokenizer_dir.name
         pool = ThreadPoolExecutor(1)
-        tokenizer = pool.submit(_timed, export_tokenizer, source, fmt, self._tokenizer_dir.name)
+        tokenizer = pool.submit(_timed, export_tokenizer, source, fmt, tokenizer_dir)
         # JAX caps its GPU allocator at XLA_PYTHON_CLIENT_MEM_FRACTION (0.75 unless set) of total
         # memory; raise the cap above --gpu-memory-utilization, and keep preallocation on (one
         # region, see kv_sizing), before the backend starts (the next line starts it). This is

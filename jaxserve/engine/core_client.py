@@ -16,6 +16,7 @@ import logging
 import multiprocessing
 import os
 import socket
+import tempfile
 from collections.abc import Callable
 
 from jaxserve.config import EngineConfig
@@ -90,6 +91,7 @@ class EngineCoreClient:
         self._on_message = on_message
         self._on_dead = on_dead
         self._proc = None
+        self._tokenizer_dir = None  # start
         self._transport: asyncio.Transport | None = None
         self._ready: asyncio.Future | None = None
         self._closing = False
@@ -114,7 +116,13 @@ class EngineCoreClient:
         parent_conn.close()
         self._transport, _ = await loop.connect_accepted_socket(
             lambda: _Pipe(self._on_frame, self._engine_gone), sock)
-        self._proc = ctx.Process(target=run_engine_core, args=(self.config, child_conn, os.getpid()),
+        # The engine writes its tokenizer here for us to load; ours, so that an engine stopped
+        # during start-up leaves nothing behind (removed when this client goes).
+        self._tokenizer_dir = tempfile.TemporaryDirectory(prefix="jaxserve-tokenizer-",
+                                                          ignore_cleanup_errors=True)
+        self._proc = ctx.Process(target=run_engine_core,
+                                 args=(self.config, child_conn, os.getpid(),
+                                       self._tokenizer_dir.name),
                                  name="jaxserve-engine", daemon=False)
         self._proc.start()
         child_conn.close()  # so that EOF reaches us when the engine exits

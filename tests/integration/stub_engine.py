@@ -14,7 +14,6 @@ Environment: STUB_START_DELAY_S (sleep in __init__), STUB_START_ERROR (raise Val
 """
 
 import os
-import tempfile
 import time
 
 from jaxserve.config import resolve_config
@@ -29,19 +28,20 @@ TEXT = " The quick brown fox jumps over the lazy dog. Café 😀 中文 naïve."
 
 
 class StubEngineCore:
-    def __init__(self, config, log=print):
+    def __init__(self, config, log=print, tokenizer_dir=None):
         from jaxserve.model_loader import default_tokenizer
         from jaxserve.tokenizer_io import save_tokenizer
 
         log("stub engine: starting")
+        # The tokenizer first, as EngineCore writes it early in its start-up.
+        self.tokenizer = default_tokenizer()
+        self.tokenizer_dir = tokenizer_dir  # the API process's, as EngineCore's
+        save_tokenizer(self.tokenizer, self.tokenizer_dir)
         time.sleep(float(os.environ.get("STUB_START_DELAY_S", "0")))
         if os.environ.get("STUB_START_ERROR"):
             raise ValueError(os.environ["STUB_START_ERROR"])
         # Resolved as on the CPU, for a model as long as --max-model-len (1024 unset).
         self.config = resolve_config(config, CPU, config.max_model_len or 1024)
-        self.tokenizer = default_tokenizer()
-        self.tokenizer_dir = tempfile.mkdtemp(prefix="jaxserve-tokenizer-")  # the API process
-        save_tokenizer(self.tokenizer, self.tokenizer_dir)  # removes it once loaded
         self.model_name = "stub-model"
         self.eos_token_ids = (self.tokenizer.eos_token_id,)
         self.vocab_size = len(self.tokenizer)

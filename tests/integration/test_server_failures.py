@@ -79,8 +79,9 @@ def test_real_engine_unusable_model_one_line_exit_2(tmp_path):
     _one_error_line(proc, "--model", str(bogus))
 
 
-def test_ctrl_c_during_start_up_leaves_no_process():
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, HERE]), "STUB_START_DELAY_S": "60"}
+def test_ctrl_c_during_start_up_leaves_no_process_or_folder(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, HERE]), "STUB_START_DELAY_S": "60",
+           "TMPDIR": str(tmp_path)}
     proc = subprocess.Popen([sys.executable, "-m", STUB, "--port", str(free_port())],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             cwd=REPO)
@@ -90,12 +91,18 @@ def test_ctrl_c_during_start_up_leaves_no_process():
         time.sleep(0.2)
         kids = descendants(proc.pid)
     assert kids
-    time.sleep(1.0)
+    # The engine has written its tokenizer folder and is still starting.
+    folders = []
+    while not folders and time.monotonic() < deadline:
+        time.sleep(0.2)
+        folders = [f for f in tmp_path.glob("jaxserve-tokenizer-*") if any(f.iterdir())]
+    assert folders
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, out
     assert "Traceback" not in out
     assert not wait_gone(kids)
+    assert not list(tmp_path.glob("jaxserve-tokenizer-*"))
 
 
 @pytest.fixture(scope="module")

@@ -25,10 +25,12 @@ equal the plain engine's token for token.
 
 import argparse
 import json
+import os
 import pathlib
 import time
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.engine import kv_sizing
 
 REQUESTS = pathlib.Path(__file__).resolve().parents[1] / "data" / "spec_decode_prompts.json"
 
@@ -61,7 +63,13 @@ def main() -> None:
             configs.append((method, {"speculative_config": {
                 "method": method, "model": model,
                 "num_speculative_tokens": args.num_speculative_tokens}}))
-    engines = {name: LLM(args.model, **limits, **extra) for name, extra in configs}
+    # On a GPU, engine i takes up to 0.9 (i + 1) / n of its memory: in one process each
+    # engine's --gpu-memory-utilization counts what the earlier ones hold, and the allocator's
+    # cap, fixed when the first starts, is set here for the sum.
+    kv_sizing.configure_allocator(0.9, os.environ)
+    engines = {name: LLM(args.model, **limits, **extra,
+                         gpu_memory_utilization=0.9 * (i + 1) / len(configs))
+               for i, (name, extra) in enumerate(configs)}
     methods = [name for name, extra in configs if extra.get("speculative_config")]
     greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     for llm in engines.values():

@@ -40,7 +40,7 @@ from jaxserve.model_loader import (
     load_generation_config,
     resolve_model,
 )
-from jaxserve.model_loader.tokenizer_export import export_tokenizer
+from jaxserve.model_loader.tokenizer_export import TokenizerExport
 from jaxserve.model_loader.default_model import cache_dir
 from jaxserve.models import sharding
 from jaxserve.models.fp8_checkpoint import resolve_method
@@ -164,8 +164,18 @@ class EngineCore:
             self._tokenizer_dir = tempfile.TemporaryDirectory(prefix="jaxserve-tokenizer-",
                                                               ignore_cleanup_errors=True)
             tokenizer_dir = self._tokenizer_dir.name
+        export = TokenizerExport(source, fmt, tokenizer_dir)
+        try:
+            self._start_up(config, log, source, fmt, export, start)
+        except BaseException:
+            export.cancel()  # else it may write the folder after its owner removed it
+            raise
+
+    def _start_up(self, config: EngineConfig, log: Callable[[str], None], source: str,
+                  fmt: str, export: TokenizerExport, start: float) -> None:
+        """The rest of ``__init__``, while ``export`` writes the tokenizer."""
         pool = ThreadPoolExecutor(1)
-        tokenizer = pool.submit(_timed, export_tokenizer, source, fmt, tokenizer_dir)
+        tokenizer = pool.submit(_timed, export.wait)
         # JAX caps its GPU allocator at XLA_PYTHON_CLIENT_MEM_FRACTION (0.75 unless set) of total
         # memory; raise the cap above --gpu-memory-utilization, and keep preallocation on (one
         # region, see kv_sizing), before the backend starts (the next line starts it). This is

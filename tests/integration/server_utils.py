@@ -11,6 +11,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -92,6 +93,11 @@ def in_parallel(fn, items, workers: int = 32) -> list:
         return list(pool.map(fn, items))
 
 
+def _remove_file(f) -> None:
+    f.close()
+    os.remove(f.name)
+
+
 class Server:
     """A ``python -m <module>`` subprocess on 127.0.0.1:<free port>: ``jaxserve.serve``, or
     ``stub_server`` (this folder's: the server with stub_engine's StubEngineCore)."""
@@ -102,6 +108,7 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile(prefix="jaxserve-server-", suffix=".log",
                                                delete=False, mode="w+")
+        weakref.finalize(self, _remove_file, self.log)  # kept while the Server is
         full_env = dict(os.environ)
         full_env.update(env or {})
         full_env["PYTHONPATH"] = os.pathsep.join(

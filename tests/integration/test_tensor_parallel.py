@@ -133,7 +133,8 @@ ids = np.random.default_rng(0).integers(0, 301, 48).tolist()
 out = {}
 for name, config in configs.items():
     torch.manual_seed(0)
-    folder = tempfile.mkdtemp()
+    tmp = tempfile.TemporaryDirectory()  # removed once the next replaces it, or at exit
+    folder = tmp.name
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     hf_config = json.load(open(folder + "/config.json"))
     weights = load_file(folder + "/model.safetensors")
@@ -150,7 +151,8 @@ for name, config in configs.items():
 from jaxserve.model_loader import load_hf_folder
 from tests.tiny_models import tiny_model
 for name in ("gemma2", "gemma3", "phi3"):
-    folder = tempfile.mkdtemp()
+    tmp = tempfile.TemporaryDirectory()
+    folder = tmp.name
     tiny_model(name).save_pretrained(folder)
     ckpt = load_hf_folder(folder, with_tokenizer=False, lazy=True)
     c = ModelConfig.from_hf_config(ckpt.hf_config)

@@ -86,18 +86,19 @@ def main():
     if args.one_k is not None:
         print(json.dumps(measure(args, args.one_k)))
         return
-    rows = []
+    # Each k's rows as soon as its engine is done (k = 0 first gives the ratios), so that a run
+    # cut short still reports what it measured.
+    print(f"{'k':>3} {'batch':>6} {'ms/step':>9} {'drafts/step':>12} {'vs plain':>9}", flush=True)
+    plain = {}
     for k in (int(k) for k in args.k.split(",")):
         child = subprocess.run([sys.executable, *sys.argv, "--one-k", str(k)],
                                stdout=subprocess.PIPE, text=True, check=True)
-        rows += json.loads(child.stdout.strip().splitlines()[-1])
-    plain = {r["batch"]: r["ms_per_step"] for r in rows if r["k"] == 0}
-    print(f"{'k':>3} {'batch':>6} {'ms/step':>9} {'drafts/step':>12} {'vs plain':>9}")
-    for r in rows:
-        ratio = r["ms_per_step"] / plain[r["batch"]] if r["batch"] in plain else float("nan")
-        print(f"{r['k']:>3} {r['batch']:>6} {r['ms_per_step']:>9.2f} "
-              f"{r['drafts_per_step']:>12.1f} {ratio:>9.2f}")
-
+        for r in json.loads(child.stdout.strip().splitlines()[-1]):
+            if r["k"] == 0:
+                plain[r["batch"]] = r["ms_per_step"]
+            ratio = r["ms_per_step"] / plain[r["batch"]] if r["batch"] in plain else float("nan")
+            print(f"{r['k']:>3} {r['batch']:>6} {r['ms_per_step']:>9.2f} "
+                  f"{r['drafts_per_step']:>12.1f} {ratio:>9.2f}", flush=True)
 
 if __name__ == "__main__":
     main()

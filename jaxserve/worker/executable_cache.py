@@ -400,15 +400,15 @@ def _trial_call(compiled: jax.stages.Compiled) -> None:
     """Run a small program (``TRIAL_CALL_MAX_BYTES``) once on zeros: a program that loads but
     cannot run fails here, not while serving. Programs with weak-typed arguments are skipped
     (zeros of theirs would not match)."""
-    ins = jax.tree.leaves(compiled.in_avals)
+    ins, tree = jax.tree.flatten(compiled.in_avals[0])
     outs = jax.tree.leaves(compiled.out_info)
     size = sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in [*ins, *outs])
     if size > TRIAL_CALL_MAX_BYTES or any(a.weak_type for a in ins):
         return
-    args, _ = compiled.input_shardings
-    zeros = [jnp.zeros(a.shape, a.dtype, device=s)
-             for a, s in zip(ins, jax.tree.leaves(args))]
+    # An argument the program does not use has no sharding (None): its zeros go anywhere.
+    shardings = jax.tree.leaves(compiled.input_shardings[0], is_leaf=lambda s: s is None)
+    zeros = [jnp.zeros(a.shape, a.dtype, device=s) for a, s in zip(ins, shardings)]
     try:
-        jax.block_until_ready(compiled(*jax.tree.unflatten(jax.tree.structure(args), zeros)))
+        jax.block_until_ready(compiled(*jax.tree.unflatten(tree, zeros)))
     except Exception as e:  # noqa: BLE001 - any failure to run makes the entry bad
         raise BadEntry(f"trial call failed ({type(e).__name__}: {e})") from e

@@ -191,6 +191,23 @@ def test_a_loaded_program_equals_a_fresh_compile(tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def _first_of(pages, unused, x):
+    return pages.at[0].set(x["used"]), x["used"].sum()
+
+
+def test_a_program_with_unused_arguments_loads(tmp_path, caplog):
+    # JAX prunes unused arguments: they have no sharding, and the entry's trial call must
+    # still give them zeros (the sampler's programs leave fields of their metadata unused)
+    args = (jnp.zeros((2, 3)), jnp.zeros(4), {"unused": jnp.zeros(5), "used": jnp.arange(3.0)})
+    program = KeyedJit(_first_of, donate_argnums=(0,))
+    _compile(ExecutableCache(tmp_path), program, args)
+    later = ExecutableCache(tmp_path)
+    with caplog.at_level(logging.WARNING):
+        compiled = _compile(later, program, args)
+    assert later.hits == 1 and "dropped" not in caplog.text
+    assert float(compiled(jnp.zeros((2, 3)), *args[1:])[1]) == 3.0
+
+
 def test_numpy_and_struct_arguments_of_64_bit_types_load(tmp_path):
     # without x64 JAX takes them as 32-bit: the entry's abstract values are the canonical ones
     args = (jnp.zeros((2, 3)), np.arange(3), jax.ShapeDtypeStruct((), np.float64))

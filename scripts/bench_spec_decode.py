@@ -13,7 +13,10 @@ random one for the model's shapes). All
 are built first and each runs one warm-up request; then each
 request runs on each in turn, --repeats times, so that load from other jobs on a shared
 machine falls on all alike. Reported per engine: output tokens / wall time of its
-requests (tok/s) and the speedup over plain, and for each method the mean acceptance length (1 +
+requests (tok/s), the speedup over plain, its ``EngineCore.step`` calls (prefill chunks
+included; with async scheduling one more a request, its last call only collecting) and the
+wall time a call (what running synchronously and verifying drafts cost a step, beside how many
+steps speculation saves), and for each method the mean acceptance length (1 +
 accepted drafts / sequence-steps that verified drafts, vLLM's definition) and how many outputs
 equal the plain engine's token for token.
 
@@ -75,6 +78,9 @@ def main() -> None:
     for llm in engines.values():
         llm.chat([{"role": "user", "content": "Say hello."}], greedy, use_tqdm=False)
     before = {m: engines[m].engine.get_stats().spec_decoding for m in methods}
+    steps = dict.fromkeys(engines, 0)  # engine steps of the timed requests, prefill included
+    for name, llm in engines.items():
+        llm.engine.step = _counted(llm.engine.step, steps, name)
     seconds = dict.fromkeys(engines, 0.0)
     outputs = {name: [] for name in engines}
     for _ in range(args.repeats):
@@ -89,7 +95,8 @@ def main() -> None:
         n_tok = sum(map(len, outputs[name]))
         rate = n_tok / seconds[name]
         print(f"{name:>20}: {n_tok} tokens in {seconds[name]:.1f} s, {rate:.1f} tok/s "
-              f"({rate / plain_rate:.2f}x plain)", flush=True)
+              f"({rate / plain_rate:.2f}x plain); {steps[name]} steps, "
+              f"{1e3 * seconds[name] / steps[name]:.2f} ms a step call", flush=True)
     for m in methods:
         s, b = engines[m].engine.get_stats().spec_decoding, before[m]
         drafts = s.num_drafts - b.num_drafts
@@ -101,6 +108,14 @@ def main() -> None:
         print(f"{m}: acceptance length {1 + accepted / max(drafts, 1):.2f} ({accepted} of "
               f"{drafted} draft tokens accepted in {drafts} verifications; per position "
               f"{per_pos}); outputs equal to plain: {same}/{len(outputs['plain'])}")
+
+
+def _counted(step, counts: dict, name: str):
+    """``step`` that adds one to ``counts[name]`` each call."""
+    def counted():
+        counts[name] += 1
+        return step()
+    return counted
 
 
 if __name__ == "__main__":

@@ -100,5 +100,6 @@ def main():
             print(f"{r['k']:>3} {r['batch']:>6} {r['ms_per_step']:>9.2f} "
                   f"{r['drafts_per_step']:>12.1f} {ratio:>9.2f}", flush=True)
 
+
 if __name__ == "__main__":
     main()

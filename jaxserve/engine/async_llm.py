@@ -32,7 +32,6 @@ import asyncio
 import concurrent.futures
 import functools
 import logging
-import shutil
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -126,7 +125,7 @@ class AsyncLLM:
         except Exception as e:  # noqa: BLE001
             raise EngineStartError(f"cannot load the engine's tokenizer: {e}") from e
         finally:
-            shutil.rmtree(ready.tokenizer_dir, ignore_errors=True)
+            self.engine_core.remove_tokenizer_dir()
         self.model_name = ready.model_name
         self.config = ready.config
         self.vocab_size = ready.vocab_size
@@ -364,12 +363,12 @@ class AsyncLLM:
         await asyncio.get_running_loop().run_in_executor(None, old.kill)  # reap it
         self.engine_core = EngineCoreClient(old.config, self._on_message, self._on_engine_dead)
         try:
-            ready = await self.engine_core.start()
+            await self.engine_core.start()
         except EngineStartError as e:
             logger.warning("the engine could not be restarted: %s", e)
             self.failed.set()
             return
-        shutil.rmtree(ready.tokenizer_dir, ignore_errors=True)
+        self.engine_core.remove_tokenizer_dir()
         self.metrics.engine_up(self.engine_restarts)
         self.errored = False
         self.ready = True

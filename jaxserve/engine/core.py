@@ -8,7 +8,6 @@ import atexit
 import functools
 import os
 import random
-import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -47,7 +46,7 @@ from jaxserve.models.fp8_checkpoint import resolve_method
 from jaxserve.models.registry import build_params, resolve_kv_cache_dtype
 from jaxserve.platforms import current_platform
 from jaxserve.structured_output.manager import StructuredOutputManager, token_bitmask
-from jaxserve.tokenizer_io import TokenizerVocab, load_tokenizer
+from jaxserve.tokenizer_io import TokenizerVocab, load_tokenizer, temporary_folder
 from jaxserve.worker.executable_cache import ExecutableCache
 from jaxserve.worker.model_runner import ModelRunner
 from pallas_kernels import get_attention_fn, kv_quant
@@ -161,8 +160,7 @@ class EngineCore:
         # starts and the parameters are built and the steps compiled; the structured outputs'
         # LLTokenizer follows it on a thread once the model's EOS ids are known.
         if tokenizer_dir is None:  # removed with this engine
-            self._tokenizer_dir = tempfile.TemporaryDirectory(prefix="jaxserve-tokenizer-",
-                                                              ignore_cleanup_errors=True)
+            self._tokenizer_dir = temporary_folder()
             tokenizer_dir = self._tokenizer_dir.name
         export = TokenizerExport(source, fmt, tokenizer_dir)
         try:

@@ -16,12 +16,12 @@ import logging
 import multiprocessing
 import os
 import socket
-import tempfile
 from collections.abc import Callable
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine import EngineCoreRequest
 from jaxserve.engine import messages as M
+from jaxserve.tokenizer_io import temporary_folder
 
 
 logger = logging.getLogger("jaxserve.engine")
@@ -118,8 +118,7 @@ class EngineCoreClient:
             lambda: _Pipe(self._on_frame, self._engine_gone), sock)
         # The engine writes its tokenizer here for us to load; ours, so that an engine stopped
         # during start-up leaves nothing behind (removed when this client goes).
-        self._tokenizer_dir = tempfile.TemporaryDirectory(prefix="jaxserve-tokenizer-",
-                                                          ignore_cleanup_errors=True)
+        self._tokenizer_dir = temporary_folder()
         self._proc = ctx.Process(target=run_engine_core,
                                  args=(self.config, child_conn, os.getpid(),
                                        self._tokenizer_dir.name),
@@ -156,6 +155,12 @@ class EngineCoreClient:
         if self._proc is not None and self._proc.is_alive():
             self._proc.kill()
             self._proc.join(5.0)
+
+    def remove_tokenizer_dir(self) -> None:
+        """Remove the folder the engine wrote its tokenizer to (``Ready.tokenizer_dir``), once
+        the API process has loaded it, rather than when this client goes."""
+        if self._tokenizer_dir is not None:
+            self._tokenizer_dir.cleanup()
 
     # -- requests ------------------------------------------------------------------------------
 

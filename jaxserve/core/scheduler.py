@@ -31,15 +31,20 @@ sequence with ``allowed_token_ids`` is constrained too: its fixed row is ANDed i
 (or an all-allowed) row.
 
 With speculative decoding (``spec_config``, docs/spec_decode.md) a running sequence that decodes
-with nothing in flight gets up to k draft tokens from the NgramProposer, or, with the
-draft_model, eagle and eagle3 methods, those the runner's drafter proposed after the sequence's
-last step (``ModelRunnerOutput.draft_token_ids``; that step allocated pages for k lookahead
-positions, where the drafter writes its drafts' K/V, as vLLM's ``num_lookahead_tokens``): they join
-its step as extra scheduled tokens (budget, pages and max_tokens / max_model_len allow for
-them) and ``update`` takes the accepted ones with the sampled token, stops at a stop token
+gets up to k draft tokens: with the n-gram method k draft slots whose tokens the step makes
+on the device (-1 each here, ``spec_decode.device_drafts``), also while its previous step is
+in flight; with the draft_model, eagle and eagle3 methods, with nothing in flight, those the
+runner's drafter proposed after the sequence's last step (``ModelRunnerOutput.draft_token_ids``;
+that step allocated pages for k lookahead positions, where the drafter writes its drafts' K/V,
+as vLLM's ``num_lookahead_tokens``). They join its step as extra scheduled tokens (budget,
+pages and max_tokens / max_model_len allow for them), and until the step's tokens are known
+all of them count as accepted (``num_output_placeholders``: the most the step can emit, so the
+next step's positions and pages may run ahead of the true ones, which the step settles on the
+device). ``update`` takes the accepted ones with the sampled token, stops at a stop token
 among them, and takes back the computed positions of the rejected ones. Constrained sequences
-get no drafts, and no sequence does while more than ``disable_by_batch_size`` requests are
-unfinished.
+get no drafts, nor does a sequence short of its min_tokens (its min_tokens mask is built from
+the host's counts), and no sequence does while more than ``disable_by_batch_size`` requests
+are unfinished.
 
 A request that wants prompt log-probabilities takes no prefix-cache hits (every prompt position
 must be computed), and its prompt chunks are capped so that one step never holds more than
@@ -61,7 +66,6 @@ from jaxserve.core.scheduler_output import ModelRunnerOutput, NewRequestData, Sc
 from jaxserve.engine import EngineCoreOutput, LogprobsLists, SchedulerStats
 from jaxserve.spec_decode.config import SpeculativeConfig
 from jaxserve.spec_decode.metrics import SpecDecodingStats
-from jaxserve.spec_decode.ngram_proposer import NgramProposer
 
 
 class Scheduler:
@@ -95,10 +99,7 @@ class Scheduler:
         self.prefix_cache_hits = 0
         self.prompt_tokens_computed = 0
         self.spec_config = spec_config
-        self.proposer = None
-        if spec_config is not None and spec_config.method == "ngram":
-            self.proposer = NgramProposer(spec_config.prompt_lookup_min,
-                                          spec_config.prompt_lookup_max)
+        self.drafts_on_device = spec_config is not None and spec_config.method == "ngram"
         # draft_model: req_id -> (its token count when drafted, the runner's drafts after it)
         self._model_drafts: dict[str, tuple[int, list[int]]] = {}
         self.spec_stats = SpecDecodingStats.new(
@@ -116,10 +117,15 @@ class Scheduler:
 
     def speculates(self) -> bool:
         """Whether the next ``schedule`` may give drafts: speculative decoding is on and at most
-        ``disable_by_batch_size`` requests are unfinished. The engine then runs the step
-        synchronously, since drafts need the previous step's tokens on the host."""
+        ``disable_by_batch_size`` requests are unfinished."""
         return (self.spec_config is not None and len(self.running) + len(self.waiting)
                 <= self.spec_config.disable_by_batch_size)
+
+    def drafts_on_host(self) -> bool:
+        """Whether the next ``schedule`` may give drafts that a drafter proposed after the
+        previous step's tokens (draft_model, eagle, eagle3): the engine then runs the step
+        synchronously."""
+        return self.speculates() and not self.drafts_on_device
 
     def has_structured_requests(self) -> bool:
         """Some unfinished sequence is constrained (a grammar or allowed_token_ids)."""
@@ -189,7 +195,7 @@ class Scheduler:
         running = self.running
         preempted = False
         speculates = self.speculates()
-        out.propose_drafts = speculates and self.proposer is None
+        out.propose_drafts = speculates and not self.drafts_on_device
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
@@ -202,8 +208,8 @@ class Scheduler:
                 i += 1
                 continue
             drafts = []
-            if (speculates and n == 1 and req.num_output_placeholders == 0
-                    and not req.constrained):
+            if (speculates and n == 1 and not req.constrained
+                    and (self.drafts_on_device or req.num_output_placeholders == 0)):
                 drafts = self._drafts(req, budget - 1)
                 n += len(drafts)
             num_pages = len(req.block_ids)
@@ -309,21 +315,22 @@ class Scheduler:
                           self.max_model_len - req.num_computed_tokens - n))
 
     def _drafts(self, req: Request, budget: int) -> list[int]:
-        """The drafts for a decoding sequence (the NgramProposer's, or the draft model's made
-        after its newest token): at most k, the budget's tokens, and one fewer than the tokens
-        max_tokens and max_model_len leave (the step emits up to one more than its accepted
-        drafts)."""
+        """The drafts for a decoding sequence (the n-gram method's slots, -1 each, or the draft
+        model's made after its newest token): at most k, the budget's tokens, and one fewer
+        than the tokens max_tokens and max_model_len leave once every token in flight is
+        counted (the step emits up to one more than its accepted drafts); none short of
+        min_tokens for the n-gram method."""
         sp = req.sampling_params
-        k = min(self.spec_config.num_speculative_tokens, budget,
-                self.max_model_len - req.num_tokens - 1)
+        n = req.num_tokens + req.num_output_placeholders
+        k = min(self.spec_config.num_speculative_tokens, budget, self.max_model_len - n - 1)
         if sp.max_tokens is not None:
-            k = min(k, sp.max_tokens - req.num_output_tokens - 1)
+            k = min(k, sp.max_tokens - (n - req.num_prompt_tokens) - 1)
         if k <= 0:
             return []
-        if self.proposer is None:
-            num_tokens, drafts = self._model_drafts.get(req.request_id, (-1, []))
-            return drafts[:k] if num_tokens == req.num_tokens else []
-        return self.proposer.propose(np.asarray(req.all_token_ids), k)
+        if self.drafts_on_device:
+            return [] if req.num_output_tokens < sp.min_tokens else [-1] * k
+        num_tokens, drafts = self._model_drafts.get(req.request_id, (-1, []))
+        return drafts[:k] if num_tokens == req.num_tokens else []
 
     def _schedule(self, out: SchedulerOutput, req: Request, n: int, forks: list,
                   drafts: list[int] = ()) -> None:
@@ -339,7 +346,7 @@ class Scheduler:
             out.prompt_logprobs.add(req.request_id)
         req.num_computed_tokens += n
         if samples:
-            req.num_output_placeholders += 1
+            req.num_output_placeholders += 1 + len(drafts)
             if req.fork_children:
                 forks.append(req)
 
@@ -394,11 +401,13 @@ class Scheduler:
                 if req.status == running:
                     self.kv.cache_full_pages(req)
                 continue
-            req.num_output_placeholders -= 1
-            tokens = [*output.accepted_token_ids.get(rid, ()), int(output.sampled[rid])]
             drafts = sched.scheduled_spec_decode_tokens.get(rid)
+            req.num_output_placeholders -= 1 + len(drafts or ())
+            tokens = [*output.accepted_token_ids.get(rid, ()), int(output.sampled[rid])]
             if drafts:
-                self.spec_stats.observe(len(drafts), len(tokens) - 1)
+                proposed = output.num_proposed.get(rid, len(drafts))
+                if proposed:  # slots the n-gram lookup left empty are not drafts
+                    self.spec_stats.observe(proposed, len(tokens) - 1)
                 if req.status == running:  # rejected drafts' positions are computed again
                     req.num_computed_tokens -= len(drafts) + 1 - len(tokens)
             first_output = req.num_output_tokens == 0

@@ -102,6 +102,9 @@ class ModelRunnerOutput:
         the requests that verified drafts (speculative decoding; docs/spec_decode.md).
       draft_token_ids: req_id -> the draft model's drafts to follow its newest token (the
         draft_model method, after a step with ``propose_drafts``).
+      num_proposed: req_id -> how many of its draft slots the step filled with a draft, for
+        the requests whose step made fewer than it was given (the n-gram method's lookup
+        found fewer, ``spec_decode.device_drafts``).
     """
 
     sampled: dict[str, int]
@@ -109,3 +112,4 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, tuple[int, LogprobsLists]]
     accepted_token_ids: dict[str, list[int]] = field(default_factory=dict)
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    num_proposed: dict[str, int] = field(default_factory=dict)

@@ -247,6 +247,8 @@ class EngineCore:
             num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
             max_spec_seqs=min(spec.disable_by_batch_size, config.max_num_seqs) if spec else 0,
             draft=draft,
+            ngram_lookup=((spec.prompt_lookup_min, spec.prompt_lookup_max)
+                          if spec and spec.method == "ngram" else None),
         )
         del params, draft
         per_page = kv_bytes_per_page(mc, self.runner.layout, config.page_size, kv_dtype)
@@ -463,11 +465,12 @@ class EngineCore:
         once the previous step's tokens have updated the matchers, so filling the bitmask
         overlaps the model's step on the device (docs/structured_outputs.md). With several
         hosts (where host 0 publishes each step once, bitmask included) the engine runs
-        synchronously while a constrained sequence is unfinished. With speculative decoding
-        the steps that may carry drafts run synchronously too: the n-gram proposer reads the
-        previous step's tokens on the host (docs/spec_decode.md).
+        synchronously while a constrained sequence is unfinished. With a draft model or an
+        EAGLE head the steps that may carry drafts run synchronously too: the drafter proposes
+        after a step's tokens are known and the scheduler places them; the n-gram method's
+        steps make their own drafts and keep async scheduling (docs/spec_decode.md).
         """
-        sync = not self.config.async_scheduling or self.scheduler.speculates() or (
+        sync = not self.config.async_scheduling or self.scheduler.drafts_on_host() or (
             self._channel is not None and self.scheduler.has_structured_requests())
         flushed = []
         if sync and self._in_flight is not None:

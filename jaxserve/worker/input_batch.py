@@ -34,6 +34,9 @@ class InputBatch:
         whose sampled token is this request's newest token while the host does not know it yet
         (async scheduling), else -1 and -1. The step after that one reads the token from the
         device; ``record_sampled`` writes it into token_ids once it reaches the host.
+      in_flight_drafts: [max_num_seqs] int32, the drafts that step verifies for the request
+        (the rows before in_flight_row that are its; the n-gram method's steps settle them on
+        the device, ``spec_decode.device_drafts``).
       hidden_pos: [max_num_seqs] int32, the position whose target hidden state an EAGLE
         head's carry holds for the slot (``ModelRunner.slot_hidden``), -1: none.
     """
@@ -53,6 +56,7 @@ class InputBatch:
         self.hidden_pos = np.full(n, -1, np.int32)
         self.in_flight_row = np.full(n, -1, np.int32)
         self.in_flight_step = np.full(n, -1, np.int64)
+        self.in_flight_drafts = np.zeros(n, np.int32)
         self.req_index: dict[str, int] = {}
         self._free_slots = list(range(n - 1, -1, -1))
         self._changed_blocks: list[tuple[int, int, int]] = []  # (slot, first, end) columns

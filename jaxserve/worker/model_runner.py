@@ -26,6 +26,7 @@ head (``spec_decode/eagle.py``) does the same from the hidden states the step re
 each sequence's newest one on the device (``slot_hidden``).
 """
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -41,6 +42,7 @@ from jaxserve.engine import LogprobsLists
 from jaxserve.engine.kv_sizing import peak_program_bytes
 from jaxserve.models import moe, sharding
 from jaxserve.platforms import current_platform
+from jaxserve.spec_decode.device_drafts import NgramDrafting
 from jaxserve.spec_decode.draft_model import DraftModel
 from jaxserve.spec_decode.eagle import EagleHead
 from jaxserve.spec_decode.rejection_sampler import emitted_rows
@@ -162,6 +164,9 @@ class ModelRunner:
         num_speculative_tokens, the logits rows each bucket computes (``logits_rows_for``).
       draft: the draft_model method's model or an EAGLE head (one device: no mesh), whose
         pool of the target's page count the runner keeps beside the target's; None: neither.
+      ngram_lookup: (prompt_lookup_min, prompt_lookup_max) of the n-gram method, whose drafts
+        the step makes on the device (``spec_decode.device_drafts``); None: another method or
+        none.
     """
 
     def __init__(
@@ -183,6 +188,7 @@ class ModelRunner:
         num_speculative_tokens: int = 0,
         max_spec_seqs: int = 0,
         draft: DraftModel | EagleHead | None = None,
+        ngram_lookup: tuple[int, int] | None = None,
     ):
         self.config = config
         self.lora = lora
@@ -211,9 +217,14 @@ class ModelRunner:
         self._replicated = None if mesh is None else sharding.replicated(mesh)
         self.num_speculative_tokens = num_speculative_tokens
         self.max_spec_seqs = max_spec_seqs
+        self.ngram = None
+        if ngram_lookup is not None:
+            self.ngram = NgramDrafting(num_speculative_tokens, *ngram_lookup, page_size,
+                                       config.vocab_size)
         self.step_layouts = {
             t: StepLayout(t, self.num_seqs_for(t), self.prompt_logprob_rows, BLOCK_TABLE_WRITES,
-                          self.logits_rows_for(t))
+                          self.logits_rows_for(t),
+                          min(self.num_seqs_for(t), max_spec_seqs) if self.ngram else 0)
             for t in self.token_buckets}
         row_counts = sorted({layout.num_logits_rows for layout in self.step_layouts.values()})
         # The MoE layers' expert GEMMs: the platform's choice, as the step's other kernels.
@@ -221,7 +232,7 @@ class ModelRunner:
         self.programs = jit_programs(
             config, params, attention_fn, grouped_gemm, mesh, row_counts[-1], branch_free,
             self.step_layouts, row_counts, self.stacked_kv_pool, num_speculative_tokens, draft,
-            page_size)
+            page_size, self.ngram)
         self.draft = draft
         self.draft_k_cache = self.draft_v_cache = None  # allocate_kv_cache
         # The draft model's q of the last proposed drafts (draft_model.propose), and each
@@ -238,6 +249,14 @@ class ModelRunner:
                                          params["embed_tokens"].dtype)
         self.compiled: Programs | None = None  # compile_buckets
         self._prev_sampled = jnp.zeros(row_counts[-1], jnp.int32, device=self._replicated)
+        # The n-gram method's drafting state (device_drafts): the last step's row drafts and
+        # each slot's token history, made by a jitted call as the block table below.
+        self._drafting = None
+        if self.ngram is not None:
+            self._drafting = jax.jit(lambda: (
+                jnp.full(row_counts[-1], -1, jnp.int32),
+                jnp.zeros((max_num_seqs, max_model_len), jnp.int32)),
+                out_shardings=self._replicated)()
         # The InputBatch's block table, kept on the device: a step sends only the entries that
         # changed (the whole table is 8 MB at 256 sequences of 131,072 tokens; staging it would
         # cost ~2 ms of an idle engine's first token on the H200, docs/performance.md). Created by
@@ -265,7 +284,8 @@ class ModelRunner:
             self.input_batch, self.step_layouts, page_size=page_size,
             vocab_size=config.vocab_size, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
             prompt_logprob_rows=self.prompt_logprob_rows, block_table_writes=BLOCK_TABLE_WRITES,
-            bias_width=st.bias_ids.shape[1], stop_width=st.stop_ids.shape[1])
+            bias_width=st.bias_ids.shape[1], stop_width=st.stop_ids.shape[1],
+            num_speculative_tokens=num_speculative_tokens)
 
     def _kv_pool(self, num_pages: int, draft: bool = False):
         """(shape of one K (or V) pool, its sharding, how many), KV the layout's: L pools of
@@ -377,13 +397,18 @@ class ModelRunner:
             if eagle:
                 drafts["hidden_fixup"] = (self.slot_hidden, self._rows_hidden_struct(),
                                           rows, rows)
+        drafting = ()
+        if self._drafting is not None:
+            drafting = self._drafting
+            drafts["history_write"] = (self._drafting[1], np.int32(0),
+                                       np.zeros(self.max_model_len, np.int32))
         pages = np.zeros(self.max_num_seqs, np.int32)
         entries = np.zeros(BLOCK_TABLE_WRITES, np.int32)
         hidden = jax.ShapeDtypeStruct((self.prompt_logprob_rows, self.config.hidden_size),
                                       self.params["embed_tokens"].dtype)
         return Programs(
             step={t: (self.params, np.zeros(layout.size, np.int32), self._prev_sampled,
-                      k_cache, v_cache, self.block_table)
+                      k_cache, v_cache, self.block_table, *drafting)
                   for t, layout in self.step_layouts.items()},
             filter={s: self._filter_args(s) for s in self.programs.filter},
             state_writer=(st, np.int32(0), np.zeros(self.max_model_len, np.int32), np.int32(0),
@@ -458,9 +483,15 @@ class ModelRunner:
             host does not know is not the previous step's (a scheduling bug).
         """
         b = self.input_batch
-        for slot, r in b.update_states(sched):
+        needs_state = b.update_states(sched)
+        for slot, r in needs_state:
             self.sampling_state = self.compiled.state_writer(
                 self.sampling_state, *self.inputs.state_row(slot, r))
+        if self._drafting is not None:  # entering requests' histories (device_drafts)
+            for r in sched.new_reqs:
+                slot, tokens = self.inputs.state_row(b.req_index[r.req_id], r)[:2]
+                self._drafting = (self._drafting[0], self.compiled.history_write(
+                    self._drafting[1], slot, tokens))
         n_tok = sched.total_num_scheduled_tokens
         if n_tok == 0:
             return None
@@ -478,9 +509,16 @@ class ModelRunner:
         x = self.inputs.build(sched, t, self._step_count - 1)
         for r, c, p in x.early_block_table_writes:
             self.block_table = self.compiled.block_table_write(self.block_table, r, c, p)
+        drafting = self._drafting or ()
         sampled, logits, hidden, self.k_cache, self.v_cache, self.block_table, *aux = step(
             self.params, x.packed, self._prev_sampled, self.k_cache, self.v_cache,
-            self.block_table)
+            self.block_table, *drafting)
+        draft_ids, sm = x.draft_ids, x.sm
+        if drafting:  # the drafts the step made, and its rows' settled output indices
+            row_drafts, steps, history = aux.pop(0)
+            self._drafting = (row_drafts, history)
+            draft_ids = row_drafts
+            sm = dataclasses.replace(sm, steps=steps)
         rows_hidden = None
         if self.draft is not None:  # the draft pool covers every token the target's does
             out = self.compiled.draft_step[t](
@@ -506,14 +544,18 @@ class ModelRunner:
         rows = x.last_rows[seqs]
         b.in_flight_row[x.slots[seqs]] = rows
         b.in_flight_step[x.slots[seqs]] = self._step_count - 1
+        b.in_flight_drafts[x.slots[seqs]] = x.num_drafts[seqs]
         handle = StepHandle(self._step_count - 1, sampled, rows, [x.req_ids[i] for i in seqs],
-                            x.num_drafts[seqs], x.draft_ids, x.seq_start, None,
+                            x.num_drafts[seqs], draft_ids, x.seq_start, None,
                             f.logprob_ks[seqs], prompt_logprobs, x.prompt_spans,
                             x.prompt_targets, propose=sched.propose_drafts,
                             rows_hidden=rows_hidden)
         self._prev_sampled = sampled
         if f.fm is not None:
-            handle.filter_inputs = (logits, x.sm, f.fm, np.flatnonzero(f.structured),
+            fm = f.fm
+            if drafting:
+                fm = dataclasses.replace(fm, draft_ids=draft_ids[: len(fm.draft_ids)])
+            handle.filter_inputs = (logits, sm, fm, np.flatnonzero(f.structured),
                                     f.want_logprobs, self._draft_probs)
             if not f.structured.any() or sched.grammar_bitmask is not None:
                 self.sample_filtered(handle, sched.grammar_bitmask)
@@ -596,8 +638,20 @@ class ModelRunner:
             raise RuntimeError("the step's constrained rows were never sampled")
         # This process's copy (with a mesh over several hosts, the others are not addressable).
         sampled = np.asarray(handle.sampled.addressable_data(0))
-        m = len(handle.draft_ids)
-        emitted = emitted_rows(sampled[:m], handle.draft_ids, handle.seq_start)
+        m = len(handle.seq_start)
+        draft_ids = handle.draft_ids
+        num_proposed = {}
+        if isinstance(draft_ids, jax.Array):  # made by the step (device_drafts)
+            draft_ids = np.asarray(draft_ids.addressable_data(0))[:m]
+            # proposed[r]: drafts in the rows before r (a filler verifies V, no token)
+            valid = (draft_ids >= 0) & (draft_ids < self.config.vocab_size)
+            proposed = np.concatenate([[0], np.cumsum(valid)])
+            for rid, row, k in zip(handle.req_ids, handle.rows.tolist(),
+                                   handle.num_drafts.tolist()):
+                n = int(proposed[row] - proposed[row - k])  # rows row - k .. row - 1
+                if n < k:
+                    num_proposed[rid] = n
+        emitted = emitted_rows(sampled[:m], draft_ids, handle.seq_start)
         # per request: its emitted rows, the first num_drafts + 1 rows ending at its last row
         per_req = [first + np.flatnonzero(emitted[first : last + 1])
                    for first, last in zip((handle.rows - handle.num_drafts).tolist(),
@@ -624,7 +678,7 @@ class ModelRunner:
             self._fix_hidden(handle, rejected)
         drafts = self._propose(handle.req_ids, tokens) if handle.propose else {}
         return ModelRunnerOutput({rid: t[-1] for rid, t in zip(handle.req_ids, tokens)},
-                                 logprobs, prompt_logprobs, accepted, drafts)
+                                 logprobs, prompt_logprobs, accepted, drafts, num_proposed)
 
     def _fix_hidden(self, handle: StepHandle, rejected: list[int]) -> None:
         """An EAGLE head's h of the sequences that rejected drafts: that of their last emitted

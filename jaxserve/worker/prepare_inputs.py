@@ -94,6 +94,7 @@ class InputBuilder:
       prompt_logprob_rows: R, prompt positions a step computes log-probabilities of.
       block_table_writes: W, block table entries a step's inputs carry.
       bias_width, stop_width: widths of the SamplingState's logit-bias and stop-id tables.
+      num_speculative_tokens: k, the most drafts a sequence verifies (speculative decoding).
     """
 
     batch: InputBatch
@@ -106,6 +107,7 @@ class InputBuilder:
     block_table_writes: int
     bias_width: int
     stop_width: int
+    num_speculative_tokens: int = 0
 
     def state_row(self, slot: int, r: NewRequestData) -> tuple:
         """The arguments, after the state, of ``sampler.write_state_row`` for a request
@@ -126,9 +128,13 @@ class InputBuilder:
     def build(self, sched: SchedulerOutput, t: int, last_step: int) -> StepInputs:
         """The inputs of a step of token bucket t; ``last_step`` is the counter of the step
         dispatched before it. Takes the InputBatch's block table changes. A sequence's draft
-        tokens (``sched.scheduled_spec_decode_tokens``) follow its known tokens in its
-        InputBatch row (scratch space until the step's tokens are recorded there) and get a
-        logits row each before its own (docs/spec_decode.md).
+        tokens (``sched.scheduled_spec_decode_tokens``) are its last scheduled tokens and get
+        a logits row each before its own (docs/spec_decode.md). Drafts the host knows follow
+        its known tokens in its InputBatch row (scratch space until the step's tokens are
+        recorded there); the n-gram method's (-1 each: the step makes them,
+        ``spec_decode.device_drafts``) get their place among the step's (``draft_at``,
+        ``spec_seqs``), and the previous step's drafts of the token fed from the device
+        (``prev_drafts``), which the step settles.
 
         Raises:
           RuntimeError: a token the host does not know is not the last step's (a scheduling
@@ -145,22 +151,38 @@ class InputBuilder:
         counts = np.fromiter(sched.num_scheduled_tokens.values(), np.int32, n_seq)
         drafts = sched.scheduled_spec_decode_tokens
         num_drafts = np.fromiter((len(drafts.get(r, ())) for r in req_ids), np.int32, n_seq)
+        on_device = np.fromiter((drafts.get(r, (0,))[0] < 0 for r in req_ids), bool, n_seq)
         for r, d in drafts.items():
-            i = b.req_index[r]
-            b.token_ids[i, b.num_tokens[i] : b.num_tokens[i] + len(d)] = d
+            if d[0] >= 0:
+                i = b.req_index[r]
+                b.token_ids[i, b.num_tokens[i] : b.num_tokens[i] + len(d)] = d
         computed = b.num_computed_tokens[slots]
         ends = np.cumsum(counts, dtype=np.int32)
         seq_of_tok = np.repeat(np.arange(n_seq, dtype=np.int32), counts)
         tok_slot = slots[seq_of_tok]
-        pos = computed[seq_of_tok] + np.arange(n_tok, dtype=np.int32) - (ends - counts)[seq_of_tok]
-        unknown = pos >= b.num_tokens[tok_slot] + num_drafts[seq_of_tok]
+        index = np.arange(n_tok, dtype=np.int32) - (ends - counts)[seq_of_tok]  # in its sequence
+        pos = computed[seq_of_tok] + index
+        draft_index = index - (counts - num_drafts)[seq_of_tok]  # >= 0: a draft
+        unknown = (draft_index < 0) & (pos >= b.num_tokens[tok_slot])
         if unknown.any() and (b.in_flight_step[tok_slot[unknown]] != last_step).any():
             raise RuntimeError("a scheduled token is neither known nor sampled by the last step")
+        made = (draft_index >= 0) & on_device[seq_of_tok]
+        spec_seqs = np.flatnonzero(on_device).astype(np.int32)
+        if len(spec_seqs) > layout.drafting_seqs:
+            raise RuntimeError(f"{len(spec_seqs)} sequences draft on the device, past the "
+                               f"step's {layout.drafting_seqs}")
 
         token_ids = np.zeros(t, np.int32)
-        token_ids[:n_tok] = np.where(unknown, 0, b.token_ids[tok_slot, pos])
+        token_ids[:n_tok] = np.where(unknown | made, 0,
+                                     b.token_ids[tok_slot, np.minimum(pos, self.max_model_len - 1)])
         prev_rows = np.full(t, -1, np.int32)
         prev_rows[:n_tok] = np.where(unknown, b.in_flight_row[tok_slot], -1)
+        prev_drafts = np.zeros(t, np.int32)
+        prev_drafts[:n_tok] = np.where(unknown, b.in_flight_drafts[tok_slot], 0)
+        rank = np.cumsum(on_device, dtype=np.int32) - 1  # among the sequences drafting here
+        draft_at = np.full(t, -1, np.int32)
+        draft_at[:n_tok] = np.where(
+            made, rank[seq_of_tok] * self.num_speculative_tokens + draft_index, -1)
         positions = np.zeros(t, np.int32)
         positions[:n_tok] = pos
         slot_mapping = np.zeros(t, np.int32)  # padding writes to the null page
@@ -202,7 +224,9 @@ class InputBuilder:
                                              steps=row_steps))
         (bt_rows, bt_cols, bt_pages), early = self._block_table_writes()
         packed = layout.pack(dict(
-            token_ids=token_ids, prev_rows=prev_rows, positions=positions,
+            token_ids=token_ids, prev_rows=prev_rows, prev_drafts=prev_drafts,
+            draft_at=draft_at, spec_seqs=_padded(spec_seqs, layout.drafting_seqs, -1, np.int32),
+            positions=positions,
             slot_mapping=slot_mapping, query_start_loc=qsl, seq_lens=seq_lens,
             seq_slots=seq_slots, logits_indices=logits_indices, hidden_indices=hidden_indices,
             block_table_rows=bt_rows, block_table_cols=bt_cols, block_table_pages=bt_pages,

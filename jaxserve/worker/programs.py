@@ -17,7 +17,8 @@ from jax.sharding import Mesh
 
 from jaxserve.config import ModelConfig
 from jaxserve.models import llama, sharding
-from jaxserve.spec_decode import draft_model, eagle
+from jaxserve.spec_decode import device_drafts, draft_model, eagle
+from jaxserve.spec_decode.device_drafts import NgramDrafting
 from jaxserve.spec_decode.draft_model import DraftModel
 from jaxserve.spec_decode.eagle import EagleHead
 from jaxserve.worker.executable_cache import KeyedJit
@@ -49,6 +50,7 @@ class Programs(Generic[P]):
       draft_page_copy: ``_copy_pages`` of the drafter's pool; else None.
       hidden_fixup: ``eagle.write_slot_hidden`` (eagle, eagle3: the h of a sequence whose
         drafts were rejected); else None.
+      history_write: ``_write_history``, a slot's token history (the n-gram method); else None.
     """
 
     step: dict[int, P]
@@ -61,6 +63,7 @@ class Programs(Generic[P]):
     propose: P | None = None
     draft_page_copy: P | None = None
     hidden_fixup: P | None = None
+    history_write: P | None = None
 
     def entries(self) -> Iterator[tuple[str, int | None, P]]:
         """(field, T or S or None, entry) of every program: steps, samplers, then the others
@@ -92,7 +95,7 @@ def jit_programs(config: ModelConfig, params: dict, attention_fn: Callable,
                  grouped_gemm: Callable, mesh: Mesh | None, max_rows: int, branch_free: bool,
                  layouts: dict[int, StepLayout], row_counts: list[int], stacked_kv_pool: bool,
                  max_drafts: int = 0, draft: DraftModel | EagleHead | None = None,
-                 page_size: int = 0) -> Programs:
+                 page_size: int = 0, ngram: NgramDrafting | None = None) -> Programs:
     """Every program, jitted: the step of each token bucket of ``layouts`` (its layout is
     static; the pool and the block table are donated; its tokens padded to ``max_rows``, the
     most logits rows of any bucket), the filtered sampler (one for every L of ``row_counts``;
@@ -102,17 +105,23 @@ def jit_programs(config: ModelConfig, params: dict, attention_fn: Callable,
     method's model or an EAGLE head (one device only), whose programs join the table (the
     step then returns the head's hidden states too); ``page_size``: the pools' (for its
     ``propose``). ``attention_fn`` and ``grouped_gemm`` (the MoE layers' expert GEMMs) are the
-    models' kernels (``llama.forward``)."""
+    models' kernels (``llama.forward``). ``ngram``: the n-gram method's settings, whose drafts
+    the step makes (``device_drafts``; its drafting state is the step's last argument and
+    output), None without."""
     filter_fn = partial(_filter, max_drafts)
+    # the n-gram method's history is donated; its row drafts stay readable by the host
+    donate = (3, 4, 5) if ngram is None else (3, 4, 5, 7)
     if mesh is None:
-        jit_step = partial(KeyedJit, donate_argnums=(3, 4, 5))
+        jit_step = partial(KeyedJit, donate_argnums=donate)
         jit_filter = KeyedJit(filter_fn, donate_argnums=(4,))
     else:
         rep, kv = sharding.replicated(mesh), sharding.kv_sharding(mesh, stacked_kv_pool)
+        drafting = () if ngram is None else (rep, rep)
         jit_step = partial(
-            KeyedJit, donate_argnums=(3, 4, 5),
-            in_shardings=(sharding.param_shardings(params, mesh), rep, rep, kv, kv, rep),
-            out_shardings=(rep, rep, rep, kv, kv, rep))
+            KeyedJit, donate_argnums=donate,
+            in_shardings=(sharding.param_shardings(params, mesh), rep, rep, kv, kv, rep,
+                          *drafting),
+            out_shardings=(rep, rep, rep, kv, kv, rep, *drafting[:1]))
         jit_filter = KeyedJit(filter_fn, donate_argnums=(4,), in_shardings=rep,
                              out_shardings=rep)
     drafts, aux_layers = {}, None
@@ -133,9 +142,11 @@ def jit_programs(config: ModelConfig, params: dict, attention_fn: Callable,
             propose=KeyedJit(partial(draft_model.propose, draft.config, attention_fn,
                                      grouped_gemm, max_drafts, page_size), donate_argnums=(1, 2)),
             draft_page_copy=KeyedJit(_copy_pages, donate_argnums=(0, 1)))
+    elif ngram is not None:
+        drafts = dict(history_write=KeyedJit(_write_history, donate_argnums=(0,)))
     return Programs(
         step={t: jit_step(partial(_step, config, attention_fn, grouped_gemm, mesh, max_rows,
-                                  branch_free, layout, aux_layers))
+                                  branch_free, layout, aux_layers, ngram))
               for t, layout in layouts.items()},
         filter={n: jit_filter for n in row_counts},
         state_writer=KeyedJit(write_state_row, donate_argnums=(0,)),
@@ -158,7 +169,7 @@ def _step_metadata(x, block_table) -> llama.AttentionMetadata:
 
 
 def _step(config, attention_fn, grouped_gemm, mesh, max_rows, branch_free, layout, aux_layers,
-          params, packed, prev_sampled, k_cache, v_cache, block_table):
+          ngram, params, packed, prev_sampled, k_cache, v_cache, block_table, *drafting):
     """One model step of a token bucket, from its host inputs ``packed`` ([layout.size] int32,
     ``StepLayout.pack``: one transfer).
 
@@ -173,11 +184,23 @@ def _step(config, attention_fn, grouped_gemm, mesh, max_rows, branch_free, layou
     ``hidden_indices`` for ``_prompt_logprobs``, the updated KV pool and the updated block
     table. ``branch_free``: no control flow (the GPU; see the sampler's module docstring).
     ``mesh``: the tensor-parallel mesh (None: one device). ``aux_layers``: with an EAGLE head
-    (``llama.forward``'s), the step returns the head's hidden states [T, nE] last."""
+    (``llama.forward``'s), the step returns the head's hidden states [T, nE] last. ``ngram``
+    (the n-gram method, ``device_drafts``): ``drafting`` is the previous step's row drafts
+    [max_rows] and the token history (donated), the step settles the previous step's drafts and makes its
+    own, and returns (its row drafts [max_rows], its rows' settled ``steps`` [L] for
+    ``_filter``, the history) after the block table."""
     x = layout.unpack(packed)
-    token_ids = _step_tokens(x, prev_sampled)
     block_table = _write_block_table(block_table, x["block_table_rows"], x["block_table_cols"],
                                      x["block_table_pages"])
+    drafted = ()
+    if ngram is None:
+        token_ids = _step_tokens(x, prev_sampled)
+    else:
+        x, token_ids, row_drafts, history = device_drafts.settle_and_draft(
+            ngram, x, prev_sampled, *drafting, block_table)
+        row_drafts = jnp.pad(row_drafts, (0, max_rows - row_drafts.shape[0]),
+                             constant_values=-1)
+        drafted = ((row_drafts, x["steps"], history),)
     md = _step_metadata(x, block_table)
     sm = SamplingMetadata(**{f.name: x[f.name] for f in dataclasses.fields(SamplingMetadata)})
     logits, k_cache, v_cache, hidden, *aux = llama.forward(
@@ -186,7 +209,7 @@ def _step(config, attention_fn, grouped_gemm, mesh, max_rows, branch_free, layou
         lora_slots=x["lora_slots"], aux_layers=aux_layers, grouped_gemm=grouped_gemm)
     sampled = sample_unfiltered(logits, sm, branch_free=branch_free)
     return (jnp.pad(sampled, (0, max_rows - sampled.shape[0])), logits, hidden, k_cache,
-            v_cache, block_table, *aux)
+            v_cache, block_table, *drafted, *aux)
 
 
 def _draft_step(config, attention_fn, grouped_gemm, layout, params, packed, prev_sampled,
@@ -254,6 +277,12 @@ def _write_block_table(block_table, rows, cols, pages):
     """``block_table`` [max_num_seqs, P] with ``pages`` [N] written at (``rows``, ``cols``);
     entries with a row past the table pad (dropped)."""
     return block_table.at[rows, cols].set(pages, mode="drop")
+
+
+def _write_history(history, slot, token_ids):
+    """``history`` [N, max_model_len] int32 with row ``slot`` set to ``token_ids``: the known
+    tokens of a request entering the batch (``device_drafts``)."""
+    return history.at[slot].set(token_ids)
 
 
 def _copy_pages(k_cache, v_cache, src, dst):

@@ -20,10 +20,12 @@ import numpy as np
 from jaxserve.worker.sampling_fields import SAMPLING, fields_of
 
 # (name, length: "t" tokens, "s" sequences, "s+1", "l" logits rows, "r" prompt-logprob rows,
-# "w" block table writes, dtype); the SamplingMetadata fields as sampling_fields declares them
+# "w" block table writes, "p" sequences that draft on the device, dtype); the SamplingMetadata
+# fields as sampling_fields declares them
 FIELDS = (
     *((name, "t", np.int32)
-      for name in ("token_ids", "prev_rows", "positions", "slot_mapping", "lora_slots")),
+      for name in ("token_ids", "prev_rows", "prev_drafts", "draft_at", "positions",
+                   "slot_mapping", "lora_slots")),
     ("query_start_loc", "s+1", np.int32),
     *((name, "s", np.int32) for name in ("seq_lens", "seq_slots")),
     ("logits_indices", "l", np.int32),
@@ -31,6 +33,7 @@ FIELDS = (
     ("hidden_indices", "r", np.int32),
     *((name, "w", np.int32)
       for name in ("block_table_rows", "block_table_cols", "block_table_pages")),
+    ("spec_seqs", "p", np.int32),
 )
 
 
@@ -38,13 +41,15 @@ FIELDS = (
 class StepLayout:
     """Field lengths of one token bucket: tokens T, sequences S, prompt-logprob rows R, block
     table writes W, logits rows L (None: S, one per sequence; more with speculative decoding,
-    where a sequence with k drafts takes k + 1)."""
+    where a sequence with k drafts takes k + 1), sequences whose drafts the step makes
+    (``spec_decode.device_drafts``, the n-gram method; 0 without)."""
 
     tokens: int
     seqs: int
     rows: int
     writes: int
     logits_rows: int | None = None
+    drafting_seqs: int = 0
 
     @property
     def num_logits_rows(self) -> int:
@@ -53,7 +58,7 @@ class StepLayout:
     @functools.cached_property
     def _spans(self) -> list[tuple[str, int, int, np.dtype]]:
         n = {"t": self.tokens, "s": self.seqs, "s+1": self.seqs + 1, "l": self.num_logits_rows,
-             "r": self.rows, "w": self.writes}
+             "r": self.rows, "w": self.writes, "p": self.drafting_seqs}
         spans, at = [], 0
         for name, length, dtype in FIELDS:
             spans.append((name, at, at + n[length], np.dtype(dtype)))

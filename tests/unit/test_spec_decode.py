@@ -10,7 +10,11 @@ import pytest
 from scipy import stats
 
 from jaxserve.spec_decode.config import SpeculativeConfig, parse_speculative_config
-from jaxserve.spec_decode.ngram_proposer import NgramProposer
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from numpy.lib.stride_tricks import sliding_window_view
+
+from jaxserve.spec_decode.ngram_proposer import propose_on_device
 from jaxserve.spec_decode.rejection_sampler import emitted_rows
 from jaxserve.worker.sampler import init_state, sample_draft, sample_filtered, sample_unfiltered
 from jaxserve.worker.sampling_fields import FilterMetadata, SamplingMetadata, neutral
@@ -51,17 +55,53 @@ def test_parse_rejects_bad_json():
         parse_speculative_config("{method: ngram}")
 
 
-def test_ngram_proposer():
-    p = NgramProposer(prompt_lookup_min=2, prompt_lookup_max=4)
-    a = np.array
+def reference_ngram(token_ids: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """vLLM V1's n-gram lookup, one sequence in numpy: the longest suffix of min_n..max_n
+    tokens that recurs in token_ids[:-1], the up to k tokens after its first occurrence."""
+    a = np.asarray(token_ids, np.int32)
+    for n in range(min(max_n, len(a) - 1), min_n - 1, -1):
+        hits = np.flatnonzero((sliding_window_view(a[:-1], n) == a[-n:]).all(axis=1))
+        if len(hits):
+            return a[hits[0] + n : hits[0] + n + k].tolist()
+    return []
+
+
+def ngram(token_ids: list[int], k: int, min_n: int = 2, max_n: int = 4) -> list[int]:
+    """``propose_on_device`` of one sequence (junk past its length), as a list."""
+    history = np.full((1, 32), 9, np.int32)
+    history[0, : len(token_ids)] = token_ids
+    drafts, counts = propose_on_device(jnp.asarray(history), jnp.asarray([len(token_ids)]),
+                                       k, min_n, max_n)
+    assert drafts[0, int(counts[0]):].tolist() == [-1] * (k - int(counts[0]))
+    return drafts[0, : int(counts[0])].tolist()
+
+
+def test_ngram_lookup():
     # the longest recurring suffix wins: [2, 3] recurs after 1 and after 9; [1, 2, 3] after 1
-    assert p.propose(a([1, 2, 3, 4, 5, 9, 2, 3, 7, 1, 2, 3]), 3) == [4, 5, 9]
-    assert p.propose(a([9, 2, 3, 7, 1, 2, 3, 8, 2, 3]), 2) == [7, 1]  # first occurrence
-    assert p.propose(a([1, 2, 3, 4, 1, 2]), 5) == [3, 4, 1, 2]  # fewer near the end
-    assert p.propose(a([1, 2, 3, 4, 5, 6, 5]), 3) == []  # a 1-token suffix is below min
-    assert p.propose(a([4, 4, 4]), 2) == [4]
-    assert p.propose(a([1]), 3) == []
-    assert p.propose(a([1, 2, 1, 2]), 0) == []
+    assert ngram([1, 2, 3, 4, 5, 9, 2, 3, 7, 1, 2, 3], 3) == [4, 5, 9]
+    assert ngram([9, 2, 3, 7, 1, 2, 3, 8, 2, 3], 2) == [7, 1]  # first occurrence
+    assert ngram([1, 2, 3, 4, 1, 2], 5) == [3, 4, 1, 2]  # fewer near the end
+    assert ngram([1, 2, 3, 4, 5, 6, 5], 3) == []  # a 1-token suffix is below min
+    assert ngram([4, 4, 4], 2) == [4]
+    assert ngram([1], 3) == []
+    assert ngram([], 3) == []
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 3), max_size=40), min_size=1, max_size=6),
+       st.integers(1, 6), st.integers(1, 3), st.integers(0, 3))
+def test_ngram_lookup_equals_the_reference(seqs, k, min_n, extra):
+    max_n = min_n + extra
+    history = np.full((len(seqs), 48), 7, np.int32)  # 7: junk past each row's length
+    for r, seq in enumerate(seqs):
+        history[r, : len(seq)] = seq
+    lengths = np.array([len(seq) for seq in seqs], np.int32)
+    drafts, counts = propose_on_device(jnp.asarray(history), jnp.asarray(lengths), k, min_n,
+                                       max_n)
+    for r, seq in enumerate(seqs):
+        want = reference_ngram(seq, k, min_n, max_n)
+        assert int(counts[r]) == len(want)
+        assert drafts[r].tolist() == want + [-1] * (k - len(want))
 
 
 def test_emitted_rows():
@@ -305,7 +345,7 @@ def test_scheduler_takes_the_draft_models_drafts_with_lookahead_pages():
     config = SpeculativeConfig.from_dict({"method": "draft_model", "model": "m",
                                           "num_speculative_tokens": 3})
     s = _scheduler()
-    s.spec_config, s.proposer = config, None  # as a draft_model scheduler is built
+    s.spec_config, s.drafts_on_device = config, False  # as a draft_model scheduler is built
     req = make_request("a", [5, 6, 7, 8, 9], max_tokens=10)
     s.add_request(req)
     out, _ = _step(s, {"a": 7}, {}, {"a": [1, 2, 3]})  # the prompt, then drafts after 7
@@ -329,16 +369,79 @@ def test_scheduler_drafts_takes_accepted_and_rolls_back_rejected():
     s.add_request(req)
     out, _ = _step(s, {"a": 7}, {})  # the prompt; tokens now ... 5, 6, 7
     assert not out.scheduled_spec_decode_tokens
-    out, outputs = _step(s, {"a": 3}, {"a": [8]})  # drafts 8, 9, 5: accepts 8, draws 3
-    assert out.scheduled_spec_decode_tokens == {"a": [8, 9, 5]}
+    out, outputs = _step(s, {"a": 3}, {"a": [8]})  # 3 slots the step fills: accepts 8, draws 3
+    assert out.scheduled_spec_decode_tokens == {"a": [-1, -1, -1]}
     assert out.num_scheduled_tokens == {"a": 4}
     assert outputs[0].new_token_ids == [8, 3]
-    assert req.num_tokens == 10 and req.num_computed_tokens == 9  # 9 and 5 taken back
+    assert req.num_tokens == 10 and req.num_computed_tokens == 9  # 2 drafts taken back
     # prefix caching registered the 2 full pages of computed, accepted tokens, not the drafts'
     assert req.num_registered_pages == 2
     stats = s.get_stats().spec_decoding
     assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens,
             stats.num_accepted_tokens_per_pos) == (1, 3, 1, [1, 0, 0])
+
+
+def test_scheduler_counts_only_proposed_drafts():
+    from jaxserve.core.scheduler_output import ModelRunnerOutput
+    from tests.unit.kv_fakes import make_request
+
+    s = _scheduler()
+    s.add_request(make_request("a", [5, 6, 7, 8], max_tokens=10))
+    _step(s, {"a": 1}, {})
+    out = s.schedule()  # 3 slots; the lookup filled 1 (rejected), none for the step after
+    s.update(out, ModelRunnerOutput({"a": 2}, {}, {}, {}, {}, {"a": 1}))
+    out = s.schedule()
+    s.update(out, ModelRunnerOutput({"a": 2}, {}, {}, {}, {}, {"a": 0}))
+    stats = s.get_stats().spec_decoding
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (1, 1, 0)
+
+
+def test_scheduler_schedules_past_a_verify_step_in_flight():
+    """Async scheduling: the next step is scheduled before the verify step's tokens are known,
+    as if all its drafts were accepted (positions and pages ahead of the true ones, which the
+    step settles on the device); ``update`` then takes back what was rejected."""
+    from tests.unit.kv_fakes import make_request
+
+    s = _scheduler()
+    req = make_request("a", [5, 6, 7, 8, 9, 5, 6], max_tokens=12)
+    s.add_request(req)
+    first = s.schedule()  # the prompt: 7 positions, a token in flight
+    second = s.schedule()
+    assert second.scheduled_spec_decode_tokens == {"a": [-1, -1, -1]}
+    assert req.num_computed_tokens == 11 and req.num_output_placeholders == 1 + 4
+    third = s.schedule()  # 3 more slots after the 4 tokens counted in flight
+    assert third.num_scheduled_tokens == {"a": 4} and req.num_computed_tokens == 15
+    assert len(req.block_ids) == 4  # pages through position 14 (page size 4)
+    s.update(first, _output({"a": 7}))
+    s.update(second, _output({"a": 3}, {"a": [8]}))  # accepted 1 of 3: 2 taken back
+    assert req.num_tokens == 10 and req.num_computed_tokens == 13
+    assert req.num_output_placeholders == 4
+    # max_tokens 12 with 3 outputs and up to 4 in flight: at most 12 - 7 - 1 = 4 -> k 3
+    assert s.schedule().scheduled_spec_decode_tokens == {"a": [-1, -1, -1]}
+    s.update(third, _output({"a": 4}, {"a": [5, 6, 7]}))  # all accepted: 7 outputs
+    assert req.num_tokens == 14 and req.num_output_placeholders == 4
+    # 7 outputs and up to 4 in flight: 11 of 12, so one token and no drafts
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {"a": 1} and not out.scheduled_spec_decode_tokens
+
+
+def _output(sampled, accepted=None):
+    from jaxserve.core.scheduler_output import ModelRunnerOutput
+
+    return ModelRunnerOutput(sampled, {}, {}, accepted or {}, {})
+
+
+def test_scheduler_gives_no_drafts_short_of_min_tokens():
+    from tests.unit.kv_fakes import make_request
+
+    s = _scheduler()
+    s.add_request(make_request("a", [1, 2, 3, 1, 2], max_tokens=10, min_tokens=3))
+    _step(s, {"a": 3}, {})
+    out, _ = _step(s, {"a": 4}, {})  # 1 output, min_tokens 3
+    out, _ = _step(s, {"a": 5}, {})  # 2 outputs
+    assert not out.scheduled_spec_decode_tokens
+    out, _ = _step(s, {"a": 6}, {})  # 3 outputs
+    assert out.scheduled_spec_decode_tokens == {"a": [-1, -1, -1]}
 
 
 def test_scheduler_caps_drafts_and_stops_inside_them():
@@ -350,7 +453,7 @@ def test_scheduler_caps_drafts_and_stops_inside_them():
     s.add_request(req)
     _step(s, {"a": 3}, {})
     out, outputs = _step(s, {"a": 9}, {"a": [1]})
-    assert out.scheduled_spec_decode_tokens == {"a": [1]}
+    assert out.scheduled_spec_decode_tokens == {"a": [-1]}
     assert outputs[0].new_token_ids == [1, 9] and outputs[0].finish_reason == "length"
     # a stop token among the accepted drafts ends the request there
     s = _scheduler()
@@ -358,7 +461,7 @@ def test_scheduler_caps_drafts_and_stops_inside_them():
     s.add_request(req)
     _step(s, {"b": 3}, {})
     out, outputs = _step(s, {"b": 2}, {"b": [4, 1]})
-    assert out.scheduled_spec_decode_tokens == {"b": [4, 1, 2]}
+    assert out.scheduled_spec_decode_tokens == {"b": [-1, -1, -1]}
     assert outputs[0].new_token_ids == [4] and outputs[0].finish_reason == "stop"
     assert not s.has_unfinished_requests()
 

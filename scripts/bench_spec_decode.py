@@ -5,8 +5,9 @@ The requests of data/spec_decode_prompts.json (repeat, correct or summarise a gi
 their outputs copy their input) run one at a time, greedy, --max-tokens each, through the
 offline ``LLM`` (chat template applied), on three engines of the same limits: plain (async
 scheduling, the default), plain with --no-async-scheduling (what running synchronously costs by
-itself: the engine runs the steps that may carry drafts synchronously, docs/spec_decode.md),
-n-gram speculation and, with --draft-model, the draft_model method (greedy drafts of that
+itself: with a draft model or an EAGLE head the engine runs the steps that may carry drafts
+synchronously; n-gram steps make their drafts on the device and keep async scheduling,
+docs/spec_decode.md), n-gram speculation and, with --draft-model, the draft_model method (greedy drafts of that
 model, e.g. the default model's first layers: ``checkpoints_tools.convert --num-layers``), with
 --eagle / --eagle3 those methods with that head (``scripts/make_eagle_head.py`` writes a
 random one for the model's shapes). All

@@ -7,11 +7,11 @@ drafts per sequence, through an in-process engine.
 For each k (0: the plain engine, no `speculative_config`), one engine in a process of its own
 (each allocates the device's KV pool); for each batch size B, B requests of `--prompt-len`
 random tokens, greedy with `ignore_eos`, stepped until every one decodes, then `--steps` engine
-steps timed from the host (what a user waits: a step that may carry drafts runs synchronously,
-docs/spec_decode.md). With k > 0 the engine speculates by n-gram (`disable_by_batch_size` at
-the largest B, so no batch turns it off) with the proposer replaced by `FixedDraftProposer`:
-every decoding sequence gets k drafts (its last token repeated) whatever its tokens, since a
-step's cost depends on the number of drafts, not on whether they are accepted. The printed
+steps timed from the host (what a user waits, async scheduling included). With k > 0 the engine
+speculates by n-gram (`disable_by_batch_size` at the largest B, so no batch turns it off):
+every decoding sequence gets k draft slots, which the step fills by its lookup or leaves as
+fillers (docs/spec_decode.md), so a step's cost is that of k drafts whether or not they are
+accepted. The printed
 ratio is the step's time over the plain engine's at the same B: the mean number of tokens a
 sequence must emit per verify step (the acceptance length) for speculation to break even.
 """
@@ -27,17 +27,6 @@ import numpy as np
 from profile_engine import add_engine_args, add_requests, engine_flags, finish, run_until_decoding
 
 
-class FixedDraftProposer:
-    """Proposes k copies of the sequence's last token, always; counts what it proposed."""
-
-    def __init__(self):
-        self.drafts = 0
-
-    def propose(self, token_ids: np.ndarray, k: int) -> list[int]:
-        self.drafts += k
-        return [int(token_ids[-1])] * k
-
-
 def measure(args, k: int) -> list[dict]:
     """Rows {k, batch, ms_per_step, drafts_per_step} of one engine."""
     from jaxserve import LLM
@@ -50,9 +39,15 @@ def measure(args, k: int) -> list[dict]:
     llm = LLM(args.model, load_format=args.load_format, speculative_config=spec,
               log=lambda s: print(f"[engine k={k}] {s}", file=sys.stderr, flush=True),
               **engine_flags(args))
-    proposer = FixedDraftProposer()
-    if k:
-        llm.engine.scheduler.proposer = proposer
+    scheduler = llm.engine.scheduler
+    slots = [0]  # draft slots scheduled
+
+    def schedule(schedule=scheduler.schedule):
+        out = schedule()
+        slots[0] += sum(map(len, out.scheduled_spec_decode_tokens.values()))
+        return out
+
+    scheduler.schedule = schedule
     rng = np.random.default_rng(args.seed)
     rows = []
     for b in batches:
@@ -62,13 +57,13 @@ def measure(args, k: int) -> list[dict]:
         run_until_decoding(llm, b)
         for _ in range(3):  # the shapes of the timed steps, once
             llm.engine.step()
-        drafts0 = proposer.drafts
+        drafts0 = slots[0]
         t0 = time.perf_counter()
         for _ in range(args.steps):
             llm.engine.step()
         seconds = time.perf_counter() - t0
         rows.append({"k": k, "batch": b, "ms_per_step": 1e3 * seconds / args.steps,
-                     "drafts_per_step": (proposer.drafts - drafts0) / args.steps})
+                     "drafts_per_step": (slots[0] - drafts0) / args.steps})
         finish(llm, ids)
     return rows
 

@@ -27,6 +27,7 @@ class Request:
         has run (prefix-cache hits included).
       num_output_placeholders: sampled tokens in flight: scheduled steps will produce them, but
         their values are not known to the host yet (async scheduling; 0 between steps otherwise).
+        A step with k drafts counts k + 1, the most it can emit (speculative decoding).
       block_ids: KV pages held, in sequence order.
       block_hashes: prefix-cache keys of the full pages of all_token_ids computed so far
         (kept across preemption: the tokens do not change).

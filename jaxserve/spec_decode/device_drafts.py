@@ -83,7 +83,9 @@ def settle_and_draft(cfg: NgramDrafting, x: dict, prev_sampled: jax.Array,
     n_tok, n_seqs, n_slots = qsl[-1], x["seq_lens"].shape[0], history.shape[0]
     t = jnp.arange(tokens.shape[0])
     real = t < n_tok
-    seq = jnp.clip(jnp.searchsorted(qsl[1:], t, side="right"), 0, n_seqs - 1)
+    # each token's sequence: the sequence ends at or before it (no search: no loop on the GPU)
+    ends = jnp.zeros(tokens.shape[0] + 1, jnp.int32).at[qsl[1:]].add(1)
+    seq = jnp.minimum(jnp.cumsum(ends)[:-1], n_seqs - 1)
     back = jnp.zeros(n_seqs, jnp.int32).at[seq].add(jnp.where(real, rejected, 0))
     moved = jnp.where(real, back[seq], 0)
     positions = x["positions"] - moved

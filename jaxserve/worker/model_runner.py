@@ -611,11 +611,13 @@ class ModelRunner:
 
     def device_state_ok(self) -> bool:
         """Whether the device arrays every step reads survived (the KV pool, the block table,
-        the sampler state, the last step's tokens; the draft model's pool and q): none deleted
+        the sampler state, the last step's tokens; the draft model's pool and q; the n-gram
+        method's drafts and token history): none deleted
         (donated to a program that then failed) and none holding a failed program's error."""
         arrays = jax.tree.leaves((self.k_cache, self.v_cache, self.block_table,
                                   self._prev_sampled, self.sampling_state, self.draft_k_cache,
-                                  self.draft_v_cache, self._draft_probs, self.slot_hidden))
+                                  self.draft_v_cache, self._draft_probs, self.slot_hidden,
+                                  self._drafting))
         try:
             if any(a.is_deleted() for a in arrays):
                 return False

@@ -1,9 +1,10 @@
 """n-gram speculative decoding in the offline engine (docs/spec_decode.md) on the default model:
 greedy outputs equal the plain engine's up to the near-tie rule (docs/architecture.md, "Testing
 numerics"), on input-grounded requests where drafts are accepted, under chunked prefill,
-prefix caching and preemption (the engine's pool is too small for its batch); seeded sampled
-outputs (top-p, penalties, n=2) equal the plain engine's, since each verified row draws with the
-key of its output position; logprobs, stop token ids and max_tokens hold."""
+prefix caching and preemption (the engine's pool is too small for its batch), with async
+scheduling kept (a sequence gets drafts while its step that verified drafts is in flight); seeded
+sampled outputs (top-p, penalties, n=2) equal the plain engine's, since each verified row draws
+with the key of its output position; logprobs, stop token ids and max_tokens hold."""
 
 import pytest
 
@@ -73,3 +74,28 @@ def test_stop_token_and_max_tokens_cut_accepted_drafts(spec_llm, smollm_llm):
                             use_tqdm=False)[0].outputs[0]
         assert out.token_ids == tokens[:n] and out.finish_reason == "length"
     assert spec_llm.engine.get_stats().spec_decoding.num_accepted_tokens > before
+
+
+def test_drafts_are_scheduled_past_a_verify_step_in_flight(spec_llm, smollm_llm):
+    """Async scheduling holds with n-gram drafts: the engine schedules a sequence's next drafts
+    before the tokens of its step that verified drafts are known (the step settles them)."""
+    scheduler = spec_llm.engine.scheduler
+    past_in_flight = []
+
+    def schedule(schedule=scheduler.schedule):
+        in_flight = {rid: r.num_output_placeholders for rid, r in scheduler.requests.items()}
+        out = schedule()
+        past_in_flight.extend(in_flight.get(rid, 0) > 1
+                              for rid in out.scheduled_spec_decode_tokens)
+        return out
+
+    scheduler.schedule = schedule
+    prompt = chats(spec_prompts()[:1])
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    try:
+        out = spec_llm.chat(prompt, greedy, use_tqdm=False)
+    finally:
+        del scheduler.schedule
+    assert sum(past_in_flight) > len(past_in_flight) // 2
+    assert out[0].outputs[0].token_ids == smollm_llm.chat(
+        prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids

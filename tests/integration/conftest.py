@@ -50,7 +50,8 @@ def tp_offline(tiny_tp_folders, tp_prompts, smollm_llm) -> dict:
     """Greedy outputs of the prompts (``prompt_ids``, ``output_ids``), keyed "NAME:TP": the
     default model (its GGUF) at TP 1 (the engine tests' ``smollm_llm``, in this process) and 3,
     each tiny model (HF folders) at TP 1 and 4, and the Llama's orbax folder at 2 with the
-    Pallas kernels (``LLM`` on fake devices; the Qwen3-MoE at 2 is served in
+    Pallas kernels and n-gram speculative decoding (its drafts made in the step, on the mesh)
+    (``LLM`` on fake devices; the Qwen3-MoE at 2 is served in
     test_tensor_parallel_tiny_server.py); plus the tiny Llama step's collectives at 4."""
     from jaxserve import SamplingParams
 
@@ -59,7 +60,9 @@ def tp_offline(tiny_tp_folders, tp_prompts, smollm_llm) -> dict:
     runs = [{"model": paths[name], "tp": tp} for name in sizes for tp in sizes[name]]
     # The GPU's attention, the Pallas kernels (in interpret mode here), per shard.
     runs[runs.index({"model": paths["llama-orbax"], "tp": 2})]["flags"] = {
-        "attention_backend": "pallas"}
+        "attention_backend": "pallas", "speculative_config": {
+            "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+            "prompt_lookup_max": 2}}
     raw = tp_utils.run_offline(runs, tp_prompts, collectives_of=paths["llama"])
     out = {"collectives": raw["collectives"]}
     out |= {f"{name}:{tp}": raw[f"{paths[name]}:{tp}"] for name in sizes for tp in sizes[name]}

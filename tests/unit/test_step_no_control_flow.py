@@ -9,6 +9,7 @@ import re
 
 import jax
 import numpy as np
+import pytest
 
 from jaxserve.config import ModelConfig
 from jaxserve.models import llama
@@ -32,11 +33,15 @@ def attention_stub(q, k_pages, v_pages, query_start_loc, seq_lens, block_tables,
     return q
 
 
-def test_step_lowers_without_control_flow():
+@pytest.mark.parametrize("ngram", [False, True])
+def test_step_lowers_without_control_flow(ngram):
+    """The plain step, and the n-gram method's (its drafts made in the step)."""
     config = tiny_config()
+    spec = dict(num_speculative_tokens=3, max_spec_seqs=2, ngram_lookup=(1, 3)) if ngram else {}
     runner = ModelRunner(config, llama.random_params(config, np.float32), page_size=16,
                          max_num_seqs=4, max_num_batched_tokens=8, max_model_len=64,
-                         kv_dtype=np.float32, attention_fn=attention_stub, branch_free=True)
+                         kv_dtype=np.float32, attention_fn=attention_stub, branch_free=True,
+                         **spec)
     runner.allocate_kv_cache(8)
     args = runner.placeholder_args(runner.k_cache, runner.v_cache)
     text = runner.programs.step[8].lower(*args.step[8]).as_text()

@@ -10,7 +10,8 @@ from jaxserve.worker.step_inputs import FIELDS, StepLayout
 
 def _fields(layout: StepLayout, rng) -> dict[str, np.ndarray]:
     n = {"t": layout.tokens, "s": layout.seqs, "s+1": layout.seqs + 1,
-         "l": layout.num_logits_rows, "r": layout.rows, "w": layout.writes}
+         "l": layout.num_logits_rows, "r": layout.rows, "w": layout.writes,
+         "p": layout.drafting_seqs}
     out = {}
     for name, length, dtype in FIELDS:
         if np.dtype(dtype) == np.float32:
@@ -22,13 +23,13 @@ def _fields(layout: StepLayout, rng) -> dict[str, np.ndarray]:
 
 
 def test_pack_then_unpack_in_a_jit_is_the_identity():
-    layout = StepLayout(tokens=16, seqs=4, rows=8, writes=5, logits_rows=6)
+    layout = StepLayout(tokens=16, seqs=4, rows=8, writes=5, logits_rows=6, drafting_seqs=3)
     fields = _fields(layout, np.random.default_rng(0))
     packed = layout.pack(fields)
     assert packed.shape == (layout.size,) and packed.dtype == np.int32
     # tokens, sequences, query_start_loc, logits rows (indices and 5 sampling fields), prompt
-    # log-probability rows, block table writes
-    assert layout.size == 5 * 16 + 2 * 4 + 5 + 6 * 6 + 8 + 3 * 5
+    # log-probability rows, block table writes, sequences drafting on the device
+    assert layout.size == 7 * 16 + 2 * 4 + 5 + 6 * 6 + 8 + 3 * 5 + 3
     unpacked = jax.jit(layout.unpack)(packed)
     for name, value in fields.items():
         got = np.asarray(unpacked[name])

@@ -99,3 +99,28 @@ def test_drafts_are_scheduled_past_a_verify_step_in_flight(spec_llm, smollm_llm)
     assert sum(past_in_flight) > len(past_in_flight) // 2
     assert out[0].outputs[0].token_ids == smollm_llm.chat(
         prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_a_constrained_request_beside_speculating_ones(spec_llm, smollm_llm):
+    """A constrained sequence gets no drafts but shares steps with sequences that verify them
+    (async: its bitmask is filled while the step runs, its filter reads the step's drafts): its
+    output is in its language, the others' equal the plain engine's."""
+    import re
+
+    from jaxserve.sampling_params import StructuredOutputsParams
+
+    prompts = chats(spec_prompts()[:2])
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=2)
+    constrained = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, structured_outputs=
+                                 StructuredOutputsParams(regex=r"[a-z]+( [a-z]+){2,5}\."))
+    ref = smollm_llm.chat(prompts, greedy, use_tqdm=False)
+    before = spec_llm.engine.get_stats().spec_decoding.num_drafts
+    out = spec_llm.chat([*prompts, chats(["Describe the sea."])[0]],
+                        [greedy, greedy, constrained], use_tqdm=False)
+    for r, o in zip(ref, out):
+        a = r.outputs[0]
+        same, n = compare_greedy(o.outputs[0].token_ids, a.token_ids,
+                                 [top2_margin(p) for p in a.logprobs])
+        assert same, (n, a.token_ids, o.outputs[0].token_ids)
+    assert re.fullmatch(r"[a-z]+( [a-z]+){2,5}\.", out[2].outputs[0].text)
+    assert spec_llm.engine.get_stats().spec_decoding.num_drafts > before

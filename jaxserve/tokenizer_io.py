@@ -8,18 +8,11 @@ loads one without Hub access, and without importing torch where it can (see its 
 import copy
 import json
 import pathlib
-import tempfile
 from dataclasses import dataclass
 
 # What ``save_tokenizer`` adds to a folder beside transformers' files: the facts a process that
 # does not import transformers needs of the tokenizer (``TokenizerVocab.read``).
 FACTS_FILE = "jaxserve_tokenizer.json"
-
-
-def temporary_folder() -> tempfile.TemporaryDirectory:
-    """A folder for a tokenizer (``save_tokenizer``'s), removed with the returned object or
-    its ``cleanup()``."""
-    return tempfile.TemporaryDirectory(prefix="jaxserve-tokenizer-", ignore_cleanup_errors=True)
 
 
 @dataclass(frozen=True)

@@ -124,8 +124,6 @@ class AsyncLLM:
                 None, GrammarValidator, self.tokenizer, ready.vocab_size, ready.eos_token_ids)
         except Exception as e:  # noqa: BLE001
             raise EngineStartError(f"cannot load the engine's tokenizer: {e}") from e
-        finally:
-            self.engine_core.remove_tokenizer_dir()
         self.model_name = ready.model_name
         self.config = ready.config
         self.vocab_size = ready.vocab_size
@@ -368,7 +366,6 @@ class AsyncLLM:
             logger.warning("the engine could not be restarted: %s", e)
             self.failed.set()
             return
-        self.engine_core.remove_tokenizer_dir()
         self.metrics.engine_up(self.engine_restarts)
         self.errored = False
         self.ready = True

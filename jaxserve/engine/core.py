@@ -46,7 +46,7 @@ from jaxserve.models.fp8_checkpoint import resolve_method
 from jaxserve.models.registry import build_params, resolve_kv_cache_dtype
 from jaxserve.platforms import current_platform
 from jaxserve.structured_output.manager import StructuredOutputManager, token_bitmask
-from jaxserve.tokenizer_io import TokenizerVocab, load_tokenizer, temporary_folder
+from jaxserve.tokenizer_io import TokenizerVocab, load_tokenizer
 from jaxserve.worker.executable_cache import ExecutableCache
 from jaxserve.worker.model_runner import ModelRunner
 from pallas_kernels import get_attention_fn, kv_quant
@@ -131,17 +131,13 @@ class EngineCore:
     Args:
       config: engine settings; ``self.config`` is the ResolvedConfig the engine runs with.
       log: receives one line per start-up phase.
-      tokenizer_dir: an empty folder the checkpoint's tokenizer is written to
-        (``self.tokenizer_dir``; the server's API process owns it); None: a temporary one that
-        goes with this engine.
 
     Raises:
       ValueError: unusable model path, unsupported architecture or dtype, or settings that do not
         fit (the message names the flag to change).
     """
 
-    def __init__(self, config: EngineConfig, log: Callable[[str], None] = print,
-                 tokenizer_dir: str | None = None):
+    def __init__(self, config: EngineConfig, log: Callable[[str], None] = print):
         enable_compilation_cache()
         distributed.initialize(config)  # before the first use of a JAX backend
         start = time.perf_counter()
@@ -155,18 +151,17 @@ class EngineCore:
         self.generation_config = load_generation_config(source, fmt, config.generation_config)
         log(f"sampling defaults for requests that leave them out: "
             f"{describe_sampling_defaults(self.generation_config)}")
-        # The tokenizer is written to a folder by a child process (importing transformers:
-        # seconds on the GPU machine, and heap this process would keep) while the backend
-        # starts and the parameters are built and the steps compiled; the structured outputs'
-        # LLTokenizer follows it on a thread once the model's EOS ids are known.
-        if tokenizer_dir is None:  # removed with this engine
-            self._tokenizer_dir = temporary_folder()
-            tokenizer_dir = self._tokenizer_dir.name
-        export = TokenizerExport(source, fmt, tokenizer_dir)
+        # The tokenizer's folder (``self.tokenizer_dir``) is kept from an earlier start, or
+        # written by a child process (importing transformers: seconds on the GPU machine, and
+        # heap this process would keep) while the backend starts and the parameters are built
+        # and the steps compiled; the structured outputs' LLTokenizer follows it on a thread
+        # once the model's EOS ids are known. The export lives as long as the engine (a
+        # temporary folder goes with it).
+        self._tokenizer_export = export = TokenizerExport(source, fmt)
         try:
             self._start_up(config, log, source, fmt, export, start)
         except BaseException:
-            export.cancel()  # else it may write the folder after its owner removed it
+            export.cancel()  # else it runs on after the engine is gone
             raise
 
     def _start_up(self, config: EngineConfig, log: Callable[[str], None], source: str,
@@ -282,8 +277,9 @@ class EngineCore:
         if platform.device_memory:
             self._check_peak_fits(self.runner.peak_program_bytes)
         self.tokenizer_dir, tokenizer_s = tokenizer.result()
-        log(f"tokenizer written in {tokenizer_s:.1f}s by a child process alongside; engine ready "
-            f"{time.perf_counter() - start:.1f}s after it began")
+        how = ("kept from an earlier start" if export.kept
+               else f"written in {tokenizer_s:.1f}s by a child process alongside")
+        log(f"tokenizer {how}; engine ready {time.perf_counter() - start:.1f}s after it began")
 
         self.vocab_size = mc.vocab_size
         self.structured_output_manager, self.eos_token_ids, so_s = structured.result()

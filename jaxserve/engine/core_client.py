@@ -21,7 +21,6 @@ from collections.abc import Callable
 from jaxserve.config import EngineConfig
 from jaxserve.engine import EngineCoreRequest
 from jaxserve.engine import messages as M
-from jaxserve.tokenizer_io import temporary_folder
 
 
 logger = logging.getLogger("jaxserve.engine")
@@ -91,7 +90,6 @@ class EngineCoreClient:
         self._on_message = on_message
         self._on_dead = on_dead
         self._proc = None
-        self._tokenizer_dir = None  # start
         self._transport: asyncio.Transport | None = None
         self._ready: asyncio.Future | None = None
         self._closing = False
@@ -116,12 +114,8 @@ class EngineCoreClient:
         parent_conn.close()
         self._transport, _ = await loop.connect_accepted_socket(
             lambda: _Pipe(self._on_frame, self._engine_gone), sock)
-        # The engine writes its tokenizer here for us to load; ours, so that an engine stopped
-        # during start-up leaves nothing behind (removed when this client goes).
-        self._tokenizer_dir = temporary_folder()
         self._proc = ctx.Process(target=run_engine_core,
-                                 args=(self.config, child_conn, os.getpid(),
-                                       self._tokenizer_dir.name),
+                                 args=(self.config, child_conn, os.getpid()),
                                  name="jaxserve-engine", daemon=False)
         self._proc.start()
         child_conn.close()  # so that EOF reaches us when the engine exits
@@ -155,12 +149,6 @@ class EngineCoreClient:
         if self._proc is not None and self._proc.is_alive():
             self._proc.kill()
             self._proc.join(5.0)
-
-    def remove_tokenizer_dir(self) -> None:
-        """Remove the folder the engine wrote its tokenizer to (``Ready.tokenizer_dir``), once
-        the API process has loaded it, rather than when this client goes."""
-        if self._tokenizer_dir is not None:
-            self._tokenizer_dir.cleanup()
 
     # -- requests ------------------------------------------------------------------------------
 

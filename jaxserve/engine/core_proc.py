@@ -222,15 +222,13 @@ def _sigterm(signum, frame):
     os._exit(0)
 
 
-def run_engine_core(config: EngineConfig, conn: Connection, parent_pid: int | None = None,
-                    tokenizer_dir: str | None = None) -> None:
+def run_engine_core(config: EngineConfig, conn: Connection, parent_pid: int | None = None) -> None:
     """Engine process entry point (multiprocessing ``spawn`` target).
 
     Args:
       config: the engine configuration (CLI flags).
       conn: this process's end of the duplex Pipe.
       parent_pid: the API process; the engine exits if it disappears.
-      tokenizer_dir: the API process's folder for the tokenizer (``EngineCore``'s).
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _sigterm)
@@ -240,7 +238,7 @@ def run_engine_core(config: EngineConfig, conn: Connection, parent_pid: int | No
         try:
             from jaxserve.engine.core import EngineCore  # imports JAX: engine process only
 
-            core = EngineCore(config, log=_log, tokenizer_dir=tokenizer_dir)
+            core = EngineCore(config, log=_log)
         except Exception as e:  # noqa: BLE001 - reported as one line by the API process
             if os.environ.get("JAXSERVE_DEBUG"):
                 traceback.print_exc()

@@ -49,8 +49,8 @@ class Ready(msgspec.Struct, tag="ready"):
       model_name: the model's own name (served name default).
       config: the configuration the engine runs with (``max_model_len``: the longest
         sequence, prompt + output, tokens; ``max_num_seqs``: the most sequences in one step).
-      tokenizer_dir: a folder with the tokenizer saved by ``save_pretrained`` (the API process
-        loads it with ``AutoTokenizer.from_pretrained`` and may delete it afterwards).
+      tokenizer_dir: a folder with the tokenizer (``tokenizer_io.save_tokenizer``'s layout;
+        ``model_loader.tokenizer_export``): the API process loads it (``load_tokenizer``).
       eos_token_ids: ids that end generation by default.
       vocab_size: the model's vocabulary size (ids at or above it are invalid).
       allocator_fraction: XLA_PYTHON_CLIENT_MEM_FRACTION the engine's JAX backend runs with (the

@@ -28,15 +28,15 @@ TEXT = " The quick brown fox jumps over the lazy dog. Café 😀 中文 naïve."
 
 
 class StubEngineCore:
-    def __init__(self, config, log=print, tokenizer_dir=None):
+    def __init__(self, config, log=print):
         from jaxserve.model_loader import default_tokenizer
-        from jaxserve.tokenizer_io import save_tokenizer
+        from jaxserve.model_loader.tokenizer_export import TokenizerExport
 
         log("stub engine: starting")
-        # The tokenizer first, as EngineCore writes it early in its start-up.
+        # The tokenizer's folder first, as EngineCore's start-up begins with it.
+        self.tokenizer_dir = TokenizerExport("smollm2-135m", "dummy").wait()
         self.tokenizer = default_tokenizer()
-        self.tokenizer_dir = tokenizer_dir  # the API process's, as EngineCore's
-        save_tokenizer(self.tokenizer, self.tokenizer_dir)
+        log("stub engine: tokenizer ready")
         time.sleep(float(os.environ.get("STUB_START_DELAY_S", "0")))
         if os.environ.get("STUB_START_ERROR"):
             raise ValueError(os.environ["STUB_START_ERROR"])

@@ -38,6 +38,7 @@ class ModelConfig:
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...]
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+    o_proj_bias: bool = False  # the attention's output projection does (HF attention_bias)
     qk_norm: bool = False  # RMSNorm on q and k per head before RoPE (Qwen3, Gemma 3)
     # Mixture of experts (jaxserve.models.moe); num_experts 0 for a dense model.
     num_experts: int = 0

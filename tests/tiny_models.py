@@ -54,6 +54,45 @@ TINY_CONFIGS = {
                                             "rope_theta": 100000.0},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
 }
+# Other configs of the same families, for the logits check alone (test_model_parity): options
+# and shapes the configs above leave out, each a config HF builds and jaxserve must equal.
+VARIANT_CONFIGS = {
+    # HF's attention_bias: q/k/v and the output projection carry biases; all heads KV heads.
+    "llama-bias-mha-tied": lambda: transformers.LlamaConfig(
+        **{**TINY, "num_key_value_heads": 6}, attention_bias=True, tie_word_embeddings=True),
+    "llama-mqa-wide-heads": lambda: transformers.LlamaConfig(
+        **{**TINY, "num_key_value_heads": 1, "head_dim": 64, "num_hidden_layers": 3,
+           "intermediate_size": 100}, rms_norm_eps=1e-5),
+    "llama-linear-rope": lambda: transformers.LlamaConfig(
+        **TINY, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 5000.0}),
+    "mistral-narrow-heads": lambda: transformers.MistralConfig(
+        **{**TINY, "head_dim": 16}, sliding_window=None),
+    # Windows from layer max_window_layers on (HF's rule for use_sliding_window).
+    "qwen2-windows-from-layer-1": lambda: transformers.Qwen2Config(
+        **{**TINY, "num_hidden_layers": 3}, use_sliding_window=True, sliding_window=40,
+        max_window_layers=1),
+    "qwen3-bias-tied": lambda: transformers.Qwen3Config(
+        **{**TINY, "head_dim": 48}, attention_bias=True, tie_word_embeddings=True),
+    "mixtral-window-top1": lambda: transformers.MixtralConfig(
+        **TINY, num_local_experts=3, num_experts_per_tok=1, sliding_window=40),
+    "qwen2_moe-sparse-step-2": lambda: transformers.Qwen2MoeConfig(
+        **{**TINY, "num_hidden_layers": 3}, moe_intermediate_size=48,
+        shared_expert_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
+        norm_topk_prob=True, decoder_sparse_step=2),
+    "qwen3_moe-dense-layer-1": lambda: transformers.Qwen3MoeConfig(
+        **{**TINY, "num_hidden_layers": 3}, moe_intermediate_size=48, num_experts=5,
+        num_experts_per_tok=2, norm_topk_prob=False, mlp_only_layers=[1]),
+    "gemma2-no-caps-bias": lambda: transformers.Gemma2Config(
+        **TINY, sliding_window=40, query_pre_attn_scalar=32, attn_logit_softcapping=None,
+        final_logit_softcapping=None, attention_bias=True, attn_implementation="eager"),
+    # Gemma 3 keeps attn_logit_softcapping in its config and never applies it.
+    "gemma3-two-sliding-capped": lambda: transformers.Gemma3TextConfig(
+        **{**TINY, "num_hidden_layers": 3}, sliding_window=40, query_pre_attn_scalar=32,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        final_logit_softcapping=5.0, attn_logit_softcapping=4.0, attn_implementation="eager"),
+    "phi3-mha-no-window": lambda: transformers.Phi3Config(
+        **{**PHI3, "num_key_value_heads": 6}, sliding_window=None, pad_token_id=0),
+}
 HF_CLASSES = {
     "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
@@ -77,10 +116,12 @@ def tiny_phi3_longrope() -> transformers.Phi3Config:
 
 
 def tiny_model(name: str):
-    """The tiny random HF model ``name`` (float32, eval mode): random biases and norm weights
-    (HF initialises them to constants), so that those paths are exercised."""
+    """The tiny random HF model ``name`` (of ``TINY_CONFIGS``, or ``VARIANT_CONFIGS``: its
+    family's class), float32, eval mode: random biases and norm weights (HF initialises them to
+    constants), so that those paths are exercised."""
     torch.manual_seed(0)
-    model = getattr(transformers, HF_CLASSES[name])(TINY_CONFIGS[name]()).eval()
+    config = (TINY_CONFIGS.get(name) or VARIANT_CONFIGS[name])()
+    model = getattr(transformers, HF_CLASSES[name.split("-")[0]])(config).eval()
     with torch.no_grad():
         for param_name, p in model.named_parameters():
             if param_name.endswith("proj.bias") or "norm" in param_name:

@@ -208,6 +208,8 @@ def _decoder_layer(hidden: jax.Array, p: dict, k_pages: jax.Array, v_pages: jax.
         attend = sharding.per_shard_attention(attend, mesh)
     attn, k_pages, v_pages = attend(q, k, v, k_pages, v_pages, md)
     attn = linear(attn.reshape(num_tokens, H * D), p["o_proj"], lora_slots)
+    if "o_bias" in p:
+        attn = attn + p["o_bias"]
     if opts.sandwich_norms:
         hidden = hidden + norm(attn, p["post_attention_layernorm"])
         x = norm(hidden, p["pre_feedforward_layernorm"])
@@ -456,6 +458,8 @@ def hf_tensor_shapes(config: ModelConfig, layer: int = 0) -> tuple[dict, dict]:
     if c.attention_bias:
         shapes |= {"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
                    "self_attn.v_proj.bias": (kv,)}
+    if c.o_proj_bias:
+        shapes |= {"self_attn.o_proj.bias": (E,)}
     if c.qk_norm:
         shapes |= {"self_attn.q_norm.weight": (D,), "self_attn.k_norm.weight": (D,)}
     if c.sandwich_norms:
@@ -557,7 +561,7 @@ def _layer_from_hf(t: dict, dtype, layout: sharding.Layout, mesh: Mesh | None,
     Shapes (E hidden, H heads, KV the layout's KV heads, D head_dim, I intermediate, n the mesh
     size): input_layernorm, post_attention_layernorm [E]; qkv_proj [E, (H + 2 KV) D] and
     qkv_bias [(H + 2 KV) D] (Qwen2), columns [q | k | v] of each shard in turn; q_norm, k_norm
-    [D] (Qwen3); o_proj [H D, E]; gate_up_proj [E, 2 I], columns [gate | up] of each shard in
+    [D] (Qwen3); o_proj [H D, E] and o_bias [E] (HF's attention_bias); gate_up_proj [E, 2 I], columns [gate | up] of each shard in
     turn; down_proj [I, E]. With n = 1: [q | k | v] and [gate | up]. An ``Fp8Weight`` holds the
     same channels as rows (``[out, in]``). A sparse layer (``moe.is_sparse``) holds the MoE
     block's params (``moe``) instead of gate_up_proj and down_proj.
@@ -581,6 +585,8 @@ def _layer_from_hf(t: dict, dtype, layout: sharding.Layout, mesh: Mesh | None,
               "down_proj": _fuse([proj("mlp.down_proj")], n)}
     if "self_attn.q_proj.bias" in t:
         p["qkv_bias"] = _columns_by_shard(qkv(lambda x: t[f"self_attn.{x}_proj.bias"]), n)
+    if "self_attn.o_proj.bias" in t:
+        p["o_bias"] = t["self_attn.o_proj.bias"]
     if "self_attn.q_norm.weight" in t:
         p["q_norm"], p["k_norm"] = t["self_attn.q_norm.weight"], t["self_attn.k_norm.weight"]
     # input_layernorm: absent in EAGLE-1's first layer; hidden_norm: EAGLE-3's layer

@@ -125,7 +125,7 @@ _SPECS = {
     "input_layernorm": P(), "post_attention_layernorm": P(), "q_norm": P(), "k_norm": P(),
     "pre_feedforward_layernorm": P(), "post_feedforward_layernorm": P(),
     "qkv_proj": P(None, AXIS), "qkv_bias": P(AXIS), "gate_up_proj": P(None, AXIS),
-    "o_proj": P(AXIS, None), "down_proj": P(AXIS, None),
+    "o_proj": P(AXIS, None), "o_bias": P(), "down_proj": P(AXIS, None),
     "embed_tokens": P(AXIS, None), "lm_head": P(AXIS, None), "norm": P(),
     # MoE blocks (``jaxserve.models.moe``): each expert split by columns as the dense MLP.
     "router": P(), "experts_gate_up": P(None, None, AXIS), "experts_down": P(None, AXIS, None),

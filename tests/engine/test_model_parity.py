@@ -17,7 +17,8 @@ from jaxserve.sampling_params import SamplingParams
 from pallas_kernels.reference import attention
 from tests.conftest import sharegpt_prompts
 from tests.greedy import compare_greedy, hf_greedy_margins
-from tests.tiny_models import HF_CLASSES, TINY, TINY_CONFIGS, save_tiny_model, tiny_phi3_longrope
+from tests.tiny_models import (HF_CLASSES, TINY, TINY_CONFIGS, VARIANT_CONFIGS, save_tiny_model,
+                               tiny_model as build_tiny_model, tiny_phi3_longrope)
 
 PAGE = 16
 
@@ -139,6 +140,20 @@ def test_tiny_models_match_hf(tiny_model):
               max_num_seqs=4, kv_cache_gib=0.01)
     prompts = [rng.integers(0, TINY["vocab_size"], size=n).tolist() for n in (5, 40, 100)]
     assert_greedy_identical(llm, hf_model, prompts)
+
+
+@pytest.mark.parametrize("name", sorted(VARIANT_CONFIGS))
+def test_config_variants_match_hf(name, tmp_path):
+    """Prompt logits of other configs of each family (options and shapes the tiny models leave
+    out) equal HF's on a prompt longer than their windows."""
+    hf_model = build_tiny_model(name)
+    hf_model.save_pretrained(tmp_path)
+    hf_config = json.loads((tmp_path / "config.json").read_text())
+    ids = np.random.default_rng(2).integers(0, TINY["vocab_size"], size=120).tolist()
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([ids])).logits[0].numpy()
+    assert_logits_close(our_prompt_logits(hf_config, load_file(tmp_path / "model.safetensors"),
+                                          ids), ref)
 
 
 def test_phi3_longrope_matches_hf_in_its_regime(tmp_path):

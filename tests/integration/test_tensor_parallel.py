@@ -147,10 +147,10 @@ for name, config in configs.items():
     out[name] = {"rel": float(np.abs(two - one).max() / np.abs(one).max()),
                  "expert_shard": list(experts.addressable_shards[0].data.shape)}
 # The other families' tiny models, read lazily as a TP server reads them (Phi-3's fused
-# tensors as lazy row blocks).
+# tensors as lazy row blocks), and a Llama with biases on every attention projection.
 from jaxserve.model_loader import load_hf_folder
 from tests.tiny_models import tiny_model
-for name in ("gemma2", "gemma3", "phi3"):
+for name in ("gemma2", "gemma3", "phi3", "llama-bias-mha-tied"):
     tmp = tempfile.TemporaryDirectory()
     folder = tmp.name
     tiny_model(name).save_pretrained(folder)
@@ -166,12 +166,13 @@ print(json.dumps(out))
 
 
 def test_moe_and_other_families_logits_at_tp2_equal_tp1():
-    """Each expert split by columns over 2 fake devices, and the Gemma and Phi-3 layers split
-    as Llama's: the same logits as one device."""
+    """Each expert split by columns over 2 fake devices, and the Gemma and Phi-3 layers (and
+    the output projection's bias, replicated) split as Llama's: the same logits as one
+    device."""
     found = tp_utils.run_python(MOE_TP, devices=2)
     assert found["mixtral"]["expert_shard"] == [4, 64, 96]  # 4 experts x [E, 2 I / 2]
     assert found["qwen2_moe"]["expert_shard"] == [6, 64, 32]
-    assert {"gemma2", "gemma3", "phi3"} <= set(found)
+    assert {"gemma2", "gemma3", "phi3", "llama-bias-mha-tied"} <= set(found)
     assert all(r["rel"] < 1e-5 for r in found.values()), found
 
 

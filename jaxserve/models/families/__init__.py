@@ -64,6 +64,7 @@ def model_config_fields(cfg: dict, max_model_len: int | None = None) -> dict:
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
         tie_word_embeddings=cfg.get("tie_word_embeddings", False),
         attention_bias=cfg.get("attention_bias", False),
+        o_proj_bias=cfg.get("attention_bias", False),
         max_position_embeddings=cfg.get("max_position_embeddings", 4096),
         eos_token_ids=() if eos is None else tuple(eos) if isinstance(eos, list) else (eos,),
         hidden_act=act,

@@ -39,7 +39,9 @@ def _gemma3(cfg: dict) -> dict:
         raise ValueError(f"unsupported config option rope_parameters.sliding_attention "
                          f"rope_type {local['rope_type']!r} of {arch}")
     pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern")
-    return (_gemma(cfg) | {"qk_norm": True,
+    # HF's Gemma3Attention keeps attn_logit_softcapping but never applies it (no softcap to
+    # its attention function, eager or not): Gemma 3's scores are not capped.
+    return (_gemma(cfg) | {"qk_norm": True, "attn_logit_softcapping": None,
                            "local_rope_theta": local.get("rope_theta") or cfg["rope_local_base_freq"]}
             | typed_windows(arch, cfg, cfg["sliding_window"], lambda i: (i + 1) % pattern))
 

@@ -40,7 +40,7 @@ def _experts(arch: str, cfg: dict) -> dict:
 
 
 def _qwen2(cfg: dict) -> dict:
-    return {"attention_bias": True} | _windows("Qwen2ForCausalLM", cfg)
+    return {"attention_bias": True, "o_proj_bias": False} | _windows("Qwen2ForCausalLM", cfg)
 
 
 def _qwen3(cfg: dict) -> dict:
@@ -49,8 +49,8 @@ def _qwen3(cfg: dict) -> dict:
 
 def _qwen2_moe(cfg: dict) -> dict:
     arch = "Qwen2MoeForCausalLM"
-    return ({"attention_bias": cfg.get("qkv_bias", True) or cfg.get("attention_bias", False)}
-            | _windows(arch, cfg) | _experts(arch, cfg))
+    return ({"attention_bias": cfg.get("qkv_bias", True) or cfg.get("attention_bias", False),
+             "o_proj_bias": False} | _windows(arch, cfg) | _experts(arch, cfg))
 
 
 def _qwen3_moe(cfg: dict) -> dict:

@@ -53,6 +53,7 @@ class SpeculativeConfig:
         unknown = sorted(set(d) - names)
         if unknown:
             raise ValueError(f"unknown field {unknown[0]!r} (fields: {', '.join(sorted(names))})")
+        d = _with_method(d)
         method = d.get("method")
         if method in NOT_BUILT:
             raise ValueError(f"method {method!r} is not built in this engine yet; "
@@ -62,7 +63,6 @@ class SpeculativeConfig:
         if (method in MODEL_METHODS) != isinstance(d.get("model"), str):
             raise ValueError(f"model (the drafter's path) is required by methods "
                              f"{', '.join(MODEL_METHODS)} and by them alone")
-        d = dict(d)
         lo, hi = d.get("prompt_lookup_min"), d.get("prompt_lookup_max")
         if lo is None and hi is None:
             lo = hi = 5
@@ -81,6 +81,22 @@ class SpeculativeConfig:
             raise ValueError(f"prompt_lookup_min {d['prompt_lookup_min']} exceeds "
                              f"prompt_lookup_max {d['prompt_lookup_max']}")
         return cls(**d)
+
+
+def _with_method(d: dict) -> dict:
+    """A copy of ``d`` with ``method`` as vLLM infers it: "[ngram]" is "ngram", and so is
+    ``"model": "ngram"``; without a method, a model path whose name holds "eagle3" (or else
+    "eagle") is an EAGLE head of that kind, any other a draft model."""
+    d = dict(d)
+    model = d.get("model")
+    if d.get("method") == "[ngram]" or (d.get("method") in (None, "ngram")
+                                        and model in ("ngram", "[ngram]")):
+        d["method"] = "ngram"
+        d.pop("model", None)
+    elif d.get("method") is None and isinstance(model, str):
+        name = model.lower()
+        d["method"] = "eagle3" if "eagle3" in name else "eagle" if "eagle" in name else "draft_model"
+    return d
 
 
 def parse_speculative_config(text: str) -> dict:

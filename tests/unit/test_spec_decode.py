@@ -28,6 +28,19 @@ def test_config_defaults_follow_vllm():
     assert (c.prompt_lookup_min, c.prompt_lookup_max) == (4, 4)
 
 
+@pytest.mark.parametrize("d, method, model", [
+    ({"method": "[ngram]"}, "ngram", None),
+    ({"model": "ngram"}, "ngram", None),
+    ({"method": "ngram", "model": "[ngram]"}, "ngram", None),
+    ({"model": "/ckpt/SmolLM2-135M"}, "draft_model", "/ckpt/SmolLM2-135M"),
+    ({"model": "/heads/EAGLE-LLaMA3.1-Instruct-8B"}, "eagle", "/heads/EAGLE-LLaMA3.1-Instruct-8B"),
+    ({"model": "/heads/sglang-EAGLE3-Llama-3.1-8B"}, "eagle3", "/heads/sglang-EAGLE3-Llama-3.1-8B"),
+])
+def test_config_infers_the_method_as_vllm(d, method, model):
+    c = SpeculativeConfig.from_dict({**d, "num_speculative_tokens": 2})
+    assert (c.method, c.model) == (method, model)
+
+
 @pytest.mark.parametrize("d, field", [
     ({"method": "medusa", "num_speculative_tokens": 2}, "medusa"),
     ({"method": "mtp", "num_speculative_tokens": 2}, "not built"),

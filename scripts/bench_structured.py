@@ -51,7 +51,7 @@ def bench_mask(num_seqs: int, steps: int, seed: int) -> None:
 
     tok = load_tokenizer_of(None)
     vocab = 49152
-    manager = StructuredOutputManager(TokenizerVocab.of(tok), vocab, [tok.eos_token_id], num_seqs)
+    manager = StructuredOutputManager(TokenizerVocab.of(tok), vocab, [tok.eos_token_id])
     for label, transform in (("strings with maxLength", lambda s: s),
                              ("strings without maxLength", _without_max_length)):
         print(f"{label}:")

@@ -41,10 +41,13 @@ pages and max_tokens / max_model_len allow for them), and until the step's token
 all of them count as accepted (``num_output_placeholders``: the most the step can emit, so the
 next step's positions and pages may run ahead of the true ones, which the step settles on the
 device). ``update`` takes the accepted ones with the sampled token, stops at a stop token
-among them, and takes back the computed positions of the rejected ones. Constrained sequences
-get no drafts, nor does a sequence short of its min_tokens (its min_tokens mask is built from
-the host's counts), and no sequence does while more than ``disable_by_batch_size`` requests
-are unfinished.
+among them, and takes back the computed positions of the rejected ones. A constrained
+sequence's drafts are checked by its grammar's masks: a row per draft, each after the drafts
+before it (``grammar_bitmask``; with several hosts, whose bitmask host 0 publishes before the
+step makes its n-gram drafts, constrained sequences get none: ``constrained_drafts``). A
+sequence short of its min_tokens gets no drafts (its min_tokens mask is built from the host's
+counts), and no sequence does while more than ``disable_by_batch_size`` requests are
+unfinished.
 
 A request that wants prompt log-probabilities takes no prefix-cache hits (every prompt position
 must be computed), and its prompt chunks are capped so that one step never holds more than
@@ -81,6 +84,7 @@ class Scheduler:
         structured_output_manager=None,
         max_loras: int = 0,
         spec_config: SpeculativeConfig | None = None,
+        constrained_drafts: bool = True,
     ):
         self.kv = kv_cache_manager
         self.structured_output_manager = structured_output_manager
@@ -100,6 +104,7 @@ class Scheduler:
         self.prompt_tokens_computed = 0
         self.spec_config = spec_config
         self.drafts_on_device = spec_config is not None and spec_config.method == "ngram"
+        self.constrained_drafts = constrained_drafts
         # draft_model: req_id -> (its token count when drafted, the runner's drafts after it)
         self._model_drafts: dict[str, tuple[int, list[int]]] = {}
         self.spec_stats = SpecDecodingStats.new(
@@ -208,7 +213,7 @@ class Scheduler:
                 i += 1
                 continue
             drafts = []
-            if (speculates and n == 1 and not req.constrained
+            if (speculates and n == 1 and (self.constrained_drafts or not req.constrained)
                     and (self.drafts_on_device or req.num_output_placeholders == 0)):
                 drafts = self._drafts(req, budget - 1)
                 n += len(drafts)
@@ -261,10 +266,18 @@ class Scheduler:
             if samples and self.requests[rid].constrained]
         return out
 
-    def grammar_bitmask(self, out: SchedulerOutput) -> None:
-        """Set ``out.grammar_bitmask``: the tokens each of its constrained sequences may draw.
-        A sequence that finished since ``schedule`` (its row's token will be dropped), or
-        whose reasoning has not ended, gets an all-allowed row (then its allowed_token_ids).
+    def grammar_bitmask(self, out: SchedulerOutput,
+                        drafts: dict[str, list[int]] | None = None) -> None:
+        """Set ``out.grammar_bitmask``: the tokens each of its constrained sequences may draw,
+        a row per logits row of the sequence: with k drafts, the rows that verify them (each
+        after the drafts before it) then the row that samples (``manager.grammar_bitmask``).
+        A sequence that finished since ``schedule`` (its rows' tokens will be dropped), or
+        whose reasoning has not ended, gets all-allowed rows (then its allowed_token_ids).
+
+        Args:
+          out: the step.
+          drafts: per sequence, the drafts its step verifies, where the step made them on the
+            device (``ModelRunner.step_drafts``); default ``out.scheduled_spec_decode_tokens``.
 
         Raises:
           RuntimeError: a sequence's matcher has not seen a token before this step's (an
@@ -272,19 +285,28 @@ class Scheduler:
         """
         if not out.structured_output_request_ids:
             return
-        reqs = [self.requests.get(rid) for rid in out.structured_output_request_ids]
+        ids = out.structured_output_request_ids
+        drafts = out.scheduled_spec_decode_tokens if drafts is None else drafts
+        reqs = [self.requests.get(rid) for rid in ids]
+        sizes = [1 + len(out.scheduled_spec_decode_tokens.get(rid, ())) for rid in ids]
+        first = np.cumsum([0] + sizes)
         live = [i for i, r in enumerate(reqs) if r is not None]
         grammars = [i for i in live if reqs[i].grammar is not None
                     and reqs[i].reasoning_end_token_id is None]
-        if any(reqs[i].num_output_placeholders > 1 for i in grammars):
+        if any(reqs[i].num_output_placeholders > sizes[i] for i in grammars):
             raise RuntimeError("a constrained sequence's grammar is behind its tokens")
         manager = self.structured_output_manager
-        mask = np.full((len(reqs), manager.width), -1, np.int32)
+        mask = np.full((first[-1], manager.width), -1, np.int32)
         if grammars:
-            mask[grammars] = manager.grammar_bitmask([reqs[i].grammar for i in grammars])
+            # A draft the lookup left empty (-1, or a filler past the vocabulary) ends them.
+            valid = [_valid_prefix(drafts.get(ids[i], ()), manager.vocab_size) for i in grammars]
+            rows = manager.grammar_bitmask([reqs[i].grammar for i in grammars], valid)
+            at = np.cumsum([0] + [1 + len(d) for d in valid])
+            for i, a, b in zip(grammars, at[:-1], at[1:]):
+                mask[first[i] : first[i] + b - a] = rows[a:b]
         for i in live:
             if reqs[i].allowed_bitmask is not None:
-                mask[i] &= reqs[i].allowed_bitmask
+                mask[first[i] : first[i + 1]] &= reqs[i].allowed_bitmask
         out.grammar_bitmask = mask
 
     def _cap(self, req: Request, n: int) -> int:
@@ -489,3 +511,13 @@ class Scheduler:
         if not self.max_loras:
             return []
         return sorted({r.lora_request.lora_name for r in requests if r.lora_request})
+
+
+def _valid_prefix(drafts, vocab_size: int) -> list[int]:
+    """The drafts up to the first that is no token of the vocabulary."""
+    out = []
+    for d in drafts:
+        if not 0 <= d < vocab_size:
+            break
+        out.append(int(d))
+    return out

@@ -112,7 +112,7 @@ def _timed(fn, *args):
     return fn(*args), time.perf_counter() - t
 
 
-def _structured_output_manager(tokenizer_future, model_config, max_num_seqs: int):
+def _structured_output_manager(tokenizer_future, model_config):
     """(StructuredOutputManager, EOS ids, seconds), once ``tokenizer_future`` (of ``_timed``)
     has written the tokenizer's folder. Generation ends at the model's EOS ids (config.json /
     GGUF) and the tokenizer's own."""
@@ -121,7 +121,7 @@ def _structured_output_manager(tokenizer_future, model_config, max_num_seqs: int
     eos = set(model_config.eos_token_ids) | {vocab.eos_token_id}
     eos_token_ids = tuple(sorted(t for t in eos if t is not None))
     (manager, seconds) = _timed(StructuredOutputManager, vocab, model_config.vocab_size,
-                                eos_token_ids, max_num_seqs)
+                                eos_token_ids)
     return manager, eos_token_ids, seconds
 
 
@@ -225,7 +225,7 @@ class EngineCore:
                    f" (prompt lookup {sc.prompt_lookup_min}-{sc.prompt_lookup_max} tokens)")
                 + f", {sc.num_speculative_tokens} drafts a step, off while more than "
                 f"{sc.disable_by_batch_size} requests are unfinished")
-        structured = pool.submit(_structured_output_manager, tokenizer, mc, config.max_num_seqs)
+        structured = pool.submit(_structured_output_manager, tokenizer, mc)
         pool.shutdown(wait=False)
         kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype)
         spec = self.spec_config
@@ -306,6 +306,7 @@ class EngineCore:
             structured_output_manager=self.structured_output_manager,
             max_loras=config.max_loras if config.enable_lora else 0,
             spec_config=spec,
+            constrained_drafts=config.num_hosts == 1,
         )
         self._rng = random.Random(config.seed)
         self._in_flight = None  # (SchedulerOutput, StepHandle) dispatched, not yet updated
@@ -456,12 +457,14 @@ class EngineCore:
         dispatch this step first, then wait for the previous step's tokens (the device runs
         this step meanwhile) and update with them; a step's outputs come one call later.
         A step with constrained sequences (structured outputs) needs their grammar bitmask,
-        which needs every earlier token: synchronous, it is filled before the step is
-        dispatched; async, the step's model part is dispatched first, and the filtered sampler
-        once the previous step's tokens have updated the matchers, so filling the bitmask
-        overlaps the model's step on the device (docs/structured_outputs.md). With several
-        hosts (where host 0 publishes each step once, bitmask included) the engine runs
-        synchronously while a constrained sequence is unfinished. With a draft model or an
+        which needs every earlier token and the drafts the step verifies: the step's model
+        part is dispatched first, and the filtered sampler once the previous step's tokens
+        have updated the matchers (async: after that update; synchronous: at once), so
+        filling the bitmask overlaps the model's step on the device
+        (docs/structured_outputs.md); n-gram drafts, made by the step, are waited for first.
+        With several hosts (where host 0 publishes each step once, bitmask included, before it
+        is dispatched) the engine runs synchronously while a constrained sequence is
+        unfinished, and such sequences get no drafts. With a draft model or an
         EAGLE head the steps that may carry drafts run synchronously too: the drafter proposes
         after a step's tokens are known and the scheduler places them; the n-gram method's
         steps make their own drafts and keep async scheduling (docs/spec_decode.md).
@@ -474,15 +477,16 @@ class EngineCore:
             self._in_flight = None
         sched = self.scheduler.schedule()
         self._unsettled.append(sched)
-        if sync:
-            self.scheduler.grammar_bitmask(sched)
         if self._channel is not None:
+            self.scheduler.grammar_bitmask(sched)
             self._channel.publish(sched)
         handle = self.runner.execute(sched)
         if sync:
             if handle is None:
                 self._unsettled.remove(sched)
                 return flushed
+            if handle.awaits_bitmask:
+                self._sample_constrained(sched, handle)
             return flushed + self._update(sched, handle)
         prev, self._in_flight = self._in_flight, (sched, handle) if handle else None
         if handle is None:
@@ -491,9 +495,14 @@ class EngineCore:
         if prev is not None:
             outputs = self._update(*prev)
         if handle is not None and handle.awaits_bitmask:
-            self.scheduler.grammar_bitmask(sched)
-            self.runner.sample_filtered(handle, sched.grammar_bitmask)
+            self._sample_constrained(sched, handle)
         return outputs
+
+    def _sample_constrained(self, sched: SchedulerOutput, handle) -> None:
+        """Dispatch the filtered sampler of a step whose constrained rows waited for their
+        grammar bitmask, once every earlier token has updated the matchers."""
+        self.scheduler.grammar_bitmask(sched, self.runner.step_drafts(handle, sched))
+        self.runner.sample_filtered(handle, sched.grammar_bitmask)
 
     def _update(self, sched: SchedulerOutput, handle) -> list[EngineCoreOutput]:
         """Wait for a dispatched step's tokens and apply them to the scheduler."""

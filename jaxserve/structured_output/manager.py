@@ -5,8 +5,9 @@ sequence that uses it (each choice of an ``n`` request) gets its own copy, which
 advances with the sequence's tokens. Each step that samples a constrained sequence, the
 scheduler asks ``grammar_bitmask`` for the allowed tokens of those sequences: one row of
 ceil(V / 32) int32 words each (bit j of word i allows token 32 i + j), filled by llguidance's
-threads into a buffer allocated once. ``token_bitmask`` gives the fixed row of a sequence's
-``allowed_token_ids``, which the scheduler ANDs into its rows.
+threads, and with speculative decoding one more after each draft the sequence verifies.
+``token_bitmask`` gives the fixed row of a sequence's ``allowed_token_ids``, which the
+scheduler ANDs into its rows.
 """
 
 from __future__ import annotations
@@ -43,16 +44,14 @@ class StructuredOutputManager:
       vocab: the model's fast tokenizer (``TokenizerVocab``).
       vocab_size: the model's vocabulary size V (the bitmask rows cover V tokens).
       eos_token_ids: the ids that end generation.
-      max_num_seqs: the most sequences one step samples.
     """
 
-    def __init__(self, vocab, vocab_size: int, eos_token_ids, max_num_seqs: int):
+    def __init__(self, vocab, vocab_size: int, eos_token_ids):
         self.ll_tokenizer = build_ll_tokenizer(vocab, vocab_size, eos_token_ids)
+        self.vocab_size = vocab_size
         self.width = bitmask_width(vocab_size)
         self._compiled: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
         self._executor = llguidance.LLExecutor()
-        self._bitmask = llg_numpy.allocate_token_bitmask(max_num_seqs,
-                                                         self.ll_tokenizer.vocab_size)
 
     def grammar_init(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:
         """A matcher of the constraint at its start state, for one sequence.
@@ -72,13 +71,23 @@ class StructuredOutputManager:
             self._compiled.move_to_end(key)
         return template.deep_copy()
 
-    def grammar_bitmask(self, matchers: list[llguidance.LLMatcher]) -> np.ndarray:
-        """[len(matchers), width] int32: the tokens each matcher allows next (a matcher that
-        is complete and accepts nothing more allows only EOS; one in an error state too).
-
-        The rows are a copy: the buffer is refilled next step while the device may still
-        be reading the previous step's rows."""
-        n = len(matchers)
-        llg_numpy.fill_next_token_bitmask_par(
-            self._executor, [(m, i) for i, m in enumerate(matchers)], self._bitmask[:n])
-        return self._bitmask[:n, : self.width].copy()
+    def grammar_bitmask(self, matchers: list[llguidance.LLMatcher],
+                        drafts: list[list[int]] | None = None) -> np.ndarray:
+        """[sum of 1 + len(drafts[i]), width] int32: per matcher in turn, the tokens it allows
+        next (a matcher that is complete and accepts nothing more allows only EOS; one in an
+        error state too), then after each of its ``drafts`` (token ids in [0, V), the drafts
+        its sequence verifies) as long as it accepts them: the rows after a draft it rejects
+        allow every token (that draft is rejected, and the rows after it emit nothing). The
+        matchers are left as they were (llguidance rolls the drafts back)."""
+        drafts = drafts or [[]] * len(matchers)
+        starts = np.cumsum([0] + [1 + len(d) for d in drafts]).tolist()
+        mask = llg_numpy.allocate_token_bitmask(starts[-1], self.ll_tokenizer.vocab_size)
+        mask.fill(-1)
+        plain = [(m, i) for m, i, d in zip(matchers, starts, drafts) if not d]
+        drafted = [(m, i, d) for m, i, d in zip(matchers, starts, drafts) if d]
+        if plain:
+            llg_numpy.fill_next_token_bitmask_par(self._executor, plain, mask)
+        if drafted:
+            llg_numpy.fill_next_token_bitmask_par_with_draft_tokens(self._executor, drafted,
+                                                                    mask)
+        return np.ascontiguousarray(mask[:, : self.width])

@@ -609,6 +609,22 @@ class ModelRunner:
         handle.logprobs = lp if want_logprobs else None
         handle.filter_inputs = None
 
+    def step_drafts(self, handle: StepHandle, sched: SchedulerOutput) -> dict | None:
+        """The drafts the step made on the device (the n-gram method's) for its constrained
+        sequences that verify some: req_id -> [k] int32 (-1 or the vocabulary size where the
+        lookup found none), for their grammar's masks; waits for the step. None where the
+        step's drafts are ``sched``'s own (made on the host) or none is constrained."""
+        if not isinstance(handle.draft_ids, jax.Array):
+            return None
+        constrained = set(sched.structured_output_request_ids)
+        spans = [(rid, row, k) for rid, row, k in zip(handle.req_ids, handle.rows.tolist(),
+                                                     handle.num_drafts.tolist())
+                 if k and rid in constrained]
+        if not spans:
+            return None
+        draft_ids = np.asarray(handle.draft_ids.addressable_data(0))
+        return {rid: draft_ids[row - k : row].tolist() for rid, row, k in spans}
+
     def device_state_ok(self) -> bool:
         """Whether the device arrays every step reads survived (the KV pool, the block table,
         the sampler state, the last step's tokens; the draft model's pool and q; the n-gram

@@ -282,12 +282,14 @@ class InputBuilder:
                 for f in fields_of(group)}
 
     def _structured_rows(self, sched: SchedulerOutput, x: StepInputs, rows: int) -> np.ndarray:
-        """[L] bool: the rows of the step's constrained sequences (one each: they carry no
-        drafts)."""
+        """[L] bool: the rows of the step's constrained sequences (a sequence's drafts' rows
+        and its last row; ``Scheduler.grammar_bitmask`` gives them in this order)."""
         structured = np.zeros(rows, bool)
         if sched.structured_output_request_ids:
-            row_of = {r: x.last_rows[i] for i, r in enumerate(x.req_ids)}
-            structured[[row_of[r] for r in sched.structured_output_request_ids]] = True
+            seq_of = {r: i for i, r in enumerate(x.req_ids)}
+            for r in sched.structured_output_request_ids:
+                last = x.last_rows[seq_of[r]]
+                structured[last - x.num_drafts[seq_of[r]] : last + 1] = True
         return structured
 
     def _no_block_table_writes(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -102,9 +102,9 @@ def test_drafts_are_scheduled_past_a_verify_step_in_flight(spec_llm, smollm_llm)
 
 
 def test_a_constrained_request_beside_speculating_ones(spec_llm, smollm_llm):
-    """A constrained sequence gets no drafts but shares steps with sequences that verify them
-    (async: its bitmask is filled while the step runs, its filter reads the step's drafts): its
-    output is in its language, the others' equal the plain engine's."""
+    """A constrained sequence shares steps with sequences that verify drafts (async: its
+    bitmask is filled while the step runs, its filter reads the step's drafts): its output is
+    in its language, the others' equal the plain engine's."""
     import re
 
     from jaxserve.sampling_params import StructuredOutputsParams
@@ -124,3 +124,34 @@ def test_a_constrained_request_beside_speculating_ones(spec_llm, smollm_llm):
         assert same, (n, a.token_ids, o.outputs[0].token_ids)
     assert re.fullmatch(r"[a-z]+( [a-z]+){2,5}\.", out[2].outputs[0].text)
     assert spec_llm.engine.get_stats().spec_decoding.num_drafts > before
+
+
+def test_constrained_sequences_verify_drafts_against_their_grammar(spec_llm, smollm_llm):
+    """Constrained sequences speculate too: each of a sequence's draft rows is masked by its
+    grammar after the drafts before it. Here the n-gram drafts keep offering "cat" where the
+    grammar's last line has "dog": masked, that draft is rejected and the grammar holds (with
+    the draft rows unmasked the model takes "cat" and the output leaves the language). A
+    looser language alongside: greedy outputs equal the plain engine's, and drafts were
+    verified and accepted."""
+    import re
+
+    from jaxserve.sampling_params import StructuredOutputsParams
+
+    lines = r"(the cat sat on the mat\. ){4}the dog sat on the mat\."
+    prompts = chats(["Repeat this line five times: the cat sat on the mat.",
+                     spec_prompts()[0]])
+    params = [SamplingParams(temperature=0, max_tokens=60, logprobs=2,
+                             structured_outputs=StructuredOutputsParams(regex=rx))
+              for rx in (lines, r"[A-Za-z0-9 ,.;:'()\n-]{1,300}")]
+    ref = smollm_llm.chat(prompts, params, use_tqdm=False)
+    before = spec_llm.engine.get_stats().spec_decoding
+    before = (before.num_drafts, before.num_accepted_tokens)
+    out = spec_llm.chat(prompts, params, use_tqdm=False)
+    after = spec_llm.engine.get_stats().spec_decoding
+    assert re.fullmatch(lines, out[0].outputs[0].text), out[0].outputs[0].text
+    for r, o in zip(ref, out):
+        a = r.outputs[0]
+        same, n = compare_greedy(o.outputs[0].token_ids, a.token_ids,
+                                 [top2_margin(p) for p in a.logprobs])
+        assert same, (n, a.text, o.outputs[0].text)
+    assert after.num_drafts > before[0] and after.num_accepted_tokens > before[1]

@@ -30,8 +30,7 @@ def tokenizer():
 def manager(tokenizer):
     from jaxserve.structured_output.manager import StructuredOutputManager
 
-    return StructuredOutputManager(TokenizerVocab.of(tokenizer), 49152, [tokenizer.eos_token_id],
-                                   max_num_seqs=4)
+    return StructuredOutputManager(TokenizerVocab.of(tokenizer), 49152, [tokenizer.eos_token_id])
 
 
 @pytest.mark.parametrize("kw", [{}, {"regex": "a", "choice": ["a"]}, {"json_object": False},
@@ -111,6 +110,28 @@ def test_manager_caches_grammars_and_fills_masks(tokenizer, manager):
     assert yes[0] in first and tokenizer.eos_token_id not in first
 
 
+def test_manager_rows_after_each_draft(tokenizer, manager):
+    """With drafts, a matcher's rows are the tokens it allows next, then after each draft in
+    turn while it accepts them; the rows after a draft it rejects allow every token; the
+    matcher itself is not advanced."""
+    g = manager.grammar_init(SO(regex="(cat|dog)s are (nice|bad)"))
+    ids = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    plain = manager.grammar_init(SO(choice=["yes", "no"]))
+    cats, bad = [*ids("cat"), *ids("s are")], [*ids("cat"), *ids("mouse"), *ids(" are")]
+    mask = manager.grammar_bitmask([g, plain, g.deep_copy()], [cats, [], bad])
+    assert mask.shape == (1 + len(cats) + 1 + 1 + len(bad), 49152 // 32)
+    rows = [set(_allowed(row, 49152)) for row in mask]
+    assert cats[0] in rows[0] and ids("dog")[0] in rows[0]
+    for j, draft in enumerate(cats):  # row j allows draft j (it is accepted)
+        assert draft in rows[j] and len(rows[j]) < 100
+    assert ids(" nice")[0] in rows[len(cats)]
+    assert ids("yes")[0] in rows[len(cats) + 1]
+    b = len(cats) + 2
+    assert ids("mouse")[0] not in rows[b + 1]  # rejected after "cat": later rows allow all
+    assert all(len(r) == 49152 for r in rows[b + 2 :])
+    assert manager.grammar_bitmask([g]).tolist() == mask[:1].tolist()  # g not advanced
+
+
 def test_scheduler_rows_allowed_token_ids_and_a_grammar_after_the_reasoning(tokenizer, manager):
     """The scheduler's bitmask rows: a request's ``allowed_token_ids`` row (token_bitmask) holds
     exactly those tokens; a grammar whose request starts in the model's reasoning allows every
@@ -156,8 +177,7 @@ def test_borrowed_tokenizer_without_the_models_eos(tokenizer):
     manager starts, and a complete grammar allows the tokenizer's EOS."""
     from jaxserve.structured_output.manager import StructuredOutputManager
 
-    m = StructuredOutputManager(TokenizerVocab.of(tokenizer), 128256, [128001, 128009],
-                                max_num_seqs=1)
+    m = StructuredOutputManager(TokenizerVocab.of(tokenizer), 128256, [128001, 128009])
     g = m.grammar_init(SO(choice=["yes"]))
     assert all(g.consume_token(t) for t in tokenizer.encode("yes", add_special_tokens=False))
     assert list(_allowed(m.grammar_bitmask([g])[0], 128256)) == [tokenizer.eos_token_id]

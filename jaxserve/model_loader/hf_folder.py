@@ -62,9 +62,9 @@ def load_hf_folder(folder: str | pathlib.Path, *, with_tokenizer: bool = True,
         with safe_open(str(f), framework="np") as sf:
             for k in sf.keys():
                 sl = sf.get_slice(k)
-                dtype = _dtype_of(sl.get_dtype())
+                dtype = _dtype_of(sl.get_dtype(), f, k)
                 # safetensors' numpy reader has no float8 dtypes: those read from the bytes.
-                read = (_read_slice if sl.get_dtype() != "F8_E4M3" else
+                read = (_read_slice if not sl.get_dtype().startswith("F8_") else
                         partial(_read_raw_slice, dtype, sl.get_shape()))
                 weights[k] = LazyTensor(sl.get_shape(), dtype, partial(read, str(f), k))
     if not lazy:
@@ -73,13 +73,24 @@ def load_hf_folder(folder: str | pathlib.Path, *, with_tokenizer: bool = True,
                       tokenizer=load_tokenizer(folder) if with_tokenizer else None)
 
 
-def _dtype_of(safetensors_dtype: str) -> np.dtype:
-    """safetensors' dtype names (F32, BF16, ...) -> numpy dtypes (bf16 as ml_dtypes')."""
+def _dtype_of(safetensors_dtype: str, file, name: str) -> np.dtype:
+    """safetensors' dtype names (F32, BF16, ...) -> numpy dtypes (bf16 and float8 as
+    ml_dtypes'); the integer ones too, so that a checkpoint quantized otherwise is refused
+    by its quantization_config, naming the field.
+
+    Raises:
+      ValueError: a dtype numpy cannot hold (F8_E8M0, ...), naming the file and the tensor.
+    """
     import ml_dtypes
 
     names = {"F64": np.float64, "F32": np.float32, "F16": np.float16,
              "BF16": ml_dtypes.bfloat16, "F8_E4M3": ml_dtypes.float8_e4m3fn,
-             "I64": np.int64, "I32": np.int32, "BOOL": np.bool_}
+             "F8_E5M2": ml_dtypes.float8_e5m2, "I64": np.int64, "I32": np.int32,
+             "I16": np.int16, "I8": np.int8, "U16": np.uint16, "U8": np.uint8,
+             "BOOL": np.bool_}
+    if safetensors_dtype not in names:
+        raise ValueError(f"{file}: tensor {name} has dtype {safetensors_dtype}, which jaxserve "
+                         f"does not read")
     return np.dtype(names[safetensors_dtype])
 
 

@@ -9,7 +9,8 @@ requantized), ``P.weight_scale`` (float32, bfloat16 or float16) with ``w ~= weig
 and, where the format quantizes activations with a static scale, ``P.input_scale`` with
 ``x ~= x_q * input_scale``:
 
-* ``quant_method: "compressed-tensors"`` (llm-compressor; its ``format: "float-quantized"``):
+* ``quant_method: "compressed-tensors"`` (llm-compressor; its ``format: "float-quantized"``, or
+  older releases' ``"naive-quantized"``, the same bytes; a dense ``sparsity_config`` is fine):
   one ``config_groups`` entry whose ``weights`` are ``num_bits: 8, type: float, symmetric``,
   ``strategy: channel`` (``weight_scale`` [out, 1]) or ``tensor`` (``weight_scale`` [1]), not
   dynamic; its ``input_activations`` ``num_bits: 8, type: float``, either ``strategy: token,
@@ -33,9 +34,15 @@ with that one scale); Q/K/V and gate/up are fused into one projection each, whos
 the largest of its parts' (they read the same activations). Per-tensor weight scales become
 per-channel ones (each part's scale on its rows), so the stored FP8 values stay as they are.
 Embeddings, norms and the LM head are read in ``--dtype`` (the formats leave them unquantized:
-``ignore``/``exclude_modules``/``modules_to_not_convert`` list ``lm_head``).
+``ignore``/``exclude_modules``/``modules_to_not_convert`` list ``lm_head``); a listing entry
+that names a decoder projection is refused, naming it (vLLM reads such layers unquantized; here
+every decoder projection of an FP8 checkpoint is FP8). Malformed fields, a non-finite
+``activation_scale_ub`` and integer or other float8 tensors are refused, naming them.
 """
 
+import fnmatch
+import math
+import re
 from dataclasses import dataclass
 
 import jax.numpy as jnp
@@ -79,7 +86,7 @@ def resolve_method(hf_config: dict, quantization: str | None) -> str | None:
         checkpoint's method, or names a checkpoint method for a checkpoint without one (the
         message names the flag and the field).
     """
-    qc = hf_config.get("quantization_config")
+    qc = _object(hf_config.get("quantization_config"), "quantization_config", none_ok=True)
     method = None if qc is None else qc.get("quant_method")
     if qc is not None and method not in METHODS:
         raise ValueError(f"unsupported quantization_config.quant_method {method!r} (FP8 "
@@ -109,8 +116,58 @@ def weight_format(hf_config: dict, quantization: str | None) -> "str | Fp8Checkp
     if method not in METHODS:
         return method
     qc = hf_config["quantization_config"]
-    return {"compressed-tensors": _compressed_tensors, "modelopt": _modelopt,
-            "fbgemm_fp8": _fbgemm}[method](qc)
+    fmt = {"compressed-tensors": _compressed_tensors, "modelopt": _modelopt,
+           "fbgemm_fp8": _fbgemm}[method](qc)
+    _check_unquantized(qc, method, hf_config)
+    return fmt
+
+
+# Per format: the quantization_config keys that list modules left unquantized, and how an
+# entry names a module: compressed-tensors a name, its last part or "re:" a regex from the
+# start; ModelOpt an fnmatch pattern; transformers' fbgemm_fp8 any part of the name.
+_UNQUANTIZED = {
+    "compressed-tensors": (("ignore",), lambda e, n: (re.match(e[3:], n) is not None
+                                                      if e.startswith("re:")
+                                                      else n == e or n.endswith("." + e))),
+    "modelopt": (("exclude_modules", "ignore"), lambda e, n: fnmatch.fnmatchcase(n, e)),
+    "fbgemm_fp8": (("modules_to_not_convert",), lambda e, n: e in n),
+}
+
+
+def _check_unquantized(qc: dict, method: str, hf_config: dict) -> None:
+    """Refuse a checkpoint that leaves some decoder projection unquantized (its listing
+    names one): every projection of an FP8 checkpoint is read as FP8 here. Entries that name
+    other modules (``lm_head``, a vision tower) are fine.
+
+    Raises:
+      ValueError: naming the key and the entry.
+    """
+    keys, names = _UNQUANTIZED[method]
+    q = qc.get("quantization", qc) if method == "modelopt" else qc
+    layers = hf_config.get("num_hidden_layers") or (
+        hf_config.get("text_config") or {}).get("num_hidden_layers") or 1
+    projections = [f"model.layers.{i}.{p}" for i in range(layers)
+                   for p in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                             "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
+                             "mlp.down_proj")]
+    for key in keys:
+        entries = q.get(key) or []
+        if not isinstance(entries, list) or not all(isinstance(e, str) for e in entries):
+            raise ValueError(f"unsupported quantization_config.{key} {entries!r} (a list of "
+                             f"module names)")
+        for e in entries:
+            hit = next((n for n in projections if names(e, n)), None)
+            if hit is not None:
+                raise ValueError(f"unsupported quantization_config.{key} entry {e!r}: it leaves "
+                                 f"{hit} unquantized (every decoder projection of an FP8 "
+                                 f"checkpoint is read as FP8)")
+
+
+def _object(value, where: str, none_ok: bool = False):
+    """``value`` if it is a JSON object (or None where ``none_ok``)."""
+    if (value is None and none_ok) or isinstance(value, dict):
+        return value
+    raise ValueError(f"unsupported {where} {value!r} (a JSON object)")
 
 
 def _require(cfg: dict, key: str, allowed: tuple, where: str):
@@ -124,16 +181,24 @@ def _require(cfg: dict, key: str, allowed: tuple, where: str):
 
 def _compressed_tensors(qc: dict) -> Fp8Checkpoint:
     where = "quantization_config"
-    _require(qc, "format", ("float-quantized",), where)
-    for key in ("kv_cache_scheme", "sparsity_config", "transform_config"):
+    for key in ("kv_cache_scheme", "transform_config"):
         _require(qc, key, (None, {}), where)
-    groups = qc.get("config_groups") or {}
+    sparsity = qc.get("sparsity_config")
+    if sparsity not in (None, {}) and not (isinstance(sparsity, dict) and (
+            sparsity.get("format") == "dense" or not sparsity.get("targets"))):
+        raise ValueError(f"unsupported {where}.sparsity_config {sparsity!r} (dense weights)")
+    groups = _object(qc.get("config_groups") or {}, f"{where}.config_groups")
     if len(groups) != 1:
         raise ValueError(f"unsupported {where}.config_groups: {len(groups)} groups (one FP8 "
                          f"scheme for every linear projection is supported)")
     (name, group), = groups.items()
+    group = _object(group, f"{where}.config_groups.{name}")
+    # FP8 values stored as they are: "naive-quantized" (older llm-compressor) is the same bytes.
+    formats = ("float-quantized", "naive-quantized")
+    _require(qc if qc.get("format") is not None else group, "format", formats,
+             where if qc.get("format") is not None else f"{where}.config_groups.{name}")
     where = f"{where}.config_groups.{name}"
-    _require(group, "format", (None, "float-quantized"), where)
+    _require(group, "format", (None, *formats), where)
     _require(group, "output_activations", (None,), where)
     w, x = group.get("weights"), group.get("input_activations")
     for args, key in ((w, "weights"), (x, "input_activations")):
@@ -158,6 +223,7 @@ def _modelopt(qc: dict) -> Fp8Checkpoint:
     # config.json's form, or hf_quant_config.json's with its fields under "quantization".
     where, q = (("hf_quant_config.json quantization", qc["quantization"])
                 if "quantization" in qc else ("quantization_config", qc))
+    q = _object(q, where)
     if str(q.get("quant_algo")).upper() != "FP8":
         raise ValueError(f"unsupported {where}.quant_algo {q.get('quant_algo')!r} "
                          f"(supported: 'FP8')")
@@ -168,7 +234,7 @@ def _modelopt(qc: dict) -> Fp8Checkpoint:
 
 def _fbgemm(qc: dict) -> Fp8Checkpoint:
     ub = qc.get("activation_scale_ub")
-    if not isinstance(ub, int | float) or isinstance(ub, bool) or ub <= 0:
+    if not isinstance(ub, int | float) or isinstance(ub, bool) or not math.isfinite(ub) or ub <= 0:
         raise ValueError(f"unsupported quantization_config.activation_scale_ub {ub!r} (a "
                          f"positive number)")
     return Fp8Checkpoint("fbgemm_fp8", per_tensor=False, static_input=False,
@@ -229,6 +295,10 @@ def check_tensors(weights: dict, fmt, layer_shapes: dict, num_layers: int) -> No
             raise ValueError(f"tensor {name} has dtype {w.dtype}, expected a float dtype")
     for name, w in weights.items():
         last = name.rsplit(".", 1)[-1]
+        if w.dtype.kind in "iub" or (w.dtype.name.startswith("float8") and w.dtype != _FP8):
+            raise ValueError(f"tensor {name} has dtype {w.dtype}: quantized data the "
+                             f"checkpoint's quantization_config does not declare as FP8 "
+                             f"(unsupported)")
         if w.dtype == _FP8 and name not in fp8:
             raise ValueError(f"tensor {name} is float8_e4m3fn, but only the decoder layers' "
                              f"linear projections of an FP8 checkpoint may be")

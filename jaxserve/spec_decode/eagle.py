@@ -100,6 +100,8 @@ def load_head(method: str, hf_config: dict, weights: dict, target: ModelConfig,
         target's, another layer count than one (eagle3), aux layer ids outside the target's
         layers, a missing tensor or one of the wrong shape.
     """
+    if hf_config.get("quantization_config") is not None:
+        raise ValueError("model: a quantized EAGLE head (quantization_config) is not supported")
     c = _layer_config(hf_config)
     for name, ours, theirs in (("hidden_size", c.hidden_size, target.hidden_size),
                                ("vocab_size", c.vocab_size, target.vocab_size)):
@@ -125,6 +127,10 @@ def load_head(method: str, hf_config: dict, weights: dict, target: ModelConfig,
         if w is not None and tuple(w.shape) != shape:
             raise ValueError(f"model: the EAGLE head's tensor {name} has shape "
                              f"{tuple(w.shape)}, expected {shape}")
+        if w is not None and name != "d2t" and (w.dtype.kind in "iub"
+                                                or w.dtype.name.startswith("float8")):
+            raise ValueError(f"model: the EAGLE head's tensor {name} has dtype {w.dtype}, "
+                             f"expected a float dtype")
         if w is not None:
             t[name] = np.asarray(w)
     prefix = "midlayer." if method == "eagle3" else "layers.{}."

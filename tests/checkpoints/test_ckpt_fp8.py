@@ -263,6 +263,25 @@ BAD = [  # (folder, mutation, flag, the error's words)
      "tensor model.layers.1.self_attn.k_scale is quantization data"),
     ("ct-dynamic", _tensor(L1 + "mlp.up_proj.input_scale", np.ones((1,), np.float32)), None,
      "tensor model.layers.1.mlp.up_proj.input_scale is quantization data"),
+    # Malformed fields, a NaN cap, quantized tensors of another kind.
+    ("ct-dynamic", _set(QC, "fp8"), None, "unsupported quantization_config 'fp8' (a JSON object)"),
+    ("ct-dynamic", _set(f"{QC}.config_groups", [1]), None, "config_groups [1] (a JSON object)"),
+    ("modelopt-hf-quant-config", _set(f"{QC}.quantization", "FP8"), None,
+     "hf_quant_config.json quantization 'FP8' (a JSON object)"),
+    ("fbgemm", _set(f"{QC}.activation_scale_ub", float("nan")), None, "activation_scale_ub nan"),
+    ("ct-dynamic", _tensor(L1 + "mlp.up_proj.weight", np.zeros((128, 64), np.int8)), None,
+     "tensor model.layers.1.mlp.up_proj.weight has dtype int8"),
+    ("ct-dynamic", _set(f"{QC}.sparsity_config", {"format": "sparse-24-bitmask",
+                                                  "targets": ["Linear"]}), None,
+     "quantization_config.sparsity_config"),
+    # Decoder projections left unquantized by the format's listing (lm_head alone is fine).
+    ("ct-dynamic", _set(f"{QC}.ignore", ["lm_head", "re:.*mlp.*"]), None,
+     "quantization_config.ignore entry 're:.*mlp.*': it leaves model.layers.0.mlp.gate_proj"),
+    ("modelopt-hf-quant-config", _set(f"{QC}.quantization.exclude_modules",
+                                      ["lm_head", "*self_attn*"]), None,
+     "quantization_config.exclude_modules entry '*self_attn*'"),
+    ("fbgemm", _set(f"{QC}.modules_to_not_convert", ["lm_head", "layers.1.mlp.down_proj"]),
+     None, "modules_to_not_convert entry 'layers.1.mlp.down_proj'"),
 ]
 
 
@@ -275,6 +294,20 @@ def test_bad_input_is_refused_naming_it(fmt, mutate, flag, words, folders):
     with pytest.raises(ValueError) as e:
         build_params(cfg, weights, jnp.float32, quantization=flag)
     assert words in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("mutate", [
+    _set(f"{QC}.format", "naive-quantized"),  # the same FP8 bytes (older llm-compressor)
+    _set(f"{QC}.format", None),  # the group's format stands
+    _set(f"{QC}.sparsity_config", {"format": "dense", "targets": []}),
+    _set(f"{QC}.ignore", ["lm_head", "re:vision_tower.*", "re:.*lm_head"]),
+])
+def test_equivalent_compressed_tensors_configs_load(mutate, folders):
+    folder, ref = folders["ct-dynamic"]
+    ckpt = load_hf_folder(folder, with_tokenizer=False, lazy=True)
+    cfg = copy.deepcopy(ckpt.hf_config)
+    mutate(cfg, None)
+    build_params(cfg, ckpt.weights, jnp.float32)
 
 
 def test_a_plain_checkpoint_takes_no_checkpoint_flag(base, tmp_path):

@@ -11,6 +11,7 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -198,6 +199,13 @@ def test_bad_heads_name_the_field(tmp_path):
     weights["fc.weight"] = weights["fc.weight"][:, :64]
     with pytest.raises(ValueError, match="model: .*fc.weight has shape"):
         eagle.load_head("eagle3", cfg, weights, target, {}, jnp.float32)
+    weights = random_weights(cfg, "eagle3")  # FP8 codes whose scales would be dropped
+    weights["fc.weight"] = weights["fc.weight"].astype(ml_dtypes.float8_e4m3fn)
+    with pytest.raises(ValueError, match="model: .*fc.weight has dtype float8_e4m3fn"):
+        eagle.load_head("eagle3", cfg, weights, target, {}, jnp.float32)
+    with pytest.raises(ValueError, match="model: a quantized EAGLE head"):
+        eagle.load_head("eagle3", {**cfg, "quantization_config": {"quant_method": "fbgemm_fp8"}},
+                        random_weights(cfg, "eagle3"), target, {}, jnp.float32)
     with pytest.raises(ValueError, match="method: .*Qwen2ForCausalLM"):
         eagle.check_target(ModelConfig.from_hf_config(
             {**TARGET, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}))

@@ -40,6 +40,7 @@ every decoder projection of an FP8 checkpoint is FP8). Malformed fields, a non-f
 ``activation_scale_ub`` and integer or other float8 tensors are refused, naming them.
 """
 
+import dataclasses
 import fnmatch
 import math
 import re
@@ -69,12 +70,16 @@ class Fp8Checkpoint:
         ([out, 1] or [out]).
       static_input: a static per-tensor ``input_scale`` ([] or [1]); False: dynamic, per token.
       input_scale_ub: the cap of a token's largest magnitude (fbgemm's ``activation_scale_ub``).
+      unquantized: (key, entry) of the ``quantization_config`` listings of modules left
+        unquantized (``lm_head`` as a rule; ``check_tensors`` refuses one naming a decoder
+        projection).
     """
 
     method: str
     per_tensor: bool
     static_input: bool
     input_scale_ub: float | None = None
+    unquantized: tuple[tuple[str, str], ...] = ()
 
 
 def resolve_method(hf_config: dict, quantization: str | None) -> str | None:
@@ -118,8 +123,7 @@ def weight_format(hf_config: dict, quantization: str | None) -> "str | Fp8Checkp
     qc = hf_config["quantization_config"]
     fmt = {"compressed-tensors": _compressed_tensors, "modelopt": _modelopt,
            "fbgemm_fp8": _fbgemm}[method](qc)
-    _check_unquantized(qc, method, hf_config)
-    return fmt
+    return dataclasses.replace(fmt, unquantized=_unquantized(qc, method))
 
 
 # Per format: the quantization_config keys that list modules left unquantized, and how an
@@ -134,33 +138,21 @@ _UNQUANTIZED = {
 }
 
 
-def _check_unquantized(qc: dict, method: str, hf_config: dict) -> None:
-    """Refuse a checkpoint that leaves some decoder projection unquantized (its listing
-    names one): every projection of an FP8 checkpoint is read as FP8 here. Entries that name
-    other modules (``lm_head``, a vision tower) are fine.
+def _unquantized(qc: dict, method: str) -> tuple[tuple[str, str], ...]:
+    """(key, entry) of the format's listings of modules left unquantized.
 
     Raises:
-      ValueError: naming the key and the entry.
+      ValueError: a listing that is not a list of names, naming the key.
     """
-    keys, names = _UNQUANTIZED[method]
     q = qc.get("quantization", qc) if method == "modelopt" else qc
-    layers = hf_config.get("num_hidden_layers") or (
-        hf_config.get("text_config") or {}).get("num_hidden_layers") or 1
-    projections = [f"model.layers.{i}.{p}" for i in range(layers)
-                   for p in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-                             "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
-                             "mlp.down_proj")]
-    for key in keys:
+    out = []
+    for key in _UNQUANTIZED[method][0]:
         entries = q.get(key) or []
         if not isinstance(entries, list) or not all(isinstance(e, str) for e in entries):
             raise ValueError(f"unsupported quantization_config.{key} {entries!r} (a list of "
                              f"module names)")
-        for e in entries:
-            hit = next((n for n in projections if names(e, n)), None)
-            if hit is not None:
-                raise ValueError(f"unsupported quantization_config.{key} entry {e!r}: it leaves "
-                                 f"{hit} unquantized (every decoder projection of an FP8 "
-                                 f"checkpoint is read as FP8)")
+        out += [(key, e) for e in entries]
+    return tuple(out)
 
 
 def _object(value, where: str, none_ok: bool = False):
@@ -271,14 +263,22 @@ def check_tensors(weights: dict, fmt, layer_shapes: dict, num_layers: int) -> No
 
     Raises:
       ValueError: naming the first tensor that is missing, of the wrong shape or dtype, or
-        unexpected.
+        unexpected; or the ``fmt.unquantized`` entry that names a decoder projection.
     """
     fp8, scales = set(), {}
     if isinstance(fmt, Fp8Checkpoint):
         per_layer = scale_tensors(fmt, layer_shapes)
+        names = _UNQUANTIZED[fmt.method][1]
         for i in range(num_layers):
             prefix = f"model.layers.{i}."
-            fp8 |= {f"{prefix}{proj}.weight" for proj in _projections(layer_shapes)}
+            for proj in _projections(layer_shapes):
+                # every decoder projection of an FP8 checkpoint is read as FP8 here
+                listed = next(((k, e) for k, e in fmt.unquantized if names(e, prefix + proj)),
+                              None)
+                if listed is not None:
+                    raise ValueError(f"unsupported quantization_config.{listed[0]} entry "
+                                     f"{listed[1]!r}: it leaves {prefix + proj} unquantized")
+                fp8.add(f"{prefix}{proj}.weight")
             scales |= {prefix + name: shapes for name, shapes in per_layer.items()}
     for name in sorted(fp8):
         if name in weights and weights[name].dtype != _FP8:

@@ -303,7 +303,7 @@ def ragged_prefill(
 @functools.partial(
     jax.jit,
     static_argnames=("sm_scale", "interpret", "decode_tuning", "prefill_tuning", "split_decode",
-                     "sliding_window", "logits_soft_cap"),
+                     "sliding_window", "logits_soft_cap", "decode_only"),
 )
 def attention(
     q: jax.Array,
@@ -320,6 +320,7 @@ def attention(
     split_decode: bool = True,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    decode_only: bool = False,
 ) -> jax.Array:
     """Causal attention for one flattened ragged batch of prefill chunks and decodes (Pallas).
 
@@ -342,6 +343,11 @@ def attention(
             window are not read.
         logits_soft_cap: C caps the scaled scores at C tanh(x / C) before the softmax
             (Gemma 2's ``attn_logit_softcapping``); None: no cap.
+        decode_only: the caller's promise that every sequence has one query token, at row s
+            (``query_start_loc`` 0, 1, ..., n, n, ...), or none (padding sequences, after the
+            others): only the decode kernel runs, on rows 0..S-1 in place (no ragged-prefill
+            launch, no gather or scatter of rows); S <= T. A sequence breaking the promise gets
+            zeros.
 
     Returns:
         [T, H, D] in q's dtype. Query i of sequence s sits at position seq_lens[s] - q_len(s) + i
@@ -365,6 +371,17 @@ def attention(
     q = queries_for(q, k_pages.dtype)
     qsl = query_start_loc.astype(jnp.int32)
     q_lens = qsl[1:] - qsl[:-1]
+    if decode_only:
+        num_seqs = seq_lens.shape[0]
+        if num_seqs > num_tokens:
+            raise ValueError(f"decode_only needs S <= T, got S={num_seqs}, T={num_tokens}")
+        one = (q_lens == 1) & (qsl[:-1] == jnp.arange(num_seqs, dtype=jnp.int32))
+        qg, group = group_queries(q[:num_seqs], num_kv_heads)
+        dec = decode_grouped(qg, k_pages, v_pages, block_tables, jnp.where(one, seq_lens, 0),
+                             sm_scale=sm_scale, tuning=decode_tuning, interpret=interpret,
+                             sliding_window=sliding_window, soft_cap=logits_soft_cap)
+        out = jnp.where(one[:, None, None], dec[:, :, :group].reshape(-1, num_heads, head_dim), 0)
+        return jnp.pad(out, ((0, num_tokens - num_seqs), (0, 0), (0, 0))).astype(dtype)
     is_decode = q_lens == 1 if split_decode else jnp.zeros_like(q_lens, dtype=bool)
 
     out = ragged_prefill(

@@ -138,6 +138,7 @@ def attention(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     interpret: bool = False,
+    decode_only: bool = False,
 ) -> jax.Array:
     """Causal attention for one flattened ragged batch of prefill chunks and decodes.
 
@@ -153,14 +154,15 @@ def attention(
         ``kv_idx > q_idx - W``); None: all before it.
       logits_soft_cap: C caps the scaled scores at C tanh(x / C) before the softmax (Gemma 2's
         ``attn_logit_softcapping``); None: no cap.
-      interpret: unused here (the oracle is plain JAX); kept for the kernels' signature.
+      interpret, decode_only: unused here (the oracle is plain JAX, and the same for every
+        batch); kept for the kernels' signature.
 
     Returns:
       [T, H, D] in q's dtype. Query i of sequence s sits at position
       seq_lens[s] - q_len(s) + i and sees keys at positions <= that (bottom-right aligned mask)
       and, with a window, > that - W. Rows past query_start_loc[S] (padding tokens) are zero.
     """
-    del interpret
+    del interpret, decode_only
     q, query_start_loc, seq_lens, block_tables = map(
         jnp.asarray, (q, query_start_loc, seq_lens, block_tables)
     )

@@ -22,6 +22,13 @@ def powers_of_two_up_to(limit: int, start: int = 1) -> list[int]:
     return out + [limit]
 
 
+def decode_buckets(token_buckets: list[int], max_num_seqs: int) -> tuple[int, ...]:
+    """The token buckets a step of only one-token decodes can take: each up to the first that
+    holds max_num_seqs tokens (such a step has one token a sequence)."""
+    limit = next((t for t in token_buckets if t >= max_num_seqs), token_buckets[-1])
+    return tuple(t for t in token_buckets if t <= limit)
+
+
 def memory_of(compiled) -> tuple[int, int]:
     """``kv_sizing.program_bytes`` of a compiled program; (0, 0) where the backend gives no
     memory analysis."""
@@ -55,15 +62,17 @@ def compile_programs(executables: ExecutableCache, jitted: Programs, args: Progr
     once on that pool (XLA's compiler runs outside the GIL), so compiling overlaps the lowering
     of the next."""
     start = time.perf_counter()
-    programs = {(field, n): (fn, args.get(field, n), step_options(n) if field == "step" else None)
+    programs = {(field, n): (fn, args.get(field, n),
+                             step_options(n) if field in ("step", "decode_step") else None)
                 for field, n, fn in jitted.entries()}
     total, hits = len(programs), executables.hits
-    num_steps, num_samplers = len(jitted.step), len(jitted.filter)
+    num_steps, num_samplers = len(jitted.step) + len(jitted.decode_step), len(jitted.filter)
     compiled = []
     with ThreadPoolExecutor(min(total, os.cpu_count() or 1)) as pool:
         futures = {executables.submit(pool, *program): label
                    for label, program in programs.items()}
-        log(f"{total} programs ({num_steps} token buckets, {num_samplers} samplers, "
+        log(f"{total} programs ({len(jitted.step)} token buckets, {len(jitted.decode_step)} "
+            f"decode-only, {num_samplers} samplers, "
             f"{total - num_steps - num_samplers} others) traced, or found in the executable "
             f"cache, in {time.perf_counter() - start:.1f}s")
         for i, done in enumerate(as_completed(futures), 1):

@@ -49,7 +49,7 @@ from jaxserve.spec_decode.rejection_sampler import emitted_rows
 from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
 from jaxserve.structured_output.manager import bitmask_width
 from jaxserve.worker import compilation
-from jaxserve.worker.compilation import powers_of_two_up_to
+from jaxserve.worker.compilation import decode_buckets, powers_of_two_up_to
 from jaxserve.worker.executable_cache import ExecutableCache
 from jaxserve.worker.input_batch import InputBatch
 from jaxserve.worker.prepare_inputs import InputBuilder
@@ -167,6 +167,9 @@ class ModelRunner:
       ngram_lookup: (prompt_lookup_min, prompt_lookup_max) of the n-gram method, whose drafts
         the step makes on the device (``spec_decode.device_drafts``); None: another method or
         none.
+      decode_steps: the token buckets a step of only one-token decodes can take get a second
+        step program whose attention is ``decode_only`` (``decode_buckets``); default: the
+        platform's ``decode_steps``.
     """
 
     def __init__(
@@ -189,6 +192,7 @@ class ModelRunner:
         max_spec_seqs: int = 0,
         draft: DraftModel | EagleHead | None = None,
         ngram_lookup: tuple[int, int] | None = None,
+        decode_steps: bool | None = None,
     ):
         self.config = config
         self.lora = lora
@@ -227,12 +231,15 @@ class ModelRunner:
                           min(self.num_seqs_for(t), max_spec_seqs) if self.ngram else 0)
             for t in self.token_buckets}
         row_counts = sorted({layout.num_logits_rows for layout in self.step_layouts.values()})
+        if decode_steps is None:
+            decode_steps = platform.decode_steps
+        self.decode_buckets = decode_buckets(self.token_buckets, max_num_seqs) if decode_steps else ()
         # The MoE layers' expert GEMMs: the platform's choice, as the step's other kernels.
         grouped_gemm = moe.get_grouped_gemm(platform.moe_grouped_gemm, platform.interpret_pallas)
         self.programs = jit_programs(
             config, params, attention_fn, grouped_gemm, mesh, row_counts[-1], branch_free,
             self.step_layouts, row_counts, self.stacked_kv_pool, num_speculative_tokens, draft,
-            page_size, self.ngram)
+            page_size, self.ngram, self.decode_buckets)
         self.draft = draft
         self.draft_k_cache = self.draft_v_cache = None  # allocate_kv_cache
         # The draft model's q of the last proposed drafts (draft_model.propose), and each
@@ -406,10 +413,11 @@ class ModelRunner:
         entries = np.zeros(BLOCK_TABLE_WRITES, np.int32)
         hidden = jax.ShapeDtypeStruct((self.prompt_logprob_rows, self.config.hidden_size),
                                       self.params["embed_tokens"].dtype)
+        step = {t: (self.params, np.zeros(layout.size, np.int32), self._prev_sampled, k_cache,
+                    v_cache, self.block_table, *drafting)
+                for t, layout in self.step_layouts.items()}
         return Programs(
-            step={t: (self.params, np.zeros(layout.size, np.int32), self._prev_sampled,
-                      k_cache, v_cache, self.block_table, *drafting)
-                  for t, layout in self.step_layouts.items()},
+            step=step, decode_step={t: step[t] for t in self.decode_buckets},
             filter={s: self._filter_args(s) for s in self.programs.filter},
             state_writer=(st, np.int32(0), np.zeros(self.max_model_len, np.int32), np.int32(0),
                           np.int32(0), np.asarray(st.bias_ids[0]), np.asarray(st.bias_values[0]),
@@ -500,6 +508,9 @@ class ModelRunner:
             map(len, sched.scheduled_spec_decode_tokens.values()))
         t = self._bucket(n_tok, num_rows)
         step = self.compiled.step.get(t)
+        if (t in self.compiled.decode_step and num_rows == n_tok
+                and max(sched.num_scheduled_tokens.values()) == 1):
+            step = self.compiled.decode_step[t]  # a token for each sequence: decodes only
         if step is None:
             raise RuntimeError(f"bucket tokens={t} was not compiled at start-up")
         if self.lora is not None:  # the step's adapters into the device pool, if not there

@@ -38,6 +38,8 @@ class Programs(Generic[P]):
 
     Attributes:
       step: by token bucket T, the model step (``_step``).
+      decode_step: by token bucket T, the model step of a step whose every sequence decodes
+        one token (its attention ``decode_only``); empty where the platform builds none.
       filter: by logits row count L (the sequence count S, without speculative decoding),
         the filtered sampler (``_filter``).
       state_writer: ``sampler.write_state_row``, a request's sampler-state row.
@@ -54,6 +56,7 @@ class Programs(Generic[P]):
     """
 
     step: dict[int, P]
+    decode_step: dict[int, P]
     filter: dict[int, P]
     state_writer: P
     page_copy: P
@@ -82,7 +85,8 @@ class Programs(Generic[P]):
     @classmethod
     def of_entries(cls, entries) -> "Programs":
         """``entries``' inverse: a table of the (field, n, entry) triples given."""
-        tables: dict[str, dict | object] = {"step": {}, "filter": {}, "draft_step": {}}
+        tables: dict[str, dict | object] = {"step": {}, "decode_step": {}, "filter": {},
+                                            "draft_step": {}}
         for field, n, value in entries:
             if n is None:
                 tables[field] = value
@@ -95,7 +99,8 @@ def jit_programs(config: ModelConfig, params: dict, attention_fn: Callable,
                  grouped_gemm: Callable, mesh: Mesh | None, max_rows: int, branch_free: bool,
                  layouts: dict[int, StepLayout], row_counts: list[int], stacked_kv_pool: bool,
                  max_drafts: int = 0, draft: DraftModel | EagleHead | None = None,
-                 page_size: int = 0, ngram: NgramDrafting | None = None) -> Programs:
+                 page_size: int = 0, ngram: NgramDrafting | None = None,
+                 decode_buckets: tuple[int, ...] = ()) -> Programs:
     """Every program, jitted: the step of each token bucket of ``layouts`` (its layout is
     static; the pool and the block table are donated; its tokens padded to ``max_rows``, the
     most logits rows of any bucket), the filtered sampler (one for every L of ``row_counts``;
@@ -107,7 +112,8 @@ def jit_programs(config: ModelConfig, params: dict, attention_fn: Callable,
     ``propose``). ``attention_fn`` and ``grouped_gemm`` (the MoE layers' expert GEMMs) are the
     models' kernels (``llama.forward``). ``ngram``: the n-gram method's settings, whose drafts
     the step makes (``device_drafts``; its drafting state is the step's last argument and
-    output), None without."""
+    output), None without. ``decode_buckets``: the token buckets that also get a
+    ``decode_step``."""
     filter_fn = partial(_filter, max_drafts)
     # the n-gram method's history is donated; its row drafts stay readable by the host
     donate = (3, 4, 5) if ngram is None else (3, 4, 5, 7)
@@ -144,10 +150,14 @@ def jit_programs(config: ModelConfig, params: dict, attention_fn: Callable,
             draft_page_copy=KeyedJit(_copy_pages, donate_argnums=(0, 1)))
     elif ngram is not None:
         drafts = dict(history_write=KeyedJit(_write_history, donate_argnums=(0,)))
+    decode_attention = partial(attention_fn, decode_only=True)
     return Programs(
         step={t: jit_step(partial(_step, config, attention_fn, grouped_gemm, mesh, max_rows,
                                   branch_free, layout, aux_layers, ngram))
               for t, layout in layouts.items()},
+        decode_step={t: jit_step(partial(_step, config, decode_attention, grouped_gemm, mesh,
+                                         max_rows, branch_free, layouts[t], aux_layers, ngram))
+                     for t in decode_buckets},
         filter={n: jit_filter for n in row_counts},
         state_writer=KeyedJit(write_state_row, donate_argnums=(0,)),
         page_copy=KeyedJit(_copy_pages, donate_argnums=(0, 1)),

@@ -116,6 +116,22 @@ def test_attention_pure_decode_and_empty_batch():
     assert bool((zero == 0).all())
 
 
+@pytest.mark.parametrize("fp8,window", [(False, None), (True, None), (False, 20)])
+def test_decode_only_equals_the_mixed_path(fp8, window):
+    """``decode_only`` (one decode launch over rows 0..S-1, T > S padding rows) gives the mixed
+    path's output on a decode-only batch, padding sequences and rows zero."""
+    rng, seed = _rng()
+    b = make_batch(rng, [1, 1, 1, 1, 1], [1, 17, 40, 33, 64], num_heads=6, num_kv_heads=2,
+                   head_dim=64, page_size=16, num_tokens=8, num_seqs=7, pages_per_seq=5,
+                   fp8=fp8)
+    mixed = attention(*b.args, interpret=True, sliding_window=window)
+    fast = attention(*b.args, interpret=True, sliding_window=window, decode_only=True)
+    assert rel_err(fast[:5], mixed[:5]) <= 1e-6, f"seed {seed}"
+    assert bool((fast[5:] == 0).all()), f"padding rows not zero (seed {seed})"
+    with pytest.raises(ValueError, match="S <= T"):
+        attention(b.q[:6], *b.args[1:], interpret=True, decode_only=True)
+
+
 def test_sm_scale_and_mixed_dtypes():
     rng, seed = _rng()
     b = make_batch(rng, [5, 1], [9, 30], num_heads=4, num_kv_heads=2, head_dim=64, page_size=16)

@@ -1,8 +1,9 @@
 """The programs a step may dispatch, and ``Programs``: the typed table of them, jitted
 (``jit_programs``), as placeholder arguments, or compiled (``compilation.compile_programs``).
 
-The step is one executable per token bucket, without control flow on the GPU (the model
-runner's module docstring says why); the others are dispatched only when a step needs them.
+The step is one executable per token bucket (and a decode-only one for the small buckets where
+the platform builds it), without control flow on the GPU (the model runner's module docstring
+says why); the others are dispatched only when a step needs them.
 """
 
 import dataclasses

@@ -50,9 +50,24 @@ from pallas_kernels.paged_attention import (
     decode_grouped,
     flat_pool,
     group_queries,
+    group_query_tokens,
     load_kv,
     token_slots,
+    ungroup_query_tokens,
 )
+
+# The most rows (query tokens x query heads of a KV head) a decode-kernel tile takes: the
+# accumulator of 64 rows of 128 columns is 32 KB of float32 registers across 4 warps.
+MAX_DECODE_ROWS = 64
+
+
+def decode_query_tokens(num_drafts: int, group: int) -> int:
+    """``attention``'s ``max_decode_q`` for steps whose sequences verify up to ``num_drafts``
+    drafts, with ``group`` query heads per KV head: 1 + num_drafts where the decode kernel's
+    tile holds that many tokens' heads within MAX_DECODE_ROWS rows, else 1 (the ragged kernel
+    takes verifying sequences)."""
+    return num_drafts + 1 if (num_drafts + 1) * group <= MAX_DECODE_ROWS else 1
+
 
 _INFO_FIELDS = 8  # per query block: seq, row start, row end, first position, context length
 PROGRAMS_TARGET = 4 * NUM_SMS
@@ -303,7 +318,7 @@ def ragged_prefill(
 @functools.partial(
     jax.jit,
     static_argnames=("sm_scale", "interpret", "decode_tuning", "prefill_tuning", "split_decode",
-                     "sliding_window", "logits_soft_cap", "decode_only"),
+                     "sliding_window", "logits_soft_cap", "decode_only", "max_decode_q"),
 )
 def attention(
     q: jax.Array,
@@ -321,6 +336,7 @@ def attention(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     decode_only: bool = False,
+    max_decode_q: int = 1,
 ) -> jax.Array:
     """Causal attention for one flattened ragged batch of prefill chunks and decodes (Pallas).
 
@@ -336,8 +352,8 @@ def attention(
         sm_scale: softmax scale, default D ** -0.5.
         interpret: run the Pallas kernels in interpret mode (CPU).
         decode_tuning, prefill_tuning: static tile/launch overrides; None picks from the shapes.
-        split_decode: send one-token sequences to the flash-decoding kernel (True) or let the
-            ragged kernel handle every sequence (False).
+        split_decode: send sequences of 1 to ``max_decode_q`` query tokens to the
+            flash-decoding kernel (True) or let the ragged kernel handle every sequence (False).
         sliding_window: W keys a query sees at most (itself and the W - 1 before it; HF's
             ``kv_idx > q_idx - W``); None: all before it. Blocks wholly before a query block's
             window are not read.
@@ -348,6 +364,11 @@ def attention(
             others): only the decode kernel runs, on rows 0..S-1 in place (no ragged-prefill
             launch, no gather or scatter of rows); S <= T. A sequence breaking the promise gets
             zeros.
+        max_decode_q: the most query tokens a sequence the decode kernel takes has (1 + the
+            speculative drafts a step verifies): its rows stack the tokens' heads by KV head
+            (``group_query_tokens``), so a verifying sequence's context is read once per KV
+            head, where the ragged kernel reads it once per query head in a 16-row-or-more
+            tile.
 
     Returns:
         [T, H, D] in q's dtype. Query i of sequence s sits at position seq_lens[s] - q_len(s) + i
@@ -382,7 +403,10 @@ def attention(
                              sliding_window=sliding_window, soft_cap=logits_soft_cap)
         out = jnp.where(one[:, None, None], dec[:, :, :group].reshape(-1, num_heads, head_dim), 0)
         return jnp.pad(out, ((0, num_tokens - num_seqs), (0, 0), (0, 0))).astype(dtype)
-    is_decode = q_lens == 1 if split_decode else jnp.zeros_like(q_lens, dtype=bool)
+    if split_decode:
+        is_decode = (q_lens >= 1) & (q_lens <= max_decode_q)
+    else:
+        is_decode = jnp.zeros_like(q_lens, dtype=bool)
 
     out = ragged_prefill(
         q,
@@ -395,14 +419,15 @@ def attention(
         sm_scale=sm_scale,
         tuning=prefill_tuning,
         interpret=interpret,
-        min_q_len=2 if split_decode else 1,
+        min_q_len=max_decode_q + 1 if split_decode else 1,
         sliding_window=sliding_window,
         soft_cap=logits_soft_cap,
     )
     if split_decode:
-        # Decode rows: gather each sequence's first query row, attend, scatter back in place.
-        rows = jnp.clip(qsl[:-1], 0, num_tokens - 1)
-        qg, group = group_queries(q[rows], num_kv_heads)
+        # Decode rows: gather each sequence's first max_decode_q query rows, attend, scatter
+        # back those it has in place.
+        rows = qsl[:-1, None] + jnp.arange(max_decode_q, dtype=jnp.int32)  # [S, Q]
+        qg, group = group_query_tokens(q[jnp.clip(rows, 0, num_tokens - 1)], num_kv_heads)
         dec = decode_grouped(
             qg,
             k_pages,
@@ -414,8 +439,11 @@ def attention(
             interpret=interpret,
             sliding_window=sliding_window,
             soft_cap=logits_soft_cap,
+            query_lens=q_lens if max_decode_q > 1 else None,
+            group=group,
         )
-        dec = dec[:, :, :group].reshape(-1, num_heads, head_dim)
-        dst = jnp.where(is_decode, qsl[:-1], num_tokens)  # out of bounds: dropped
+        dec = ungroup_query_tokens(dec, max_decode_q, group).reshape(-1, num_heads, head_dim)
+        kept = is_decode[:, None] & (jnp.arange(max_decode_q) < q_lens[:, None])
+        dst = jnp.where(kept, rows, num_tokens).reshape(-1)  # out of bounds: dropped
         out = out.at[dst].set(dec, mode="drop", unique_indices=False)
     return out.astype(dtype)

@@ -118,12 +118,11 @@ def load_kv(k_ref, v_ref, scale_refs, slots, dtype):
 
 def _decode_kernel(
     seq_lens_ref,  # [S] int32 (whole array)
-    block_tables_ref,  # [P_pad] int32, this sequence's row
-    q_ref,  # [Gp, D]
-    k_ref,  # [num_pages * page_size, D], this KV head's pool, flattened
-    v_ref,  # [num_pages * page_size, D] (FP8: uint16 pairs [..., D / 2], kv_quant.as_pairs)
-    *refs,  # (ks_ref, vs_ref [num_pages * page_size] if quantized), o_ref [Gp, D],
-    # then (m_ref [Gp], l_ref [Gp]) when the KV length is split
+    *refs,  # query_lens_ref [S] int32 (whole array) if multi_query, then:
+    # block_tables_ref [P_pad] int32, this sequence's row; q_ref [Gp, D];
+    # k_ref [num_pages * page_size, D], this KV head's pool, flattened; v_ref likewise (FP8:
+    # uint16 pairs [..., D / 2], kv_quant.as_pairs); (ks_ref, vs_ref [num_pages * page_size]
+    # if quantized); o_ref [Gp, D]; then (m_ref [Gp], l_ref [Gp]) when the KV length is split
     sm_scale: float,
     block_k: int,
     page_size: int,
@@ -131,16 +130,24 @@ def _decode_kernel(
     quantized: bool,
     sliding_window: int | None,
     soft_cap: float | None,
+    group: int,
+    multi_query: bool,
 ):
+    query_lens_ref, refs = (refs[0], refs[1:]) if multi_query else (None, refs)
+    block_tables_ref, q_ref, k_ref, v_ref, *refs = refs
     scale_refs, (o_ref, *stat_refs) = (refs[:2], refs[2:]) if quantized else ((), refs)
     seq = pl.program_id(0)
     split = pl.program_id(2)
     rows, head_dim = q_ref.shape
 
     seq_len = seq_lens_ref[seq]
+    # Row r is query token r // group of the sequence's q_len, at position seq_len - q_len +
+    # r // group: it sees the keys before row_end (rows past q_len see them all, unused).
+    q_len = 1 if query_lens_ref is None else query_lens_ref[seq]
+    row_end = seq_len - q_len + 1 + jnp.arange(rows, dtype=jnp.int32) // group  # [Gp]
     split_start = split * tokens_per_split
-    if sliding_window is not None:  # the window's first key, within this split
-        split_start = jnp.maximum(split_start, seq_len - sliding_window)
+    if sliding_window is not None:  # the first row's window's first key, within this split
+        split_start = jnp.maximum(split_start, seq_len - q_len + 1 - sliding_window)
     split_end = jnp.minimum(seq_len, split * tokens_per_split + tokens_per_split)
     num_blocks = pl.cdiv(jnp.maximum(split_end - split_start, 0), block_k)
 
@@ -153,7 +160,13 @@ def _decode_kernel(
         slots = token_slots(lambda p: block_tables_ref[p], pos, page_size)
         k, v, k_scale, v_scale = load_kv(k_ref, v_ref, scale_refs, slots, q.dtype)
         s = scaled_scores(plgpu.dot(q, k, trans_b=True), sm_scale, k_scale, soft_cap)
-        s = jnp.where((pos < split_end)[None, :], s, MASK_VALUE)  # [Gp, block_k] f32
+        if query_lens_ref is None:
+            visible = (pos < split_end)[None, :]
+        else:
+            visible = pos[None, :] < jnp.minimum(row_end, split_end)[:, None]
+        if sliding_window is not None and query_lens_ref is not None:
+            visible &= pos[None, :] >= (row_end - sliding_window)[:, None]
+        s = jnp.where(visible, s, MASK_VALUE)  # [Gp, block_k] f32
         return online_softmax_step(acc, m_prev, l_prev, s, v, v_scale)
 
     init = online_softmax_init(rows, head_dim, groups=2 if quantized else 1)
@@ -180,16 +193,23 @@ def decode_grouped(
     interpret: bool = False,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    query_lens: jax.Array | None = None,
+    group: int = 1,
 ) -> jax.Array:
     """Decode attention on queries already grouped by KV head.
 
     Args:
-        q: [S, KV, Gp, D], Gp a power of two >= 16 (rows past the real group are ignored).
+        q: [S, KV, Gp, D], Gp a power of two >= 16 (rows past the real ones are ignored).
         k_pages, v_pages: [KV, num_pages, page_size, D].
         block_tables: [S, P] int32.
         seq_lens: [S] int32; 0 gives zeros.
-        sliding_window: the query sees only the last W keys (itself included); None: all.
+        sliding_window: a query sees only the last W keys up to itself; None: all.
         soft_cap: the scaled scores capped at C tanh(x / C) (``scaled_scores``); None: no cap.
+        query_lens: [S] int32, the query tokens of each sequence (verified drafts: the
+            sequence's last q_len positions), whose rows j * group .. j * group + group - 1 of
+            q hold token j's heads (``group_query_tokens``); each sees the keys up to its own
+            position. None: one token a sequence, every row at position seq_len - 1.
+        group: query heads per KV head (the rows of one query token), with ``query_lens``.
 
     Returns:
         [S, KV, Gp, D] in q's dtype.
@@ -218,10 +238,14 @@ def decode_grouped(
         quantized=quantized,
         sliding_window=sliding_window,
         soft_cap=soft_cap,
+        group=group,
+        multi_query=query_lens is not None,
     )
     pool = flat_pool(k_pages, v_pages)
-    in_specs = [
-        pl.BlockSpec((num_seqs,), lambda s, h, k: (0,)),
+    lengths = [seq_lens.astype(jnp.int32)]
+    if query_lens is not None:
+        lengths.append(query_lens.astype(jnp.int32))
+    in_specs = [pl.BlockSpec((num_seqs,), lambda s, h, k: (0,)) for _ in lengths] + [
         pl.BlockSpec((None, padded_pages), lambda s, h, k: (s, 0)),
         pl.BlockSpec((None, None, rows, head_dim), lambda s, h, k: (s, h, 0, 0)),
     ] + [pl.BlockSpec((None, *a.shape[1:]), lambda s, h, k, n=a.ndim: (h,) + (0,) * (n - 1))
@@ -250,7 +274,7 @@ def decode_grouped(
         compiler_params=plgpu.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages),
         interpret=interpret,
         name=f"jaxserve_paged_decode_bk{t.block_k}_ns{num_splits}",
-    )(seq_lens.astype(jnp.int32), block_tables.astype(jnp.int32), q, *pool)
+    )(*lengths, block_tables.astype(jnp.int32), q, *pool)
 
     if not split:
         return out
@@ -288,6 +312,28 @@ def group_queries(q: jax.Array, num_kv_heads: int) -> tuple[jax.Array, int]:
     if rows != group:
         qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
     return qg, group
+
+
+def group_query_tokens(q: jax.Array, num_kv_heads: int) -> tuple[jax.Array, int]:
+    """[S, Q, H, D] (Q query tokens a sequence) -> ([S, KV, Gp, D] zero-padded, G): token j's
+    heads of KV head h at rows j * G .. j * G + G - 1, Gp = max(16, next_pow2(Q * G)) (the
+    layout ``decode_grouped``'s ``query_lens`` reads)."""
+    s, num_tokens, num_heads, head_dim = q.shape
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+    group = num_heads // num_kv_heads
+    qg = q.reshape(s, num_tokens, num_kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
+    qg = qg.reshape(s, num_kv_heads, num_tokens * group, head_dim)
+    rows = max(MIN_TILE_ROWS, pl.next_power_of_2(num_tokens * group))
+    return jnp.pad(qg, ((0, 0), (0, 0), (0, rows - num_tokens * group), (0, 0))), group
+
+
+def ungroup_query_tokens(out: jax.Array, num_tokens: int, group: int) -> jax.Array:
+    """``group_query_tokens``' inverse on ``decode_grouped``'s output: [S, KV, Gp, D] ->
+    [S, Q, H, D]."""
+    s, num_kv_heads, _, head_dim = out.shape
+    out = out[:, :, :num_tokens * group].reshape(s, num_kv_heads, num_tokens, group, head_dim)
+    return out.transpose(0, 2, 1, 3, 4).reshape(s, num_tokens, num_kv_heads * group, head_dim)
 
 
 def check_shapes(q, k_pages, v_pages, block_tables, seq_lens):

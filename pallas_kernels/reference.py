@@ -139,6 +139,7 @@ def attention(
     logits_soft_cap: float | None = None,
     interpret: bool = False,
     decode_only: bool = False,
+    max_decode_q: int = 1,
 ) -> jax.Array:
     """Causal attention for one flattened ragged batch of prefill chunks and decodes.
 
@@ -154,7 +155,7 @@ def attention(
         ``kv_idx > q_idx - W``); None: all before it.
       logits_soft_cap: C caps the scaled scores at C tanh(x / C) before the softmax (Gemma 2's
         ``attn_logit_softcapping``); None: no cap.
-      interpret, decode_only: unused here (the oracle is plain JAX, and the same for every
+      interpret, decode_only, max_decode_q: unused here (the oracle is plain JAX, and the same for every
         batch); kept for the kernels' signature.
 
     Returns:
@@ -162,7 +163,7 @@ def attention(
       seq_lens[s] - q_len(s) + i and sees keys at positions <= that (bottom-right aligned mask)
       and, with a window, > that - W. Rows past query_start_loc[S] (padding tokens) are zero.
     """
-    del interpret, decode_only
+    del interpret, decode_only, max_decode_q
     q, query_start_loc, seq_lens, block_tables = map(
         jnp.asarray, (q, query_start_loc, seq_lens, block_tables)
     )

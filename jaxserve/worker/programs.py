@@ -28,6 +28,7 @@ from jaxserve.worker.sampler import (compute_logprobs, sample_filtered, sample_u
 from jaxserve.worker.sampling_fields import SamplingMetadata
 from jaxserve.worker.step_inputs import StepLayout
 from pallas_kernels import kv_quant
+from pallas_kernels.flash_attention import decode_query_tokens
 
 P = TypeVar("P")
 
@@ -115,6 +116,9 @@ def jit_programs(config: ModelConfig, params: dict, attention_fn: Callable,
     the step makes (``device_drafts``; its drafting state is the step's last argument and
     output), None without. ``decode_buckets``: the token buckets that also get a
     ``decode_step``."""
+    max_decode_q = decode_query_tokens(max_drafts, config.num_heads // config.num_kv_heads)
+    if max_decode_q > 1:  # a sequence's verified drafts go to the decode kernel with its token
+        attention_fn = partial(attention_fn, max_decode_q=max_decode_q)
     filter_fn = partial(_filter, max_drafts)
     # the n-gram method's history is donated; its row drafts stay readable by the host
     donate = (3, 4, 5) if ngram is None else (3, 4, 5, 7)

@@ -49,7 +49,6 @@ from pallas_kernels.paged_attention import (
     check_shapes,
     decode_grouped,
     flat_pool,
-    group_queries,
     group_query_tokens,
     load_kv,
     token_slots,
@@ -397,11 +396,11 @@ def attention(
         if num_seqs > num_tokens:
             raise ValueError(f"decode_only needs S <= T, got S={num_seqs}, T={num_tokens}")
         one = (q_lens == 1) & (qsl[:-1] == jnp.arange(num_seqs, dtype=jnp.int32))
-        qg, group = group_queries(q[:num_seqs], num_kv_heads)
+        qg, group = group_query_tokens(q[:num_seqs, None], num_kv_heads)
         dec = decode_grouped(qg, k_pages, v_pages, block_tables, jnp.where(one, seq_lens, 0),
                              sm_scale=sm_scale, tuning=decode_tuning, interpret=interpret,
                              sliding_window=sliding_window, soft_cap=logits_soft_cap)
-        out = jnp.where(one[:, None, None], dec[:, :, :group].reshape(-1, num_heads, head_dim), 0)
+        out = jnp.where(one[:, None, None], ungroup_query_tokens(dec, 1, group)[:, 0], 0)
         return jnp.pad(out, ((0, num_tokens - num_seqs), (0, 0), (0, 0))).astype(dtype)
     if split_decode:
         is_decode = (q_lens >= 1) & (q_lens <= max_decode_q)

@@ -141,10 +141,12 @@ def _decode_kernel(
     rows, head_dim = q_ref.shape
 
     seq_len = seq_lens_ref[seq]
-    # Row r is query token r // group of the sequence's q_len, at position seq_len - q_len +
-    # r // group: it sees the keys before row_end (rows past q_len see them all, unused).
-    q_len = 1 if query_lens_ref is None else query_lens_ref[seq]
-    row_end = seq_len - q_len + 1 + jnp.arange(rows, dtype=jnp.int32) // group  # [Gp]
+    q_len, row_end = 1, None
+    if query_lens_ref is not None:
+        # Row r is query token r // group of the sequence's q_len, at position seq_len - q_len
+        # + r // group: it sees the keys before row_end (rows past q_len see them all, unused).
+        q_len = query_lens_ref[seq]
+        row_end = seq_len - q_len + 1 + jnp.arange(rows, dtype=jnp.int32) // group  # [Gp]
     split_start = split * tokens_per_split
     if sliding_window is not None:  # the first row's window's first key, within this split
         split_start = jnp.maximum(split_start, seq_len - q_len + 1 - sliding_window)
@@ -160,12 +162,12 @@ def _decode_kernel(
         slots = token_slots(lambda p: block_tables_ref[p], pos, page_size)
         k, v, k_scale, v_scale = load_kv(k_ref, v_ref, scale_refs, slots, q.dtype)
         s = scaled_scores(plgpu.dot(q, k, trans_b=True), sm_scale, k_scale, soft_cap)
-        if query_lens_ref is None:
+        if row_end is None:
             visible = (pos < split_end)[None, :]
         else:
             visible = pos[None, :] < jnp.minimum(row_end, split_end)[:, None]
-        if sliding_window is not None and query_lens_ref is not None:
-            visible &= pos[None, :] >= (row_end - sliding_window)[:, None]
+            if sliding_window is not None:
+                visible &= pos[None, :] >= (row_end - sliding_window)[:, None]
         s = jnp.where(visible, s, MASK_VALUE)  # [Gp, block_k] f32
         return online_softmax_step(acc, m_prev, l_prev, s, v, v_scale)
 
@@ -301,19 +303,6 @@ def flat_pool(k_pages, v_pages) -> list[jax.Array]:
             k_pages.scales.reshape(kv, -1), v_pages.scales.reshape(kv, -1)]
 
 
-def group_queries(q: jax.Array, num_kv_heads: int) -> tuple[jax.Array, int]:
-    """[N, H, D] -> ([N, KV, Gp, D] zero-padded, G) with Gp = max(16, next_pow2(G))."""
-    n, num_heads, head_dim = q.shape
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
-    group = num_heads // num_kv_heads
-    rows = max(MIN_TILE_ROWS, pl.next_power_of_2(group))
-    qg = q.reshape(n, num_kv_heads, group, head_dim)
-    if rows != group:
-        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
-    return qg, group
-
-
 def group_query_tokens(q: jax.Array, num_kv_heads: int) -> tuple[jax.Array, int]:
     """[S, Q, H, D] (Q query tokens a sequence) -> ([S, KV, Gp, D] zero-padded, G): token j's
     heads of KV head h at rows j * G .. j * G + G - 1, Gp = max(16, next_pow2(Q * G)) (the
@@ -388,7 +377,7 @@ def paged_attention(
     num_kv_heads = k_pages.shape[0]
     if sm_scale is None:
         sm_scale = head_dim**-0.5
-    qg, group = group_queries(q, num_kv_heads)
+    qg, group = group_query_tokens(q[:, None], num_kv_heads)
     out = decode_grouped(
         queries_for(qg, k_pages.dtype),
         k_pages,
@@ -399,4 +388,4 @@ def paged_attention(
         tuning=tuning,
         interpret=interpret,
     )
-    return out[:, :, :group].reshape(num_seqs, num_heads, head_dim).astype(q.dtype)
+    return ungroup_query_tokens(out, 1, group)[:, 0].astype(q.dtype)

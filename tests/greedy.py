@@ -43,3 +43,24 @@ def compare_greedy(ours: list[int], ref: list[int], ref_margins: np.ndarray) -> 
         if ours[i] != ref[i]:
             return False, i
     return len(ours) == len(ref), n
+
+
+def hf_generate(hf_model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """HF transformers' greedy ``generate`` of ``max_new_tokens`` after ``prompt_ids``."""
+    import torch
+
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens,
+                                do_sample=False,
+                                attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long))
+    return out[0, len(prompt_ids):].tolist()
+
+
+def assert_equals_hf_greedy(hf_model, prompts: list[list[int]], outputs: list[list[int]],
+                            max_new_tokens: int) -> None:
+    """Each of ``outputs`` (token ids) equals HF's greedy tokens of its prompt up to the
+    reference's first near-tie (``compare_greedy``)."""
+    for ids, ours in zip(prompts, outputs, strict=True):
+        ref = hf_generate(hf_model, ids, max_new_tokens)
+        ok, n = compare_greedy(ours, ref, hf_greedy_margins(hf_model, ids, ref))
+        assert ok, (n, ours, ref)

@@ -6,12 +6,11 @@ with a prompt chunk or a forked choice's empty row do not."""
 import dataclasses
 
 import numpy as np
-import torch
 
 from jaxserve.platforms import CPU
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.worker.compilation import decode_buckets
-from tests.greedy import compare_greedy, hf_greedy_margins
+from tests.greedy import assert_equals_hf_greedy
 from tests.tiny_models import TINY, save_tiny_model
 
 ENGINE = dict(max_model_len=128, max_num_batched_tokens=16, max_num_seqs=4, kv_cache_gib=0.01,
@@ -51,14 +50,7 @@ def test_decode_steps_equal_hf_greedy(tmp_path, smollm, monkeypatch):
     outs = llm.generate(prompts, greedy, use_tqdm=False)
     # n = 2: the forked choice's first step has a row without a token (the full step)
     (pair,) = llm.generate([prompts[1]], SamplingParams(temperature=0, max_tokens=12, n=2), use_tqdm=False)
-    for ids, out in zip(prompts, outs):
-        with torch.no_grad():
-            ref = hf_model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False,
-                                    attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                    )[0, len(ids):].tolist()
-        got = out.outputs[0].token_ids
-        ok, n = compare_greedy(got, ref, hf_greedy_margins(hf_model, ids, ref))
-        assert ok, (n, got, ref)
+    assert_equals_hf_greedy(hf_model, prompts, [o.outputs[0].token_ids for o in outs], 12)
     assert [c.token_ids for c in pair.outputs] == [outs[1].outputs[0].token_ids] * 2
     # the three sequences' decodes, together (bucket 4) and alone, mostly in decode-only steps
     assert calls[4] and sum(calls.values()) >= 3 * 11 // 2, calls

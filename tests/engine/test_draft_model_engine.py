@@ -7,13 +7,12 @@ verified row finds its draft's q), and bad drafts are start-up errors naming
 
 import numpy as np
 import pytest
-import torch
 import transformers
 
 from checkpoints_tools.convert import first_layers
 from jaxserve.model_loader import load_checkpoint, save_hf_folder
 from jaxserve.sampling_params import SamplingParams
-from tests.greedy import compare_greedy, hf_greedy_margins
+from tests.greedy import assert_equals_hf_greedy
 from tests.tiny_models import TINY, TINY_CONFIGS, save_tiny_model
 
 # 8-token steps (few buckets to compile): prompts in chunks; a pool of 9 pages of 16 tokens
@@ -60,14 +59,7 @@ def test_greedy_equals_hf_with_drafts_accepted(tiny_pair):
     target, draft, hf_model = tiny_pair
     [(ours, stats)], _ = generate(target, draft, prompts())
     assert stats.num_accepted_tokens > 0 and stats.num_draft_tokens > 0
-    for ids, out in zip(prompts(), ours):
-        with torch.no_grad():
-            ref = hf_model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS,
-                                    do_sample=False,
-                                    attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                    )[0, len(ids):].tolist()
-        ok, n = compare_greedy(out, ref, hf_greedy_margins(hf_model, ids, ref))
-        assert ok, (n, out, ref)
+    assert_equals_hf_greedy(hf_model, prompts(), ours, MAX_TOKENS)
 
 
 def test_target_as_its_own_draft_accepts_every_draft(tiny_pair):

@@ -16,7 +16,7 @@ from safetensors.numpy import load_file
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.spec_decode.eagle import head_config, random_weights
 from scripts.make_eagle_head import write_head
-from tests.greedy import compare_greedy, hf_greedy_margins
+from tests.greedy import compare_greedy, hf_generate, hf_greedy_margins
 from tests.tiny_models import TINY, save_tiny_model
 
 # As the draft_model tests: 8-token steps (prompts in chunks), a pool small enough to preempt.
@@ -65,11 +65,7 @@ def hf_greedy(tiny):
     hf_model = tiny[1]
     out = []
     for ids in prompts():
-        with torch.no_grad():
-            ref = hf_model.generate(torch.tensor([ids]), max_new_tokens=GREEDY.max_tokens,
-                                    do_sample=False,
-                                    attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                    )[0, len(ids):].tolist()
+        ref = hf_generate(hf_model, ids, GREEDY.max_tokens)
         out.append((ref, hf_greedy_margins(hf_model, ids, ref)))
     return out
 

@@ -6,11 +6,10 @@ equality with HF is test_model_parity's)."""
 import dataclasses
 
 import numpy as np
-import torch
 
 from jaxserve.platforms import CPU
 from jaxserve.sampling_params import SamplingParams
-from tests.greedy import compare_greedy, hf_greedy_margins
+from tests.greedy import assert_equals_hf_greedy
 from tests.tiny_models import TINY, save_tiny_model
 
 ENGINE = dict(max_model_len=128, max_num_batched_tokens=8, max_num_seqs=4, kv_cache_gib=0.01,
@@ -28,11 +27,4 @@ def test_pallas_grouped_gemm_engine_equals_hf(tmp_path, smollm, monkeypatch):
     monkeypatch.setattr(model_runner, "current_platform", lambda: platform)
     outs = LLM(str(tmp_path), **ENGINE).generate(
         prompts, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
-    for ids, out in zip(prompts, outs):
-        with torch.no_grad():
-            ref = hf_model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False,
-                                    attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                    )[0, len(ids):].tolist()
-        got = out.outputs[0].token_ids
-        ok, n = compare_greedy(got, ref, hf_greedy_margins(hf_model, ids, ref))
-        assert ok, (n, got, ref)
+    assert_equals_hf_greedy(hf_model, prompts, [o.outputs[0].token_ids for o in outs], 8)

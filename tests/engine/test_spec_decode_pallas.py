@@ -3,10 +3,9 @@ sequence's k + 1 query tokens go through the decode kernel (``max_decode_q``), a
 outputs equal HF transformers' (the near-tie rule) with drafts accepted."""
 
 import numpy as np
-import torch
 
 from jaxserve.sampling_params import SamplingParams
-from tests.greedy import compare_greedy, hf_greedy_margins
+from tests.greedy import assert_equals_hf_greedy
 from tests.tiny_models import TINY, save_tiny_model
 
 ENGINE = dict(max_model_len=160, max_num_batched_tokens=32, max_num_seqs=4, kv_cache_gib=0.01,
@@ -26,13 +25,6 @@ def test_verified_drafts_through_the_decode_kernel_equal_hf(tmp_path, smollm):
     phrase = rng.integers(0, TINY["vocab_size"], size=6).tolist()
     prompts = [phrase * 4, rng.integers(0, TINY["vocab_size"], size=30).tolist() + phrase * 2]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)
-    for ids, out in zip(prompts, outs):
-        with torch.no_grad():
-            ref = hf_model.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False,
-                                    attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                    )[0, len(ids):].tolist()
-        got = out.outputs[0].token_ids
-        ok, n = compare_greedy(got, ref, hf_greedy_margins(hf_model, ids, ref))
-        assert ok, (n, got, ref)
+    assert_equals_hf_greedy(hf_model, prompts, [o.outputs[0].token_ids for o in outs], 40)
     stats = llm.engine.get_stats().spec_decoding
     assert stats.num_accepted_tokens > 10, stats

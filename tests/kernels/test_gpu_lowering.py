@@ -77,6 +77,20 @@ def test_fp8_pool_lowers_for_cuda(split):
     assert "ui8" in text
 
 
+@pytest.mark.parametrize("max_q,fp8", [(5, False), (9, True), (1, False)])
+def test_multi_token_decode_lowers_for_cuda(max_q, fp8):
+    """Verified drafts through the decode kernel (``max_decode_q``; 1 is plain decode), and
+    the decode-only launch, the 8B head layout."""
+    a = _avals(64, 8, 32, 8, 128, 16, 16, jnp.bfloat16)
+    s = jax.ShapeDtypeStruct
+    pool = (QuantizedPages(s((8, 64, 16, 128), jnp.uint8), s((8, 64, 16), jnp.float32))
+            if fp8 else a["k"])
+    _export_cuda(lambda q, k, v, *md: attention(q, k, v, *md, max_decode_q=max_q),
+                 a["q"], pool, pool, a["qsl"], a["seq_lens"], a["bt"])
+    _export_cuda(lambda q, k, v, *md: attention(q, k, v, *md, decode_only=True),
+                 s((16, 32, 128), jnp.bfloat16), pool, pool, a["qsl"], a["seq_lens"], a["bt"])
+
+
 MOE_SHAPES = ["qwen3-30b-a3b", "mixtral-8x7b"]  # presets of jaxserve.model_loader.dummy
 
 

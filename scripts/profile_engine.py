@@ -125,8 +125,10 @@ def main():
     ap.add_argument("--phase", choices=("decode", "prefill"), default="decode")
     ap.add_argument("--out", default="/tmp/jaxserve_profile")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--speculative-config", type=json.loads, default=None,
+                    help="as the server's flag (random prompts: n-gram drafts are mostly fillers)")
     args = ap.parse_args()
-    llm = LLM(args.model, load_format=args.load_format,
+    llm = LLM(args.model, load_format=args.load_format, speculative_config=args.speculative_config,
               log=lambda s: print(f"[engine] {s}", flush=True), **engine_flags(args))
     rng = np.random.default_rng(args.seed)
     add_requests(llm, rng, args.batch, args.prompt_len, 16, "warm")

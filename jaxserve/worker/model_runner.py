@@ -84,9 +84,11 @@ def _trim(lp: dict, rows, ks) -> LogprobsLists:
 
 
 def _host_logprobs(lp: Logprobs, token_ids: np.ndarray) -> dict:
-    return {"ids": token_ids, "top_ids": np.asarray(lp.top_ids),
-            "top_lps": np.asarray(lp.top_logprobs), "lps": np.asarray(lp.token_logprobs),
-            "ranks": np.asarray(lp.token_ranks)}
+    # one wait for the four copies (device_get starts them all first)
+    top_ids, top_lps, lps, ranks = jax.device_get(
+        (lp.top_ids, lp.top_logprobs, lp.token_logprobs, lp.token_ranks))
+    return {"ids": token_ids, "top_ids": top_ids, "top_lps": top_lps, "lps": lps,
+            "ranks": ranks}
 
 
 @dataclass
@@ -583,6 +585,10 @@ class ModelRunner:
                                     f.want_logprobs, self._draft_probs)
             if not f.structured.any() or sched.grammar_bitmask is not None:
                 self.sample_filtered(handle, sched.grammar_bitmask)
+        else:
+            sampled.copy_to_host_async()
+        if drafting:
+            draft_ids.copy_to_host_async()
         return handle
 
     def _eagle_inputs(self, t: int, x, aux: list) -> tuple:
@@ -630,6 +636,8 @@ class ModelRunner:
         sampled, self.sampling_state, lp = self.compiled.filter[s](
             logits, handle.sampled, sm, fm, self.sampling_state, bitmask, draft_probs)
         handle.sampled = self._prev_sampled = sampled
+        # get_output's copy starts when the sampler ends, beside what the device runs next
+        sampled.copy_to_host_async()
         handle.logprobs = lp if want_logprobs else None
         handle.filter_inputs = None
 
@@ -646,7 +654,7 @@ class ModelRunner:
                  if k and rid in constrained]
         if not spans:
             return None
-        draft_ids = np.asarray(handle.draft_ids.addressable_data(0))
+        draft_ids = np.asarray(handle.draft_ids)
         return {rid: draft_ids[row - k : row].tolist() for rid, row, k in spans}
 
     def device_state_ok(self) -> bool:
@@ -678,13 +686,13 @@ class ModelRunner:
         """
         if handle.awaits_bitmask:
             raise RuntimeError("the step's constrained rows were never sampled")
-        # This process's copy (with a mesh over several hosts, the others are not addressable).
-        sampled = np.asarray(handle.sampled.addressable_data(0))
+        # replicated: this process's copy, also with a mesh over several hosts
+        sampled = np.asarray(handle.sampled)
         m = len(handle.seq_start)
         draft_ids = handle.draft_ids
         num_proposed = {}
         if isinstance(draft_ids, jax.Array):  # made by the step (device_drafts)
-            draft_ids = np.asarray(draft_ids.addressable_data(0))[:m]
+            draft_ids = np.asarray(draft_ids)[:m]
             # proposed[r]: drafts in the rows before r (a filler verifies V, no token)
             valid = (draft_ids >= 0) & (draft_ids < self.config.vocab_size)
             proposed = np.concatenate([[0], np.cumsum(valid)])

@@ -358,12 +358,11 @@ def attention(
             window are not read.
         logits_soft_cap: C caps the scaled scores at C tanh(x / C) before the softmax
             (Gemma 2's ``attn_logit_softcapping``); None: no cap.
-        decode_only: the caller's promise that every sequence has 1 to ``max_decode_q``
-            query tokens or none: only the decode kernel runs (no ragged-prefill launch). With
-            ``max_decode_q`` 1 the promise is also that sequence s's token is at row s
-            (``query_start_loc`` 0, 1, ..., n, n, ...; padding sequences after the others), and
-            the kernel runs on rows 0..S-1 in place (no gather or scatter of rows); S <= T. A
-            sequence breaking the promise gets zeros.
+        decode_only: the caller's promise that every sequence has one query token, at row s
+            (``query_start_loc`` 0, 1, ..., n, n, ...), or none (padding sequences, after the
+            others): only the decode kernel runs, on rows 0..S-1 in place (no ragged-prefill
+            launch, no gather or scatter of rows); S <= T. A sequence breaking the promise gets
+            zeros.
         max_decode_q: the most query tokens a sequence the decode kernel takes has (1 + the
             speculative drafts a step verifies): its rows stack the tokens' heads by KV head
             (``group_query_tokens``), so a verifying sequence's context is read once per KV
@@ -392,7 +391,7 @@ def attention(
     q = queries_for(q, k_pages.dtype)
     qsl = query_start_loc.astype(jnp.int32)
     q_lens = qsl[1:] - qsl[:-1]
-    if decode_only and max_decode_q == 1:
+    if decode_only:
         num_seqs = seq_lens.shape[0]
         if num_seqs > num_tokens:
             raise ValueError(f"decode_only needs S <= T, got S={num_seqs}, T={num_tokens}")
@@ -403,13 +402,12 @@ def attention(
                              sliding_window=sliding_window, soft_cap=logits_soft_cap)
         out = jnp.where(one[:, None, None], ungroup_query_tokens(dec, 1, group)[:, 0], 0)
         return jnp.pad(out, ((0, num_tokens - num_seqs), (0, 0), (0, 0))).astype(dtype)
-    split_decode = split_decode or decode_only
     if split_decode:
         is_decode = (q_lens >= 1) & (q_lens <= max_decode_q)
     else:
         is_decode = jnp.zeros_like(q_lens, dtype=bool)
 
-    out = jnp.zeros_like(q) if decode_only else ragged_prefill(
+    out = ragged_prefill(
         q,
         k_pages,
         v_pages,

@@ -63,17 +63,15 @@ def compile_programs(executables: ExecutableCache, jitted: Programs, args: Progr
     of the next."""
     start = time.perf_counter()
     programs = {(field, n): (fn, args.get(field, n),
-                             step_options(n) if field in ("step", "decode_step", "verify_step")
-                             else None)
+                             step_options(n) if field in ("step", "decode_step") else None)
                 for field, n, fn in jitted.entries()}
     total, hits = len(programs), executables.hits
-    num_fast = len(jitted.decode_step) + len(jitted.verify_step)
-    num_steps, num_samplers = len(jitted.step) + num_fast, len(jitted.filter)
+    num_steps, num_samplers = len(jitted.step) + len(jitted.decode_step), len(jitted.filter)
     compiled = []
     with ThreadPoolExecutor(min(total, os.cpu_count() or 1)) as pool:
         futures = {executables.submit(pool, *program): label
                    for label, program in programs.items()}
-        log(f"{total} programs ({len(jitted.step)} token buckets, {num_fast} "
+        log(f"{total} programs ({len(jitted.step)} token buckets, {len(jitted.decode_step)} "
             f"decode-only, {num_samplers} samplers, "
             f"{total - num_steps - num_samplers} others) traced, or found in the executable "
             f"cache, in {time.perf_counter() - start:.1f}s")

@@ -59,7 +59,6 @@ from jaxserve.worker.sampling_fields import (SAMPLING, FilterMetadata, SamplingM
                                              neutral)
 from jaxserve.worker.step_inputs import StepLayout
 from pallas_kernels import kv_quant, reads_stacked_pools
-from pallas_kernels.flash_attention import decode_query_tokens
 
 # Prompt positions whose log-probabilities one step computes (the scheduler caps the prompt
 # chunks of such requests to it): the step returns this many hidden rows, and a separate
@@ -171,9 +170,8 @@ class ModelRunner:
         the step makes on the device (``spec_decode.device_drafts``); None: another method or
         none.
       decode_steps: the token buckets a step of only one-token decodes can take get a second
-        step program whose attention is ``decode_only`` (``decode_buckets``), and with
-        speculative decoding those a step of only verifying sequences can take a third
-        (``verify_buckets``); default: the platform's ``decode_steps``.
+        step program whose attention is ``decode_only`` (``decode_buckets``); default: the
+        platform's ``decode_steps``.
     """
 
     def __init__(
@@ -237,21 +235,13 @@ class ModelRunner:
         row_counts = sorted({layout.num_logits_rows for layout in self.step_layouts.values()})
         if decode_steps is None:
             decode_steps = platform.decode_steps
-        # The most query tokens of a sequence the decode kernel takes: its token and drafts.
-        self.max_decode_q = decode_query_tokens(num_speculative_tokens,
-                                                config.num_heads // config.num_kv_heads)
-        self.decode_buckets = self.verify_buckets = ()
-        if decode_steps:
-            self.decode_buckets = decode_buckets(self.token_buckets, max_num_seqs)
-        if decode_steps and self.max_decode_q > 1:
-            self.verify_buckets = decode_buckets(self.token_buckets,
-                                                 self.max_decode_q * max_spec_seqs)
+        self.decode_buckets = decode_buckets(self.token_buckets, max_num_seqs) if decode_steps else ()
         # The MoE layers' expert GEMMs: the platform's choice, as the step's other kernels.
         grouped_gemm = moe.get_grouped_gemm(platform.moe_grouped_gemm, platform.interpret_pallas)
         self.programs = jit_programs(
             config, params, attention_fn, grouped_gemm, mesh, row_counts[-1], branch_free,
             self.step_layouts, row_counts, self.stacked_kv_pool, num_speculative_tokens, draft,
-            page_size, self.ngram, self.decode_buckets, self.max_decode_q, self.verify_buckets)
+            page_size, self.ngram, self.decode_buckets)
         self.draft = draft
         self.draft_k_cache = self.draft_v_cache = None  # allocate_kv_cache
         # The draft model's q of the last proposed drafts (draft_model.propose), and each
@@ -430,7 +420,6 @@ class ModelRunner:
                 for t, layout in self.step_layouts.items()}
         return Programs(
             step=step, decode_step={t: step[t] for t in self.decode_buckets},
-            verify_step={t: step[t] for t in self.verify_buckets},
             filter={s: self._filter_args(s) for s in self.programs.filter},
             state_writer=(st, np.int32(0), np.zeros(self.max_model_len, np.int32), np.int32(0),
                           np.int32(0), np.asarray(st.bias_ids[0]), np.asarray(st.bias_values[0]),
@@ -521,11 +510,9 @@ class ModelRunner:
             map(len, sched.scheduled_spec_decode_tokens.values()))
         t = self._bucket(n_tok, num_rows)
         step = self.compiled.step.get(t)
-        most = max(sched.num_scheduled_tokens.values())
-        if t in self.compiled.decode_step and num_rows == n_tok and most == 1:
+        if (t in self.compiled.decode_step and num_rows == n_tok
+                and max(sched.num_scheduled_tokens.values()) == 1):
             step = self.compiled.decode_step[t]  # a token for each sequence: decodes only
-        elif t in self.compiled.verify_step and most <= self.max_decode_q:
-            step = self.compiled.verify_step[t]  # decodes and their drafts only
         if step is None:
             raise RuntimeError(f"bucket tokens={t} was not compiled at start-up")
         if self.lora is not None:  # the step's adapters into the device pool, if not there

@@ -28,6 +28,7 @@ from jaxserve.worker.sampler import (compute_logprobs, sample_filtered, sample_u
 from jaxserve.worker.sampling_fields import SamplingMetadata
 from jaxserve.worker.step_inputs import StepLayout
 from pallas_kernels import kv_quant
+from pallas_kernels.flash_attention import decode_query_tokens
 
 P = TypeVar("P")
 
@@ -41,9 +42,6 @@ class Programs(Generic[P]):
       step: by token bucket T, the model step (``_step``).
       decode_step: by token bucket T, the model step of a step whose every sequence decodes
         one token (its attention ``decode_only``); empty where the platform builds none.
-      verify_step: by token bucket T, the model step of a step whose every sequence has 1 to
-        ``max_decode_q`` tokens (a token and its drafts; its attention ``decode_only`` with
-        ``max_decode_q``); empty without speculative decoding or decode-only steps.
       filter: by logits row count L (the sequence count S, without speculative decoding),
         the filtered sampler (``_filter``).
       state_writer: ``sampler.write_state_row``, a request's sampler-state row.
@@ -61,7 +59,6 @@ class Programs(Generic[P]):
 
     step: dict[int, P]
     decode_step: dict[int, P]
-    verify_step: dict[int, P]
     filter: dict[int, P]
     state_writer: P
     page_copy: P
@@ -90,8 +87,8 @@ class Programs(Generic[P]):
     @classmethod
     def of_entries(cls, entries) -> "Programs":
         """``entries``' inverse: a table of the (field, n, entry) triples given."""
-        tables: dict[str, dict | object] = {"step": {}, "decode_step": {}, "verify_step": {},
-                                            "filter": {}, "draft_step": {}}
+        tables: dict[str, dict | object] = {"step": {}, "decode_step": {}, "filter": {},
+                                            "draft_step": {}}
         for field, n, value in entries:
             if n is None:
                 tables[field] = value
@@ -105,8 +102,7 @@ def jit_programs(config: ModelConfig, params: dict, attention_fn: Callable,
                  layouts: dict[int, StepLayout], row_counts: list[int], stacked_kv_pool: bool,
                  max_drafts: int = 0, draft: DraftModel | EagleHead | None = None,
                  page_size: int = 0, ngram: NgramDrafting | None = None,
-                 decode_buckets: tuple[int, ...] = (), max_decode_q: int = 1,
-                 verify_buckets: tuple[int, ...] = ()) -> Programs:
+                 decode_buckets: tuple[int, ...] = ()) -> Programs:
     """Every program, jitted: the step of each token bucket of ``layouts`` (its layout is
     static; the pool and the block table are donated; its tokens padded to ``max_rows``, the
     most logits rows of any bucket), the filtered sampler (one for every L of ``row_counts``;
@@ -119,10 +115,8 @@ def jit_programs(config: ModelConfig, params: dict, attention_fn: Callable,
     models' kernels (``llama.forward``). ``ngram``: the n-gram method's settings, whose drafts
     the step makes (``device_drafts``; its drafting state is the step's last argument and
     output), None without. ``decode_buckets``: the token buckets that also get a
-    ``decode_step``; ``verify_buckets``, a ``verify_step``. ``max_decode_q``: the most query
-    tokens of a sequence the decode kernel takes (``decode_query_tokens``)."""
-    # the one-token step's attention, before the drafts' rows join the decode kernel's
-    decode_attention = partial(attention_fn, decode_only=True)
+    ``decode_step``."""
+    max_decode_q = decode_query_tokens(max_drafts, config.num_heads // config.num_kv_heads)
     if max_decode_q > 1:  # a sequence's verified drafts go to the decode kernel with its token
         attention_fn = partial(attention_fn, max_decode_q=max_decode_q)
     filter_fn = partial(_filter, max_drafts)
@@ -161,16 +155,14 @@ def jit_programs(config: ModelConfig, params: dict, attention_fn: Callable,
             draft_page_copy=KeyedJit(_copy_pages, donate_argnums=(0, 1)))
     elif ngram is not None:
         drafts = dict(history_write=KeyedJit(_write_history, donate_argnums=(0,)))
-    verify_attention = partial(attention_fn, decode_only=True)
-
-    def steps(attention, buckets):
-        return {t: jit_step(partial(_step, config, attention, grouped_gemm, mesh, max_rows,
-                                    branch_free, layouts[t], aux_layers, ngram))
-                for t in buckets}
-
+    decode_attention = partial(attention_fn, decode_only=True)
     return Programs(
-        step=steps(attention_fn, layouts), decode_step=steps(decode_attention, decode_buckets),
-        verify_step=steps(verify_attention, verify_buckets),
+        step={t: jit_step(partial(_step, config, attention_fn, grouped_gemm, mesh, max_rows,
+                                  branch_free, layout, aux_layers, ngram))
+              for t, layout in layouts.items()},
+        decode_step={t: jit_step(partial(_step, config, decode_attention, grouped_gemm, mesh,
+                                         max_rows, branch_free, layouts[t], aux_layers, ngram))
+                     for t in decode_buckets},
         filter={n: jit_filter for n in row_counts},
         state_writer=KeyedJit(write_state_row, donate_argnums=(0,)),
         page_copy=KeyedJit(_copy_pages, donate_argnums=(0, 1)),

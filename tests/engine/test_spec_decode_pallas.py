@@ -1,38 +1,25 @@
 """n-gram speculation with the Pallas kernels (interpreted on the CPU): each verifying
-sequence's k + 1 query tokens go through the decode kernel (``max_decode_q``), in mixed steps
-and in verify steps (``Programs.verify_step``, no ragged-prefill launch), and greedy outputs
-equal HF transformers' (the near-tie rule) with drafts accepted."""
-
-import dataclasses
+sequence's k + 1 query tokens go through the decode kernel (``max_decode_q``), and greedy
+outputs equal HF transformers' (the near-tie rule) with drafts accepted."""
 
 import numpy as np
 
-from jaxserve.platforms import CPU
 from jaxserve.sampling_params import SamplingParams
 from tests.greedy import assert_equals_hf_greedy
 from tests.tiny_models import TINY, save_tiny_model
 
-ENGINE = dict(max_model_len=160, max_num_batched_tokens=32, max_num_seqs=2, kv_cache_gib=0.01,
+ENGINE = dict(max_model_len=160, max_num_batched_tokens=32, max_num_seqs=4, kv_cache_gib=0.01,
               attention_backend="pallas", log=lambda s: None,
               speculative_config={"method": "ngram", "num_speculative_tokens": 3,
                                   "prompt_lookup_max": 3, "prompt_lookup_min": 1})
 
 
-def test_verified_drafts_through_the_decode_kernel_equal_hf(tmp_path, smollm, monkeypatch):
+def test_verified_drafts_through_the_decode_kernel_equal_hf(tmp_path, smollm):
     from jaxserve import LLM
-    from jaxserve.worker import model_runner
 
     # windows of 40 from layer 1 on: outputs pass them
     hf_model = save_tiny_model("qwen2-windows-from-layer-1", tmp_path, smollm.tokenizer)
-    platform = dataclasses.replace(CPU, decode_steps=True)
-    monkeypatch.setattr(model_runner, "current_platform", lambda: platform)
     llm = LLM(str(tmp_path), **ENGINE)
-    compiled = llm.engine.runner.compiled
-    # k = 3: 4 query tokens a sequence, 2 sequences: up to 8 tokens a verify step
-    assert set(compiled.verify_step) == {1, 2, 4, 8}
-    calls = []
-    for t, fn in list(compiled.verify_step.items()):
-        compiled.verify_step[t] = lambda *a, t=t, fn=fn: calls.append(t) or fn(*a)
     rng = np.random.default_rng(0)
     # a repeated phrase gives the lookup matches; a tiny random model's greedy text repeats too
     phrase = rng.integers(0, TINY["vocab_size"], size=6).tolist()
@@ -41,4 +28,3 @@ def test_verified_drafts_through_the_decode_kernel_equal_hf(tmp_path, smollm, mo
     assert_equals_hf_greedy(hf_model, prompts, [o.outputs[0].token_ids for o in outs], 40)
     stats = llm.engine.get_stats().spec_decoding
     assert stats.num_accepted_tokens > 10, stats
-    assert calls.count(8) >= 5, calls  # both sequences verifying 3 drafts

@@ -87,8 +87,7 @@ def test_multi_token_decode_lowers_for_cuda(max_q, fp8):
             if fp8 else a["k"])
     _export_cuda(lambda q, k, v, *md: attention(q, k, v, *md, max_decode_q=max_q),
                  a["q"], pool, pool, a["qsl"], a["seq_lens"], a["bt"])
-    _export_cuda(lambda q, k, v, *md: attention(q, k, v, *md, max_decode_q=max_q,
-                                                decode_only=True),
+    _export_cuda(lambda q, k, v, *md: attention(q, k, v, *md, decode_only=True),
                  s((16, 32, 128), jnp.bfloat16), pool, pool, a["qsl"], a["seq_lens"], a["bt"])
 
 

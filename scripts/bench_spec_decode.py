@@ -17,7 +17,9 @@ machine falls on all alike. Reported per engine: output tokens / wall time of it
 requests (tok/s), the speedup over plain, its ``EngineCore.step`` calls (prefill chunks
 included; with async scheduling one more a request, its last call only collecting) and the
 wall time a call (what running synchronously and verifying drafts cost a step, beside how many
-steps speculation saves), and for each method the mean acceptance length (1 +
+steps speculation saves), split into the model runner's ``execute`` (building the step's
+inputs and dispatching it), its ``get_output`` (waiting for the device, then the host's share)
+and the rest (scheduling, applying the tokens), and for each method the mean acceptance length (1 +
 accepted drafts / sequence-steps that verified drafts, vLLM's definition) and how many outputs
 equal the plain engine's token for token.
 
@@ -80,8 +82,12 @@ def main() -> None:
         llm.chat([{"role": "user", "content": "Say hello."}], greedy, use_tqdm=False)
     before = {m: engines[m].engine.get_stats().spec_decoding for m in methods}
     steps = dict.fromkeys(engines, 0)  # engine steps of the timed requests, prefill included
+    spent = {name: {"execute": 0.0, "get_output": 0.0} for name in engines}  # seconds
     for name, llm in engines.items():
         llm.engine.step = _counted(llm.engine.step, steps, name)
+        for part in spent[name]:
+            setattr(llm.engine.runner, part,
+                    _timed(getattr(llm.engine.runner, part), spent[name], part))
     seconds = dict.fromkeys(engines, 0.0)
     outputs = {name: [] for name in engines}
     for _ in range(args.repeats):
@@ -97,7 +103,9 @@ def main() -> None:
         rate = n_tok / seconds[name]
         print(f"{name:>20}: {n_tok} tokens in {seconds[name]:.1f} s, {rate:.1f} tok/s "
               f"({rate / plain_rate:.2f}x plain); {steps[name]} steps, "
-              f"{1e3 * seconds[name] / steps[name]:.2f} ms a step call", flush=True)
+              f"{1e3 * seconds[name] / steps[name]:.2f} ms a step call (execute "
+              f"{1e3 * spent[name]['execute'] / steps[name]:.2f}, get_output "
+              f"{1e3 * spent[name]['get_output'] / steps[name]:.2f})", flush=True)
     for m in methods:
         s, b = engines[m].engine.get_stats().spec_decoding, before[m]
         drafts = s.num_drafts - b.num_drafts
@@ -109,6 +117,17 @@ def main() -> None:
         print(f"{m}: acceptance length {1 + accepted / max(drafts, 1):.2f} ({accepted} of "
               f"{drafted} draft tokens accepted in {drafts} verifications; per position "
               f"{per_pos}); outputs equal to plain: {same}/{len(outputs['plain'])}")
+
+
+def _timed(fn, seconds: dict, key: str):
+    """``fn`` that adds its wall time to ``seconds[key]`` each call."""
+    def timed(*args):
+        start = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            seconds[key] += time.perf_counter() - start
+    return timed
 
 
 def _counted(step, counts: dict, name: str):

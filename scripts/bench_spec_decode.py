@@ -17,9 +17,9 @@ machine falls on all alike. Reported per engine: output tokens / wall time of it
 requests (tok/s), the speedup over plain, its ``EngineCore.step`` calls (prefill chunks
 included; with async scheduling one more a request, its last call only collecting) and the
 wall time a call (what running synchronously and verifying drafts cost a step, beside how many
-steps speculation saves), split into the model runner's ``execute`` (building the step's
-inputs and dispatching it), its ``get_output`` (waiting for the device, then the host's share)
-and the rest (scheduling, applying the tokens), and for each method the mean acceptance length (1 +
+steps speculation saves), of which the model runner's ``execute`` (building the step's inputs
+and dispatching it) and its ``get_output`` (waiting for the device, then the host's share; the
+rest of a call schedules and applies the tokens), and for each method the mean acceptance length (1 +
 accepted drafts / sequence-steps that verified drafts, vLLM's definition) and how many outputs
 equal the plain engine's token for token.
 

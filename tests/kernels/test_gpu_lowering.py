@@ -77,18 +77,27 @@ def test_fp8_pool_lowers_for_cuda(split):
     assert "ui8" in text
 
 
+def _pool_8b(fp8: bool):
+    s = jax.ShapeDtypeStruct
+    if fp8:
+        return QuantizedPages(s((8, 64, 16, 128), jnp.uint8), s((8, 64, 16), jnp.float32))
+    return s((8, 64, 16, 128), jnp.bfloat16)
+
+
 @pytest.mark.parametrize("max_q,fp8", [(5, False), (9, True), (1, False)])
 def test_multi_token_decode_lowers_for_cuda(max_q, fp8):
-    """Verified drafts through the decode kernel (``max_decode_q``; 1 is plain decode), and
-    the decode-only launch, the 8B head layout."""
-    a = _avals(64, 8, 32, 8, 128, 16, 16, jnp.bfloat16)
-    s = jax.ShapeDtypeStruct
-    pool = (QuantizedPages(s((8, 64, 16, 128), jnp.uint8), s((8, 64, 16), jnp.float32))
-            if fp8 else a["k"])
+    """Verified drafts through the decode kernel (``max_decode_q``; 1 is plain decode), the
+    8B head layout."""
+    a, pool = _avals(64, 8, 32, 8, 128, 16, 16, jnp.bfloat16), _pool_8b(fp8)
     _export_cuda(lambda q, k, v, *md: attention(q, k, v, *md, max_decode_q=max_q),
                  a["q"], pool, pool, a["qsl"], a["seq_lens"], a["bt"])
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_decode_only_lowers_for_cuda(fp8):
+    a, pool = _avals(16, 8, 32, 8, 128, 16, 16, jnp.bfloat16), _pool_8b(fp8)
     _export_cuda(lambda q, k, v, *md: attention(q, k, v, *md, decode_only=True),
-                 s((16, 32, 128), jnp.bfloat16), pool, pool, a["qsl"], a["seq_lens"], a["bt"])
+                 a["q"], pool, pool, a["qsl"], a["seq_lens"], a["bt"])
 
 
 MOE_SHAPES = ["qwen3-30b-a3b", "mixtral-8x7b"]  # presets of jaxserve.model_loader.dummy

@@ -9,8 +9,9 @@ online softmax in float32. Splits of one sequence are combined exactly afterward
 running max ``m`` and denominator ``l`` (log-sum-exp merge), in plain XLA.
 
 The split count, tile size and Triton launch parameters are static and chosen from the shapes
-(see ``DecodeTuning``); tokens of a split past a sequence's length are never loaded, so a wide
-(padded) block table costs nothing but idle programs.
+(see ``DecodeTuning``). Each sequence's keys are cut among the splits at run time, from its
+length: a short sequence in a block table as wide as the longest context still spreads over
+the splits (at least ``min_split_tokens`` keys each), and splits past its length exit at once.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ MIN_TILE_ROWS = 16
 # Streaming multiprocessors of an H100/H200; the split heuristic aims to fill them several times.
 NUM_SMS = 132
 PROGRAMS_TARGET = 2 * NUM_SMS
+# The fewest keys a split gets by default (four bfloat16 tiles; docs/performance.md).
+MIN_SPLIT_TOKENS = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,13 +51,17 @@ class DecodeTuning:
 
     Attributes:
         block_k: KV tokens per inner-loop step; a multiple of page_size (rounded up to one).
-        num_splits: KV splits per sequence (flash-decoding); 1 normalises inside the kernel.
+        num_splits: KV splits per sequence (flash-decoding), the most a sequence's keys are
+            cut into; 1 normalises inside the kernel.
+        min_split_tokens: the fewest keys a split of a sequence gets (rounded up to whole
+            tiles); a shorter sequence uses fewer splits.
         num_warps: Triton warps per program.
         num_stages: Triton software-pipelining depth of the KV loop.
     """
 
     block_k: int | None = None
     num_splits: int | None = None
+    min_split_tokens: int | None = None
     num_warps: int | None = None
     num_stages: int | None = None
 
@@ -78,16 +85,18 @@ def resolve_decode_tuning(
         default_block_k = 256 if num_seqs * num_kv_heads <= 4 * NUM_SMS else 128
     block_k = max(pl.next_power_of_2(tuning.block_k or default_block_k), page_size)
     max_tokens = pages_per_seq * page_size
+    min_split_tokens = tuning.min_split_tokens or MIN_SPLIT_TOKENS
     num_splits = tuning.num_splits
     if num_splits is None:
-        # Enough programs to fill the SMs (two resident per SM at the default tile) without
-        # cutting splits shorter than 4 tiles; measured in docs/performance.md.
+        # Enough programs to fill the SMs (two resident per SM at the default tile); no more
+        # than the longest context can fill; measured in docs/performance.md.
         want = pl.cdiv(PROGRAMS_TARGET, max(1, num_seqs * num_kv_heads))
-        num_splits = max(1, min(want, max_tokens // (4 * block_k)))
+        num_splits = max(1, min(want, max_tokens // max(block_k, min_split_tokens)))
     num_splits = max(1, min(num_splits, pl.cdiv(max_tokens, block_k)))
     return DecodeTuning(
         block_k=block_k,
         num_splits=num_splits,
+        min_split_tokens=min_split_tokens,
         num_warps=tuning.num_warps or 4,
         num_stages=tuning.num_stages or 3,
     )
@@ -119,14 +128,15 @@ def load_kv(k_ref, v_ref, scale_refs, slots, dtype):
 def _decode_kernel(
     seq_lens_ref,  # [S] int32 (whole array)
     *refs,  # query_lens_ref [S] int32 (whole array) if multi_query, then:
-    # block_tables_ref [P_pad] int32, this sequence's row; q_ref [Gp, D];
+    # block_tables_ref [P] int32, this sequence's row; q_ref [Gp, D];
     # k_ref [num_pages * page_size, D], this KV head's pool, flattened; v_ref likewise (FP8:
     # uint16 pairs [..., D / 2], kv_quant.as_pairs); (ks_ref, vs_ref [num_pages * page_size]
     # if quantized); o_ref [Gp, D]; then (m_ref [Gp], l_ref [Gp]) when the KV length is split
     sm_scale: float,
     block_k: int,
     page_size: int,
-    tokens_per_split: int,
+    num_splits: int,
+    min_split_tokens: int,
     quantized: bool,
     sliding_window: int | None,
     soft_cap: float | None,
@@ -147,11 +157,19 @@ def _decode_kernel(
         # + r // group: it sees the keys before row_end (rows past q_len see them all, unused).
         q_len = query_lens_ref[seq]
         row_end = seq_len - q_len + 1 + jnp.arange(rows, dtype=jnp.int32) // group  # [Gp]
-    split_start = split * tokens_per_split
-    if sliding_window is not None:  # the first row's window's first key, within this split
-        split_start = jnp.maximum(split_start, seq_len - q_len + 1 - sliding_window)
-    split_end = jnp.minimum(seq_len, split * tokens_per_split + tokens_per_split)
+    first_key = 0
+    if sliding_window is not None:  # the first row's window's first key
+        first_key = jnp.maximum(seq_len - q_len + 1 - sliding_window, 0)
+    # The keys the rows see, cut into whole tiles among the splits at run time.
+    per_split = pl.cdiv(pl.cdiv(seq_len - first_key, num_splits), block_k) * block_k
+    per_split = jnp.maximum(per_split, min_split_tokens)
+    split_start = first_key + split * per_split
+    split_end = jnp.minimum(seq_len, split_start + per_split)
     num_blocks = pl.cdiv(jnp.maximum(split_end - split_start, 0), block_k)
+    last_page = block_tables_ref.shape[0] - 1  # a split's last tile may pass the table's end
+
+    def page(p):
+        return block_tables_ref[jnp.minimum(p, last_page)]
 
     q = q_ref[...]
     offs = jnp.arange(block_k, dtype=jnp.int32)
@@ -159,7 +177,7 @@ def _decode_kernel(
     def body(i, carry):
         acc, m_prev, l_prev = carry
         pos = split_start + i * block_k + offs
-        slots = token_slots(lambda p: block_tables_ref[p], pos, page_size)
+        slots = token_slots(page, pos, page_size)
         k, v, k_scale, v_scale = load_kv(k_ref, v_ref, scale_refs, slots, q.dtype)
         s = scaled_scores(plgpu.dot(q, k, trans_b=True), sm_scale, k_scale, soft_cap)
         if row_end is None:
@@ -222,13 +240,7 @@ def decode_grouped(
     quantized = isinstance(k_pages, QuantizedPages)
     t = resolve_decode_tuning(num_seqs, num_kv_heads, pages_per_seq, page_size, head_dim, tuning,
                               quantized)
-    pages_per_block = t.block_k // page_size
-    blocks_per_split = pl.cdiv(pl.cdiv(pages_per_seq, t.num_splits), pages_per_block)
-    pages_per_split = blocks_per_split * pages_per_block
-    num_splits = pl.cdiv(pages_per_seq, pages_per_split)
-    padded_pages = num_splits * pages_per_split
-    if padded_pages != pages_per_seq:
-        block_tables = jnp.pad(block_tables, ((0, 0), (0, padded_pages - pages_per_seq)))
+    num_splits = t.num_splits
     split = num_splits > 1
 
     kernel = functools.partial(
@@ -236,7 +248,8 @@ def decode_grouped(
         sm_scale=sm_scale,
         block_k=t.block_k,
         page_size=page_size,
-        tokens_per_split=pages_per_split * page_size,
+        num_splits=num_splits,
+        min_split_tokens=t.min_split_tokens,
         quantized=quantized,
         sliding_window=sliding_window,
         soft_cap=soft_cap,
@@ -248,7 +261,7 @@ def decode_grouped(
     if query_lens is not None:
         lengths.append(query_lens.astype(jnp.int32))
     in_specs = [pl.BlockSpec((num_seqs,), lambda s, h, k: (0,)) for _ in lengths] + [
-        pl.BlockSpec((None, padded_pages), lambda s, h, k: (s, 0)),
+        pl.BlockSpec((None, pages_per_seq), lambda s, h, k: (s, 0)),
         pl.BlockSpec((None, None, rows, head_dim), lambda s, h, k: (s, h, 0, 0)),
     ] + [pl.BlockSpec((None, *a.shape[1:]), lambda s, h, k, n=a.ndim: (h,) + (0,) * (n - 1))
          for a in pool]

@@ -37,7 +37,8 @@ def test_paged_attention_gpu(group, kv, head_dim, page_size, dtype):
                    head_dim=head_dim, page_size=page_size, dtype=dtype, num_tokens=7,
                    pages_per_seq=-(-4096 // page_size))
     ref = reference.paged_attention(b.q, b.k_pages, b.v_pages, b.block_tables, b.seq_lens)
-    for tuning in (None, DecodeTuning(num_splits=1), DecodeTuning(num_splits=5, block_k=64)):
+    split5 = DecodeTuning(num_splits=5, block_k=64, min_split_tokens=64)
+    for tuning in (None, DecodeTuning(num_splits=1), split5):
         out = paged_attention(b.q, b.k_pages, b.v_pages, b.block_tables, b.seq_lens,
                               tuning=tuning)
         assert bool(jnp.isfinite(out).all()), f"seed {seed} {tuning}"

@@ -32,10 +32,10 @@ def _tol(dtype):
 DECODE_CASES = [
     # group, num_kv_heads, head_dim, page_size, dtype, tuning
     (1, 2, 64, 16, jnp.float32, None),
-    (3, 2, 64, 16, jnp.float32, DecodeTuning(block_k=16, num_splits=3)),
+    (3, 2, 64, 16, jnp.float32, DecodeTuning(block_k=16, num_splits=3, min_split_tokens=16)),
     (4, 2, 128, 32, jnp.bfloat16, None),
-    (8, 1, 128, 64, jnp.float32, DecodeTuning(num_splits=2)),
-    (3, 3, 128, 16, jnp.bfloat16, DecodeTuning(block_k=32, num_splits=4)),
+    (8, 1, 128, 64, jnp.float32, DecodeTuning(num_splits=2, min_split_tokens=16)),
+    (3, 3, 128, 16, jnp.bfloat16, DecodeTuning(block_k=32, num_splits=4, min_split_tokens=16)),
 ]
 
 
@@ -116,6 +116,27 @@ def test_attention_pure_decode_and_empty_batch():
     assert bool((zero == 0).all())
 
 
+@pytest.mark.parametrize("tuning", [
+    None,
+    DecodeTuning(block_k=64, num_splits=2, min_split_tokens=16),
+    DecodeTuning(block_k=32, num_splits=5, min_split_tokens=32),
+    DecodeTuning(block_k=16, num_splits=8, min_split_tokens=16),
+])
+def test_decode_splits_cut_each_sequence_by_its_length(tuning):
+    """Each sequence's keys are cut among the splits by its own length, not the table's width:
+    sequences far shorter than the table, one shorter than a split, and one that fills the
+    table (its last split's last tile passes the table's end: page ids are clamped there)."""
+    rng, seed = _rng()
+    lens = [1, 40, 150, 288, 17, 0]
+    b = make_batch(rng, [1] * 5 + [0], lens, num_heads=8, num_kv_heads=2, head_dim=64,
+                   page_size=16, num_tokens=6, pages_per_seq=18)
+    out = paged_attention(b.q, b.k_pages, b.v_pages, b.block_tables, b.seq_lens,
+                          interpret=True, tuning=tuning)
+    ref = reference.paged_attention(b.q, b.k_pages, b.v_pages, b.block_tables, b.seq_lens)
+    assert bool(jnp.isfinite(out).all()), f"unwritten output (seed {seed})"
+    assert rel_err(out, ref) <= 1e-5, f"seed {seed}: rel err {rel_err(out, ref)}"
+    assert bool((out[5] == 0).all())
+
 def test_decode_query_tokens_fit_the_decode_tile():
     assert decode_query_tokens(4, 4) == 5 and decode_query_tokens(15, 4) == 16
     assert decode_query_tokens(16, 4) == 1 and decode_query_tokens(8, 8) == 1
@@ -124,10 +145,10 @@ def test_decode_query_tokens_fit_the_decode_tile():
 
 @pytest.mark.parametrize("max_q,group,kv,window,dtune,fp8", [
     (5, 3, 2, None, None, False),
-    (3, 4, 2, None, DecodeTuning(block_k=16, num_splits=3), False),
-    (9, 1, 3, 13, DecodeTuning(block_k=32, num_splits=2), False),
+    (3, 4, 2, None, DecodeTuning(block_k=16, num_splits=3, min_split_tokens=16), False),
+    (9, 1, 3, 13, DecodeTuning(block_k=32, num_splits=2, min_split_tokens=16), False),
     (5, 3, 2, 21, None, True),
-    (2, 8, 1, None, DecodeTuning(block_k=16, num_splits=4), True),
+    (2, 8, 1, None, DecodeTuning(block_k=16, num_splits=4, min_split_tokens=16), True),
 ])
 def test_multi_token_decode_matches_reference(max_q, group, kv, window, dtune, fp8):
     """Sequences of 1 to max_decode_q query tokens (verified drafts) through the decode kernel,
@@ -261,9 +282,9 @@ def test_fp8_reference_reads_the_dequantized_pool():
 @pytest.mark.parametrize("window,split,ptune,dtune,fp8", [
     (1, True, PrefillTuning(block_q=16, block_k=16, max_programs=2), None, False),
     (13, True, PrefillTuning(block_q=16, block_k=32, max_programs=18),
-     DecodeTuning(block_k=16, num_splits=3), False),
+     DecodeTuning(block_k=16, num_splits=3, min_split_tokens=16), False),
     (40, False, PrefillTuning(block_q=16, block_k=16), None, False),
-    (21, True, PrefillTuning(block_q=16), DecodeTuning(num_splits=2), True),
+    (21, True, PrefillTuning(block_q=16), DecodeTuning(num_splits=2, min_split_tokens=16), True),
     (500, True, None, None, False),  # longer than every context: the same as none
 ])
 def test_sliding_window_matches_reference(window, split, ptune, dtune, fp8):
@@ -302,7 +323,8 @@ def test_soft_cap_matches_reference(split, fp8):
     args = (8.0 * b.q, *b.args[1:])
     kw = dict(sm_scale=0.2, logits_soft_cap=3.0, sliding_window=40)
     out = attention(*args, interpret=True, split_decode=split,
-                    decode_tuning=DecodeTuning(block_k=16, num_splits=2), **kw)
+                    decode_tuning=DecodeTuning(block_k=16, num_splits=2, min_split_tokens=16),
+                    **kw)
     ref = reference.attention(*args, **kw)
     n, tol = b.num_real_tokens, 2e-2 if fp8 else 1e-5
     assert rel_err(out[:n], ref[:n]) <= tol, f"seed {seed}"

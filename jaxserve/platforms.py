@@ -29,11 +29,6 @@ class Platform:
         blocks the dispatching thread).
       op_by_op_min_tokens: token buckets from this size compile without XLA command buffers
         (``ModelRunner._compiler_options``); None: the backend has none.
-      command_buffer_copies: loaded copies of each program with command buffers that runs
-        every step (the steps of the small token buckets, the draft model's), called in turn
-        by the step count (``compilation.loaded_copy``): XLA re-records a copy's command
-        buffers when its buffers moved since its last call, and with one step in flight
-        beside the next a step's buffers alternate between two places.
       fp8_step_options: XLA options (name, value) of a step whose linear weights are FP8
         (``--quantization fp8``).
       decode_steps: the small token buckets get a second step for steps of one-token decodes
@@ -63,7 +58,6 @@ class Platform:
     op_by_op_min_tokens: int | None
     device_memory: bool
     stacked_kv_pool: bool
-    command_buffer_copies: int = 1
     fp8_step_options: tuple[tuple[str, object], ...] = ()
     decode_steps: bool = False
 
@@ -96,7 +90,7 @@ GPU = Platform(
     dtype="bfloat16", attention_backend="pallas", interpret_pallas=False,
     moe_grouped_gemm="pallas", min_token_bucket=16,
     branch_free_step=True, op_by_op_min_tokens=512, device_memory=True, stacked_kv_pool=False,
-    command_buffer_copies=2, fp8_step_options=(("xla_gpu_enable_triton_gemm", False),), decode_steps=True)
+    fp8_step_options=(("xla_gpu_enable_triton_gemm", False),), decode_steps=True)
 
 PLATFORMS = {p.name: p for p in (CPU, GPU)}
 

@@ -8,8 +8,6 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 
-from jax.experimental import serialize_executable
-
 from jaxserve.engine.kv_sizing import peak_program_bytes, program_bytes
 from jaxserve.worker.executable_cache import ExecutableCache
 from jaxserve.worker.programs import Programs
@@ -39,14 +37,6 @@ def memory_of(compiled) -> tuple[int, int]:
         return 0, 0
     return program_bytes(ma.temp_size_in_bytes, ma.output_size_in_bytes,
                          ma.alias_size_in_bytes, getattr(ma, "generated_code_size_in_bytes", 0))
-
-
-def loaded_copy(compiled):
-    """Another loaded instance of the compiled program ``compiled``, on its devices: the same
-    code with its own command buffers (CUDA graphs)."""
-    return serialize_executable.deserialize_and_load(
-        *serialize_executable.serialize(compiled),
-        execution_devices=list(compiled.runtime_executable().local_devices()))
 
 
 def profile_peak_bytes(executables: ExecutableCache, jitted: Programs, args: Programs,

@@ -27,7 +27,6 @@ each sequence's newest one on the device (``slot_hidden``).
 """
 
 import dataclasses
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -280,7 +279,6 @@ class ModelRunner:
         self.bitmask_width = bitmask_width(config.vocab_size)
         self._no_bitmask: dict[int, jax.Array] = {}  # by S
         self.peak_program_bytes = 0  # compile_buckets
-        self._copies: dict[tuple[str, int], list] = {}  # compile_buckets; _in_turn
         self._step_count = 0
         # Penalty counts, logit biases, stop ids per slot, on the device (sampler.py); stop ids
         # hold the request's own and the model's EOS ids (config's and the tokenizer's).
@@ -481,25 +479,6 @@ class ModelRunner:
             self._compiler_options, log)
         self.peak_program_bytes = peak_program_bytes(
             [compilation.memory_of(c) for _, _, c in self.compiled.entries()])
-        n = self.platform.command_buffer_copies
-        min_tokens = self.platform.op_by_op_min_tokens
-        start = time.perf_counter()
-        self._copies = {
-            (field, t): [c] + [compilation.loaded_copy(c) for _ in range(n - 1)]
-            for field, t, c in self.compiled.entries()
-            if n > 1 and (field == "draft_step" or field in ("step", "decode_step")
-                          and (min_tokens is None or t < min_tokens))}
-        if self._copies:
-            log(f"{n} loaded copies of {len(self._copies)} step programs, called in turn, in "
-                f"{time.perf_counter() - start:.1f}s")
-
-    def _in_turn(self, field: str, t: int):
-        """The compiled program ``field`` of bucket t, or its loaded copy whose turn it is
-        (``Platform.command_buffer_copies``: step k calls copy k mod n)."""
-        copies = self._copies.get((field, t))
-        if copies is None:
-            return self.compiled.get(field, t)
-        return copies[self._step_count % len(copies)]
 
     def execute(self, sched: SchedulerOutput) -> StepHandle | None:
         """Apply the step's changes to the InputBatch and dispatch the step (no wait), then,
@@ -530,12 +509,12 @@ class ModelRunner:
         num_rows = len(sched.num_scheduled_tokens) + sum(
             map(len, sched.scheduled_spec_decode_tokens.values()))
         t = self._bucket(n_tok, num_rows)
-        if t not in self.compiled.step:
-            raise RuntimeError(f"bucket tokens={t} was not compiled at start-up")
-        step = self._in_turn("step", t)
+        step = self.compiled.step.get(t)
         if (t in self.compiled.decode_step and num_rows == n_tok
                 and max(sched.num_scheduled_tokens.values()) == 1):
-            step = self._in_turn("decode_step", t)  # a token for each sequence: decodes only
+            step = self.compiled.decode_step[t]  # a token for each sequence: decodes only
+        if step is None:
+            raise RuntimeError(f"bucket tokens={t} was not compiled at start-up")
         if self.lora is not None:  # the step's adapters into the device pool, if not there
             slots = np.fromiter((b.req_index[r] for r in sched.num_scheduled_tokens), np.int32)
             self.params, b.lora_slot[slots] = self.lora.activate(self.params,
@@ -555,7 +534,7 @@ class ModelRunner:
             sm = dataclasses.replace(sm, steps=steps)
         rows_hidden = None
         if self.draft is not None:  # the draft pool covers every token the target's does
-            out = self._in_turn("draft_step", t)(
+            out = self.compiled.draft_step[t](
                 self.draft.params, x.packed, self._prev_sampled, self.draft_k_cache,
                 self.draft_v_cache, self.block_table, *self._eagle_inputs(t, x, aux))
             self.draft_k_cache, self.draft_v_cache = out[:2]

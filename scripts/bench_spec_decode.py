@@ -3,11 +3,12 @@ engine.
 
 The requests of data/spec_decode_prompts.json (repeat, correct or summarise a given paragraph:
 their outputs copy their input) run one at a time, greedy, --max-tokens each, through the
-offline ``LLM`` (chat template applied), on three engines of the same limits: plain (async
+offline ``LLM`` (chat template applied), on engines of the same limits: plain (async
 scheduling, the default), plain with --no-async-scheduling (what running synchronously costs by
 itself: with a draft model or an EAGLE head the engine runs the steps that may carry drafts
 synchronously; n-gram steps make their drafts on the device and keep async scheduling,
-docs/spec_decode.md), n-gram speculation and, with --draft-model, the draft_model method (greedy drafts of that
+docs/spec_decode.md), n-gram speculation (an engine for each k of --num-speculative-tokens 4,8)
+and, with --draft-model, the draft_model method (greedy drafts of that
 model, e.g. the default model's first layers: ``checkpoints_tools.convert --num-layers``), with
 --eagle / --eagle3 those methods with that head (``scripts/make_eagle_head.py`` writes a
 random one for the model's shapes). All
@@ -24,7 +25,7 @@ accepted drafts / sequence-steps that verified drafts, vLLM's definition) and ho
 equal the plain engine's token for token.
 
   python scripts/bench_spec_decode.py                       # k = 4, lookup 2..4, 64 tokens
-  python scripts/bench_spec_decode.py --num-speculative-tokens 8 --max-tokens 128
+  python scripts/bench_spec_decode.py --num-speculative-tokens 4,8     # n-gram at k = 4 and 8
   python scripts/bench_spec_decode.py --draft-model /tmp/smollm2-4-layers  # adds draft_model
   python scripts/bench_spec_decode.py --eagle3 smollm2-eagle3-head         # adds eagle3
 """
@@ -46,7 +47,10 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="default: the default model")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--num-speculative-tokens", type=int, default=4)
+    ap.add_argument("--num-speculative-tokens", default="4",
+                    type=lambda v: [int(k) for k in v.split(",")],
+                    help="k, or several (4,8): an n-gram engine for each (the other methods "
+                         "take the first)")
     ap.add_argument("--prompt-lookup-max", type=int, default=4)
     ap.add_argument("--prompt-lookup-min", type=int, default=2)
     ap.add_argument("--max-num-batched-tokens", type=int, default=64)
@@ -58,17 +62,18 @@ def main() -> None:
     prompts = [r["prompt"] for r in json.loads(REQUESTS.read_text())]
     limits = dict(max_num_seqs=1, max_num_batched_tokens=args.max_num_batched_tokens,
                   max_model_len=args.max_model_len, kv_cache_gib=0.25, log=lambda s: None)
-    spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
+    ks = args.num_speculative_tokens
+    configs = [("plain", {}), ("plain, synchronous", {"async_scheduling": False})] + [
+        ("ngram" if len(ks) == 1 else f"ngram k={k}", {"speculative_config": {
+            "method": "ngram", "num_speculative_tokens": k,
             "prompt_lookup_max": args.prompt_lookup_max,
-            "prompt_lookup_min": args.prompt_lookup_min}
-    configs = [("plain", {}), ("plain, synchronous", {"async_scheduling": False}),
-               ("ngram", {"speculative_config": spec})]
+            "prompt_lookup_min": args.prompt_lookup_min}}) for k in ks]
     for method, model in (("draft_model", args.draft_model), ("eagle", args.eagle),
                           ("eagle3", args.eagle3)):
         if model:
             configs.append((method, {"speculative_config": {
                 "method": method, "model": model,
-                "num_speculative_tokens": args.num_speculative_tokens}}))
+                "num_speculative_tokens": ks[0]}}))
     # On a GPU, engine i takes up to 0.9 (i + 1) / n of its memory: in one process each
     # engine's --gpu-memory-utilization counts what the earlier ones hold, and the allocator's
     # cap, fixed when the first starts, is set here for the sum.

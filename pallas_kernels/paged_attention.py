@@ -41,7 +41,8 @@ MIN_TILE_ROWS = 16
 # Streaming multiprocessors of an H100/H200; the split heuristic aims to fill them several times.
 NUM_SMS = 132
 PROGRAMS_TARGET = 2 * NUM_SMS
-# The fewest keys a split gets by default (four bfloat16 tiles; docs/performance.md).
+# The fewest keys a split gets by default: four bfloat16 tiles, the floor the splits had when
+# they were cut from the block table's width.
 MIN_SPLIT_TOKENS = 256
 
 

@@ -8,11 +8,10 @@ scheduling, the default), plain with --no-async-scheduling (what running synchro
 itself: with a draft model or an EAGLE head the engine runs the steps that may carry drafts
 synchronously; n-gram steps make their drafts on the device and keep async scheduling,
 docs/spec_decode.md), n-gram speculation (an engine for each k of --num-speculative-tokens 4,8)
-and, with --draft-model, the draft_model method (greedy drafts of that
-model, e.g. the default model's first layers: ``checkpoints_tools.convert --num-layers``), with
---eagle / --eagle3 those methods with that head (``scripts/make_eagle_head.py`` writes a
-random one for the model's shapes). All
-are built first and each runs one warm-up request; then each
+and, with --draft-model, the draft_model method (greedy drafts of that model, e.g. the default
+model's first layers: ``checkpoints_tools.convert --num-layers``), with --eagle / --eagle3
+those methods with that head (``scripts/make_eagle_head.py`` writes a random one for the
+model's shapes). All are built first and each runs one warm-up request; then each
 request runs on each in turn, --repeats times, so that load from other jobs on a shared
 machine falls on all alike. Reported per engine: output tokens / wall time of its
 requests (tok/s), the speedup over plain, its ``EngineCore.step`` calls (prefill chunks
@@ -20,9 +19,9 @@ included; with async scheduling one more a request, its last call only collectin
 wall time a call (what running synchronously and verifying drafts cost a step, beside how many
 steps speculation saves), of which the model runner's ``execute`` (building the step's inputs
 and dispatching it) and its ``get_output`` (waiting for the device, then the host's share; the
-rest of a call schedules and applies the tokens), and for each method the mean acceptance length (1 +
-accepted drafts / sequence-steps that verified drafts, vLLM's definition) and how many outputs
-equal the plain engine's token for token.
+rest of a call schedules and applies the tokens), and for each method the mean acceptance
+length (1 + accepted drafts / sequence-steps that verified drafts, vLLM's definition) and how
+many outputs equal the plain engine's token for token.
 
   python scripts/bench_spec_decode.py                       # k = 4, lookup 2..4, 64 tokens
   python scripts/bench_spec_decode.py --num-speculative-tokens 4,8     # n-gram at k = 4 and 8

@@ -84,7 +84,8 @@ def test_attention_gpu(group, kv, head_dim, page_size, dtype, split_decode, wind
 ])
 def test_multi_token_decode_gpu(max_q, group, kv, window, fp8):
     """Verified drafts (1..max_q query tokens a sequence) through the compiled decode kernel,
-    beside prompt chunks in the ragged kernel, against the reference; the 8B head layout and others."""
+    beside prompt chunks in the ragged kernel, against the reference; the 8B head layout and
+    others."""
     rng, seed = _rng()
     pairs = [(1, 1), (max_q, max_q + 15), (2, 17), (max_q, 1500), (max_q - 1 or 1, 333),
              (1, 48), (300, 1100), (max_q + 1, 61), (3, 5), (max_q, 2048)]

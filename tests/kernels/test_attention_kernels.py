@@ -137,6 +137,7 @@ def test_decode_splits_cut_each_sequence_by_its_length(tuning):
     assert rel_err(out, ref) <= 1e-5, f"seed {seed}: rel err {rel_err(out, ref)}"
     assert bool((out[5] == 0).all())
 
+
 def test_decode_query_tokens_fit_the_decode_tile():
     assert decode_query_tokens(4, 4) == 5 and decode_query_tokens(15, 4) == 16
     assert decode_query_tokens(16, 4) == 1 and decode_query_tokens(8, 8) == 1

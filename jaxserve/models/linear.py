@@ -126,9 +126,13 @@ def linear(x: jax.Array, w, lora_slots: jax.Array | None = None) -> jax.Array:
     if not isinstance(w, Fp8Weight):
         return x @ w
     xq, xs = _quantize_input(x, w)
+    # bfloat16 activations take the product in bfloat16 (float32 accumulation, rounded once):
+    # half the bytes of a float32 product between the GEMM and the scaling, which XLA cannot
+    # fold into cuBLASLt's FP8 GEMM (its scales are per tensor, ours per row and channel).
+    product = jnp.bfloat16 if x.dtype == jnp.bfloat16 else jnp.float32
     y = jax.lax.dot_general(xq, w.weight, (((1,), (1,)), ((), ())),
-                            preferred_element_type=jnp.float32)
-    return (y * xs[:, None] * w.scale[None, :]).astype(x.dtype)
+                            preferred_element_type=product)
+    return (y.astype(jnp.float32) * xs[:, None] * w.scale[None, :]).astype(x.dtype)
 
 
 def quantize_linears(params: dict, names: tuple[str, ...]) -> dict:

@@ -53,6 +53,20 @@ def test_saturating_and_zero_rows():
     assert linear(x.astype(jnp.bfloat16), w).dtype == jnp.bfloat16
 
 
+def test_bfloat16_product_within_a_rounding_of_the_float32_one():
+    """bfloat16 activations take the FP8 product in bfloat16: the dequantized operands'
+    product within bfloat16's rounding (twice: the product, then the scaled output)."""
+    kx, kw = jax.random.split(jax.random.key(1))
+    x = jax.random.normal(kx, (16, 256), jnp.float32).astype(jnp.bfloat16)
+    q = quantize_weight(jax.random.normal(kw, (256, 64), jnp.float32))
+    out = np.asarray(linear(x, q).astype(jnp.float32))
+    xq, xs = quantize_rows(x)
+    deq_x = np.asarray(xq.astype(jnp.float32)) * np.asarray(xs)[:, None]
+    deq_w = (np.asarray(q.weight.astype(jnp.float32)) * np.asarray(q.scale)[:, None]).T
+    ref = deq_x @ deq_w
+    np.testing.assert_allclose(out, ref, rtol=2 * 2.0**-8, atol=1e-3 * np.abs(ref).max())
+
+
 def test_fp8_weight_specs_follow_the_plain_weights():
     mesh = Mesh(np.array(jax.devices()[:1]), (sharding.AXIS,))
     fp8 = Fp8Weight(jnp.zeros((8, 4), FP8_DTYPE), jnp.ones((8,)))

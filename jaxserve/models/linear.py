@@ -8,8 +8,9 @@ activations are quantized to float8_e4m3fn, each token with a scale of its own (
 token; its largest magnitude capped at ``input_scale_ub`` if set) or all with the weight's
 static ``input_scale``, the two FP8 operands meet in one ``dot_general`` that accumulates in
 float32 (on Hopper, XLA runs it as a cuBLASLt FP8 GEMM; the ``[out, in]`` layout is the one that
-GEMM reads without a transpose), and the product is scaled back by the activations' and the
-channel's scales.
+GEMM reads without a transpose) and writes the product in the activations' dtype when that is
+bfloat16 (else float32), and the product is scaled back by the activations' and the channel's
+scales.
 
 Source: the e4m3 format (Micikevicius et al. 2022, "FP8 Formats for Deep Learning": largest
 finite value 448, no infinities); vLLM's ``Fp8LinearMethod`` (dynamic quantization of a 16-bit

@@ -65,6 +65,8 @@ def test_bfloat16_product_within_a_rounding_of_the_float32_one():
     deq_w = (np.asarray(q.weight.astype(jnp.float32)) * np.asarray(q.scale)[:, None]).T
     ref = deq_x @ deq_w
     np.testing.assert_allclose(out, ref, rtol=2 * 2.0**-8, atol=1e-3 * np.abs(ref).max())
+    dots = [e for e in jax.make_jaxpr(linear)(x, q).eqns if e.primitive.name == "dot_general"]
+    assert [e.params["preferred_element_type"] for e in dots] == [jnp.bfloat16]
 
 
 def test_fp8_weight_specs_follow_the_plain_weights():

@@ -8,6 +8,13 @@
 * otherwise drain every pending message (adds, aborts), then run one ``EngineCore.step()`` and
   send its outputs with fresh scheduler stats.
 
+Messages go out through a thread of their own (``_Sender``; vLLM V1's engine core sends from an
+output thread too): a step never waits for the API process to read the pipe. When the API
+process is busy (a burst of streams, thousands of connections arriving), steps go on and its
+requests' deltas pile up, to be merged into fewer, larger updates (``AsyncLLM.outputs``); a
+blocking send tied the device's pace to the API process's event loop, and the engine stalled
+with a full pipe.
+
 A request that the core rejects gets an ``Error`` for that request only; a step that raises gets
 an ``Error`` for the requests that were live (they are aborted) and the loop goes on: the engine
 never dies of a bad request. A step cannot tell which of its requests broke it, so no request
@@ -23,6 +30,7 @@ from __future__ import annotations
 
 import gc
 import os
+import queue
 import signal
 import sys
 import threading
@@ -80,12 +88,48 @@ def check_engine_request(req: EngineCoreRequest, vocab_size: int, max_model_len:
     check_sampling_token_ids(req.sampling_params, vocab_size)
 
 
+# Seconds the engine waits, when it exits, for its last messages (a failed step's errors) to be
+# written to the pipe.
+FLUSH_TIMEOUT_S = 5.0
+
+
+class _Sender:
+    """Writes frames to the pipe from a thread, in the order ``put`` gets them; ``put`` never
+    blocks. Once a write fails (the API process is gone), ``put`` raises _Exit."""
+
+    def __init__(self, conn: Connection):
+        self._conn = conn
+        self._frames: queue.SimpleQueue = queue.SimpleQueue()
+        self._broken = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="jaxserve-engine-send")
+        self._thread.start()
+
+    def put(self, frame: bytes) -> None:
+        if self._broken.is_set():
+            raise _Exit()
+        self._frames.put(frame)
+
+    def _run(self) -> None:
+        while (frame := self._frames.get()) is not None:
+            try:
+                self._conn.send_bytes(frame)
+            except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
+                self._broken.set()
+                return
+
+    def close(self, timeout: float) -> None:
+        """Write what is queued (waiting at most ``timeout`` s), then stop the thread."""
+        self._frames.put(None)
+        self._thread.join(timeout)
+
+
 class EngineCoreProc:
     """Runs an EngineCore against one end of the pipe. ``run()`` returns on shutdown/EOF."""
 
     def __init__(self, core, conn: Connection):
         self.core = core
         self.conn = conn
+        self._sender = _Sender(conn)
         self.live: set[str] = set()
         self._last_stats = None
         self._failed_steps = 0  # in a row
@@ -94,10 +138,7 @@ class EngineCoreProc:
     # -- pipe --------------------------------------------------------------------------------
 
     def send(self, msg) -> None:
-        try:
-            self.conn.send_bytes(M.encode(msg))
-        except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
-            raise _Exit() from None
+        self._sender.put(M.encode(msg))
 
     def _recv(self):
         try:
@@ -213,6 +254,8 @@ class EngineCoreProc:
                     self._worked = True
         except _Exit:
             return
+        finally:
+            self._sender.close(FLUSH_TIMEOUT_S)
 
 
 def _sigterm(signum, frame):

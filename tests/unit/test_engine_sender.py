@@ -14,18 +14,19 @@ TOKENS = 5000  # ids of up to 3 bytes each: ~6 MB in all, past any socket buffer
 
 
 class _Core:
-    """``STEPS`` steps, each with one large output."""
+    """``total`` steps, each with one large output."""
 
-    def __init__(self):
+    def __init__(self, total: int = STEPS):
+        self.total = total
         self.steps = 0
         self.done = threading.Event()
 
     def has_unfinished_requests(self) -> bool:
-        return self.steps < STEPS
+        return self.steps < self.total
 
     def step(self) -> list:
         self.steps += 1
-        if self.steps == STEPS:
+        if self.steps == self.total:
             self.done.set()
         return [EngineCoreOutput(f"r{self.steps}", list(range(TOKENS)))]
 
@@ -57,7 +58,10 @@ def test_a_gone_api_process_ends_the_loop(monkeypatch):
     monkeypatch.setattr(core_proc.host_memory, "release_freed", lambda: None)
     ours, theirs = multiprocessing.Pipe()
     theirs.close()
-    runner = threading.Thread(target=core_proc.EngineCoreProc(_Core(), ours).run, daemon=True)
+    # Work that never ends: the loop must end because the peer is gone (EOF on the pipe, or a
+    # failed send), not for lack of work.
+    runner = threading.Thread(target=core_proc.EngineCoreProc(_Core(10**9), ours).run,
+                              daemon=True)
     runner.start()
     runner.join(30)
     assert not runner.is_alive()

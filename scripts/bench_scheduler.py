@@ -17,12 +17,13 @@ import time
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.request import Request
 from jaxserve.core.scheduler import Scheduler
+from jaxserve.core.scheduler_output import ModelRunnerOutput
 from jaxserve.engine import EngineCoreRequest
 from jaxserve.sampling_params import SamplingParams
 
 
-def stub(out) -> dict[str, int]:
-    return {rid: 7 for rid, samples in out.samples.items() if samples}
+def stub(out) -> ModelRunnerOutput:
+    return ModelRunnerOutput({rid: 7 for rid, samples in out.samples.items() if samples}, {}, {})
 
 
 def main():

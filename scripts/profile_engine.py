@@ -125,6 +125,7 @@ def main():
     ap.add_argument("--phase", choices=("decode", "prefill"), default="decode")
     ap.add_argument("--out", default="/tmp/jaxserve_profile")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--top", type=int, default=15, help="how many kernels the summary lists")
     ap.add_argument("--speculative-config", type=json.loads, default=None,
                     help="as the server's flag (random prompts: n-gram drafts are mostly fillers)")
     args = ap.parse_args()
@@ -147,7 +148,7 @@ def main():
     finish(llm, ids)
     print(f"{args.steps} steps ({args.phase}, batch {args.batch}, prompt {args.prompt_len}): "
           f"{wall:.1f} ms wall under the profiler, {wall / args.steps:.2f} ms per step")
-    print(summarize(args.out))
+    print(summarize(args.out, args.top))
 
 
 if __name__ == "__main__":

@@ -9,8 +9,8 @@ Both engines run in this one process, on the CPU, in float32, with the same weig
 the SmolLM2-135M-Instruct GGUF converted once to an HF folder under $JAXSERVE_CACHE/hf, which both
 load), the same prompts (first human turns of ShareGPT conversations with at least
 ``--prompt-len`` tokens, cut to exactly ``--prompt-len`` tokens), greedy decoding and exactly
-``--output-len`` new tokens per prompt (jaxserve: ``ignore_eos``; HF: ``min_new_tokens`` =
-``max_new_tokens``).
+``--output-len`` new tokens per prompt (jaxserve: ``ignore_eos``; HF: no end-of-sequence token,
+so that it neither stops at one nor masks it, as ``ignore_eos`` does not).
 
 For each batch size B the prompts go in consecutive groups of B: jaxserve gets each group as one
 ``LLM.generate`` call (continuous batching, max_num_seqs = the largest B), HF as one batched
@@ -133,7 +133,7 @@ class HFRunner:
         with torch.inference_mode():
             out = self.model.generate(
                 input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=n,
-                min_new_tokens=n, pad_token_id=self.pad_id, temperature=None, top_p=None, top_k=None,
+                eos_token_id=None, pad_token_id=self.pad_id, temperature=None, top_p=None, top_k=None,
             )
         return [row[width:].tolist() for row in out]
 

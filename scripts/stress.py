@@ -397,17 +397,21 @@ async def scenario_engine_kill(session, args) -> dict:
         out.update(server_exited=exited, exit_after_s=round(time.monotonic() - t0, 1),
                    ok=exited and worst < 5)
         return out
+    # Back means restarted and healthy: /health alone can still say 200 in the moment before
+    # the API process notices the kill (every stream may have ended before it).
     t0 = time.monotonic()
-    while urllib_status(args.url + "/health") != 200:
+    while True:
+        after = await metrics(session, args.url)
+        restarts = (after.get("jaxserve:engine_restarts_total", 0)
+                    - before.get("jaxserve:engine_restarts_total", 0))
+        if restarts and urllib_status(args.url + "/health") == 200:
+            break
         if time.monotonic() - t0 > args.settle_s:
             break
         await asyncio.sleep(0.5)
     back_s = time.monotonic() - t0
-    after = await metrics(session, args.url)
     async with _post_json(session, args.url, {"prompt": "hi", "max_tokens": 2}, headers) as r:
         served = r.status
-    restarts = (after.get("jaxserve:engine_restarts_total", 0)
-                - before.get("jaxserve:engine_restarts_total", 0))
     out.update(back_after_s=round(back_s, 1), restarts=restarts, served_after=served,
                engine_alive=after.get("jaxserve:engine_alive"),
                running_after=after.get("jaxserve:num_requests_running"),

@@ -8,6 +8,8 @@ experts' grouped GEMM (``grouped_matmul.grouped_matmul``, ``jax.lax.ragged_dot``
   pallas|reference (``jaxserve.platforms`` resolves auto, and says where Pallas is interpreted).
 * ``reads_stacked_pools(attention_fn)`` — whether it reads a pool stacked by layer
   (``pool_layer``: the CPU's layer loop).
+* ``pool_head_dim(attention_fn, head_dim)`` — the head width of the pool it reads (the Pallas
+  kernels': a power of two).
 """
 
 import functools
@@ -26,6 +28,7 @@ __all__ = [
     "attention",
     "get_attention_fn",
     "paged_attention",
+    "pool_head_dim",
     "reads_stacked_pools",
     "reference",
 ]
@@ -53,3 +56,14 @@ def reads_stacked_pools(attention_fn: Callable) -> bool:
     """Whether ``attention_fn`` reads a layer of a pool stacked by layer
     (``pool_layer.PoolLayer``): the reference does; the Pallas kernels take one layer's pool."""
     return attention_fn is reference.attention
+
+
+def pool_head_dim(attention_fn: Callable, head_dim: int) -> int:
+    """The head width (features) of the KV pool ``attention_fn`` reads for heads of
+    ``head_dim``: the reference reads any; the Pallas kernels' loads need power-of-two sizes
+    (Triton), so a head of 96 (Phi-3-mini) is stored in 128 columns, the rest zeros, and the
+    model pads its queries and new keys and values to match (``llama._write_and_attend``):
+    zero features add nothing to a score or an output."""
+    if attention_fn is reference.attention:
+        return head_dim
+    return 1 << (head_dim - 1).bit_length()

@@ -92,6 +92,10 @@ VARIANT_CONFIGS = {
         final_logit_softcapping=5.0, attn_logit_softcapping=4.0, attn_implementation="eager"),
     "phi3-mha-no-window": lambda: transformers.Phi3Config(
         **{**PHI3, "num_key_value_heads": 6}, sliding_window=None, pad_token_id=0),
+    # Heads of 24 features (Phi-3-mini's are 96): not a power of two, which the Pallas
+    # kernels' pool pads (pallas_kernels.pool_head_dim).
+    "phi3-heads-of-24": lambda: transformers.Phi3Config(
+        **{**PHI3, "hidden_size": 144, "head_dim": 24}, sliding_window=48, pad_token_id=0),
 }
 HF_CLASSES = {
     "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",

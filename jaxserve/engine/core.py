@@ -60,12 +60,14 @@ def enable_compilation_cache() -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 
-def kv_bytes_per_page(model_config, layout: sharding.Layout, page_size: int, kv_dtype) -> int:
-    """K and V bytes of one page on one device: the KV heads the layout gives each device, and
-    an FP8 pool's scales."""
+def kv_bytes_per_page(model_config, layout: sharding.Layout, head_dim: int, page_size: int,
+                      kv_dtype) -> int:
+    """K and V bytes of one page on one device: the KV heads the layout gives each device, of
+    the pool's head width ``head_dim`` (``ModelRunner.pool_head_dim``), and an FP8 pool's
+    scales."""
     c = model_config
     return kv_sizing.kv_bytes_per_page(
-        c.num_layers, layout.kv_heads_per_device, c.head_dim, page_size,
+        c.num_layers, layout.kv_heads_per_device, head_dim, page_size,
         np.dtype(kv_dtype).itemsize, kv_quant.scale_bytes(kv_dtype))
 
 
@@ -246,11 +248,13 @@ class EngineCore:
                           if spec and spec.method == "ngram" else None),
         )
         del params, draft
-        per_page = kv_bytes_per_page(mc, self.runner.layout, config.page_size, kv_dtype)
-        if self.runner.draft is not None:  # its pool has the target pool's pages
-            dc = self.runner.draft.config
-            per_page += kv_bytes_per_page(dc, sharding.Layout.of(dc, 1), config.page_size,
-                                          kv_dtype)
+        runner = self.runner
+        per_page = kv_bytes_per_page(mc, runner.layout, runner.pool_head_dim, config.page_size,
+                                     kv_dtype)
+        if runner.draft is not None:  # its pool has the target pool's pages
+            dc = runner.draft.config
+            per_page += kv_bytes_per_page(dc, sharding.Layout.of(dc, 1), runner.draft_pool_head_dim,
+                                          config.page_size, kv_dtype)
         peak = 0
         if platform.device_memory:
             probe = kv_sizing.pages_per_seq(config.max_model_len, config.page_size) + 1

@@ -82,6 +82,7 @@ class LayerOptions:
     layer; a static argument of the jitted layer)."""
 
     num_heads: int
+    head_dim: int
     eps: float
     hidden_act: str
     norm_unit_offset: bool
@@ -93,7 +94,7 @@ class LayerOptions:
 
     @classmethod
     def of(cls, c: ModelConfig) -> "LayerOptions":
-        return cls(c.num_heads, c.rms_norm_eps, c.hidden_act, c.norm_unit_offset,
+        return cls(c.num_heads, c.head_dim, c.rms_norm_eps, c.hidden_act, c.norm_unit_offset,
                    c.sandwich_norms, c.attn_scale, c.attn_logit_softcapping,
                    c.num_experts_per_tok, c.norm_topk_prob)
 
@@ -145,10 +146,15 @@ def write_kv(k_pages, v_pages, k: jax.Array, v: jax.Array, slot_mapping: jax.Arr
 
 
 def _write_and_attend(attention_fn: Callable, q, k, v, k_pages, v_pages, md: AttentionMetadata):
-    """This step's K/V into the pool, then attention: (out [T, H, D], k_pages, v_pages)."""
+    """This step's K/V into the pool, then attention: (out [T, H, D], k_pages, v_pages). A pool
+    wider than the heads (``pallas_kernels.pool_head_dim``) takes q, k and v padded with zero
+    features, and the output's padding is dropped."""
+    head_dim, width = q.shape[-1], k_pages.shape[-1]
+    if width > head_dim:
+        q, k, v = (jnp.pad(x, ((0, 0), (0, 0), (0, width - head_dim))) for x in (q, k, v))
     k_pages, v_pages = write_kv(k_pages, v_pages, k, v, md.slot_mapping)
     out = attention_fn(q, k_pages, v_pages, md.query_start_loc, md.seq_lens, md.block_tables)
-    return out, k_pages, v_pages
+    return out[..., :head_dim], k_pages, v_pages
 
 
 @partial(jax.jit, static_argnames=("opts", "attention_fn", "mesh", "sliding_window",
@@ -179,7 +185,7 @@ def _decoder_layer(hidden: jax.Array, p: dict, k_pages: jax.Array, v_pages: jax.
     """
     n = sharding.mesh_size(mesh)
     H, KV = opts.num_heads, k_pages.shape[0]  # the pool's KV heads (replicated past the model's)
-    num_tokens, D = hidden.shape[0], k_pages.shape[-1]
+    num_tokens, D = hidden.shape[0], opts.head_dim
     norm = partial(rms_norm, eps=opts.eps, unit_offset=opts.norm_unit_offset)
     if "hidden_norm" in p:  # EAGLE-3's layer: [embedding | hidden], the hidden the residual
         embeds, hidden = jnp.split(hidden, 2, axis=-1)
@@ -202,7 +208,8 @@ def _decoder_layer(hidden: jax.Array, p: dict, k_pages: jax.Array, v_pages: jax.
         q, k = norm(q, p["q_norm"]), norm(k, p["k_norm"])
     q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
     attend = partial(_write_and_attend, partial(
-        attention_fn, sliding_window=sliding_window, sm_scale=opts.attn_scale,
+        attention_fn, sliding_window=sliding_window,
+        sm_scale=D ** -0.5 if opts.attn_scale is None else opts.attn_scale,
         logits_soft_cap=opts.attn_logit_softcapping))
     if mesh is not None:
         attend = sharding.per_shard_attention(attend, mesh)

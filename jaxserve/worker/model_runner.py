@@ -58,7 +58,7 @@ from jaxserve.worker.sampler import Logprobs, init_state
 from jaxserve.worker.sampling_fields import (SAMPLING, FilterMetadata, SamplingMetadata,
                                              neutral)
 from jaxserve.worker.step_inputs import StepLayout
-from pallas_kernels import kv_quant, reads_stacked_pools
+from pallas_kernels import kv_quant, pool_head_dim, reads_stacked_pools
 
 # Prompt positions whose log-probabilities one step computes (the scheduler caps the prompt
 # chunks of such requests to it): the step returns this many hidden rows, and a separate
@@ -209,6 +209,10 @@ class ModelRunner:
         self.token_buckets = powers_of_two_up_to(max_num_batched_tokens, platform.min_token_bucket)
         self.max_pages_per_seq = -(-max_model_len // page_size)
         self.kv_dtype = kv_dtype
+        # The pools' head width: the model's, or the attention kernels' wider one.
+        self.pool_head_dim = pool_head_dim(attention_fn, config.head_dim)
+        self.draft_pool_head_dim = (None if draft is None
+                                    else pool_head_dim(attention_fn, draft.config.head_dim))
         self.k_cache = self.v_cache = None  # allocate_kv_cache, once the pool is sized
         self.input_batch = InputBatch(max_num_seqs, max_model_len, self.max_pages_per_seq)
         self.max_model_len = max_model_len
@@ -297,16 +301,17 @@ class ModelRunner:
             num_speculative_tokens=num_speculative_tokens)
 
     def _kv_pool(self, num_pages: int, draft: bool = False):
-        """(shape of one K (or V) pool, its sharding, how many), KV the layout's: L pools of
-        [KV, num_pages, page_size, D], or where the platform stacks the pool
+        """(shape of one K (or V) pool, its sharding, how many), KV the layout's, D the pool's
+        head width (``pool_head_dim``): L pools of [KV, num_pages, page_size, D], or where the platform stacks the pool
         (``Platform.stacked_kv_pool``) one [L, KV, num_pages, page_size, D] (count None); split
         over the mesh by KV head, None on one device. ``draft``: the draft model's pool (one
         device, one pool a layer: its few layers run unrolled)."""
         if draft:
             c = self.draft.config
-            return (c.num_kv_heads, num_pages, self.page_size, c.head_dim), None, c.num_layers
+            return ((c.num_kv_heads, num_pages, self.page_size, self.draft_pool_head_dim), None,
+                    c.num_layers)
         c, stacked = self.config, self.stacked_kv_pool
-        shape = (self.layout.num_kv_heads, num_pages, self.page_size, c.head_dim)
+        shape = (self.layout.num_kv_heads, num_pages, self.page_size, self.pool_head_dim)
         where = None if self.mesh is None else sharding.kv_sharding(self.mesh, stacked)
         return ((c.num_layers, *shape), where, None) if stacked else (shape, where, c.num_layers)
 

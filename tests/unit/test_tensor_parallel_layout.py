@@ -58,11 +58,11 @@ def test_layout_replicates_kv_heads_past_the_mesh_and_pads_the_vocabulary():
 
 def test_kv_bytes_per_page_are_one_devices():
     c = preset("llama-3.1-8b")
-    one = kv_bytes_per_page(c, sharding.Layout.of(c, 1), 16, jnp.bfloat16)
+    one = kv_bytes_per_page(c, sharding.Layout.of(c, 1), c.head_dim, 16, jnp.bfloat16)
     assert one == 2 * 32 * 8 * 16 * 128 * 2
-    assert kv_bytes_per_page(c, sharding.Layout.of(c, 4), 16, jnp.bfloat16) == one // 4
+    assert kv_bytes_per_page(c, sharding.Layout.of(c, 4), c.head_dim, 16, jnp.bfloat16) == one // 4
     # Replicated past 8 devices: each still holds one KV head.
-    assert kv_bytes_per_page(c, sharding.Layout.of(c, 16), 16, jnp.bfloat16) == one // 8
+    assert kv_bytes_per_page(c, sharding.Layout.of(c, 16), c.head_dim, 16, jnp.bfloat16) == one // 8
 
 
 def test_fused_columns_run_shard_by_shard():

@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import pytest
 
 from jaxserve.config import ModelConfig
-from jaxserve.model_loader.dummy import PRESETS
+from jaxserve.model_loader.dummy import PRESETS, load_dummy
+from pallas_kernels import pool_head_dim
 from pallas_kernels.flash_attention import PrefillTuning, attention
 from pallas_kernels.grouped_matmul import GmmTuning, grouped_matmul
 from pallas_kernels.kv_quant import QuantizedPages
@@ -126,3 +127,22 @@ def test_grouped_matmul_float32_short_blocks_lower_for_cuda():
     s = jax.ShapeDtypeStruct
     _export_cuda(lambda a, b, g: grouped_matmul(a, b, g, tuning=GmmTuning(block_n=32)),
                  s((50, 24), jnp.float32), s((5, 24, 40), jnp.float32), s((5,), jnp.int32))
+
+
+@pytest.mark.parametrize("decode_only", [False, True])
+@pytest.mark.parametrize("shape", sorted(PRESETS))
+def test_every_preset_attention_lowers_for_cuda(shape, decode_only):
+    """The attention of every dummy preset as its layers call it: its query and KV heads, the
+    pool's head width (``pool_head_dim``: Phi-3-mini's heads of 96 in a pool of 128), each
+    distinct sliding window, the softmax scale and the score cap."""
+    c = ModelConfig.from_hf_config(load_dummy(shape, with_tokenizer=False).hf_config)
+    width = pool_head_dim(attention, c.head_dim)
+    a = _avals(16 if decode_only else 64, 8, c.num_heads, c.num_kv_heads, width, 16, 16,
+               jnp.bfloat16)
+    for window in sorted(set(c.layer_windows), key=str):
+        _export_cuda(
+            lambda *args: attention(
+                *args, sliding_window=window, logits_soft_cap=c.attn_logit_softcapping,
+                sm_scale=c.head_dim ** -0.5 if c.attn_scale is None else c.attn_scale,
+                decode_only=decode_only),
+            a["q"], a["k"], a["v"], a["qsl"], a["seq_lens"], a["bt"])

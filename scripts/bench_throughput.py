@@ -133,7 +133,8 @@ class HFRunner:
         with torch.inference_mode():
             out = self.model.generate(
                 input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=n,
-                eos_token_id=None, pad_token_id=self.pad_id, temperature=None, top_p=None, top_k=None,
+                eos_token_id=None, pad_token_id=self.pad_id, temperature=None, top_p=None,
+                top_k=None,
             )
         return [row[width:].tolist() for row in out]
 

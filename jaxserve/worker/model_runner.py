@@ -302,8 +302,9 @@ class ModelRunner:
 
     def _kv_pool(self, num_pages: int, draft: bool = False):
         """(shape of one K (or V) pool, its sharding, how many), KV the layout's, D the pool's
-        head width (``pool_head_dim``): L pools of [KV, num_pages, page_size, D], or where the platform stacks the pool
-        (``Platform.stacked_kv_pool``) one [L, KV, num_pages, page_size, D] (count None); split
+        head width (``pool_head_dim``): L pools of [KV, num_pages, page_size, D], or where the
+        platform stacks the pool (``Platform.stacked_kv_pool``) one [L, KV, num_pages,
+        page_size, D] (count None); split
         over the mesh by KV head, None on one device. ``draft``: the draft model's pool (one
         device, one pool a layer: its few layers run unrolled)."""
         if draft:

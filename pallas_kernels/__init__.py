@@ -10,8 +10,8 @@ experts' grouped GEMM (``grouped_matmul.grouped_matmul``, ``jax.lax.ragged_dot``
   (``pool_layer``: the CPU's layer loop).
 * ``pool_head_dim(attention_fn, head_dim)`` — the head width of the pool it reads (the Pallas
   kernels': a power of two).
-* ``get_kv_write_fn(attention_fn)`` — the KV write that goes with it (``kv_write``: a Pallas
-  kernel for the Pallas kernels' pools).
+* ``get_kv_write_fn(attention_fn, num_tokens)`` — the KV write that goes with it (``kv_write``:
+  a Pallas kernel for the Pallas kernels' pools at prefill sizes).
 """
 
 import functools
@@ -72,15 +72,16 @@ def pool_head_dim(attention_fn: Callable, head_dim: int) -> int:
     return 1 << (head_dim - 1).bit_length()
 
 
-def get_kv_write_fn(attention_fn: Callable) -> Callable | None:
-    """The Pallas KV write (``kv_write.write_kv``, interpreted where ``attention_fn`` is) for
-    the pools of the Pallas ``attention`` (``attention_fn`` it, or it with arguments bound by
-    ``functools.partial``); None for any other function, whose pools the model writes with
-    XLA's scatter (``llama.write_kv``, which also writes a pool stacked by layer)."""
+def get_kv_write_fn(attention_fn: Callable, num_tokens: int) -> Callable | None:
+    """The KV write for a step of ``num_tokens`` tokens into the pools ``attention_fn`` reads:
+    for the Pallas ``attention`` (``attention_fn`` it, or it with arguments bound by
+    ``functools.partial``) past ``kv_write.SCATTER_MAX_TOKENS`` tokens, the Pallas kernel
+    (``kv_write.write_kv``, interpreted where ``attention_fn`` is); else None: the model writes
+    with XLA's scatter (``llama.write_kv``, which also writes a pool stacked by layer)."""
     fn, keywords = attention_fn, {}
     while isinstance(fn, functools.partial):
         keywords = {**fn.keywords, **keywords}
         fn = fn.func
-    if fn is not attention:
+    if fn is not attention or num_tokens <= kv_write.SCATTER_MAX_TOKENS:
         return None
     return functools.partial(kv_write.write_kv, interpret=keywords.get("interpret", False))

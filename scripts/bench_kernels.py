@@ -260,7 +260,7 @@ def run_kv_write(bench: Bench, cfg, batch=64, ctx=2048, loops=50):
                "ours_s": chained(partial(kv_write.write_kv, interpret=bench.smoke))}
     for fp8 in (False, True):
         pool = kv_quant.quantize_pages(kp) if fp8 else kp
-        for tokens in (1, 256, 16384):
+        for tokens in (1, 256, 1024, 4096, 16384):
             tokens = min(tokens, rows)
             k = jax.random.normal(jax.random.PRNGKey(1), (tokens, kp.shape[0], kp.shape[3]), cfg["dtype"])
             slots = jax.random.permutation(jax.random.PRNGKey(2), rows)[:tokens].astype(jnp.int32)

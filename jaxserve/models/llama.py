@@ -154,7 +154,7 @@ def _write_and_attend(attention_fn: Callable, q, k, v, k_pages, v_pages, md: Att
     head_dim, width = q.shape[-1], k_pages.shape[-1]
     if width > head_dim:
         q, k, v = (jnp.pad(x, ((0, 0), (0, 0), (0, width - head_dim))) for x in (q, k, v))
-    write = pallas_kernels.get_kv_write_fn(attention_fn) or write_kv
+    write = pallas_kernels.get_kv_write_fn(attention_fn, k.shape[0]) or write_kv
     k_pages, v_pages = write(k_pages, v_pages, k, v, md.slot_mapping)
     out = attention_fn(q, k_pages, v_pages, md.query_start_loc, md.seq_lens, md.block_tables)
     return out[..., :head_dim], k_pages, v_pages

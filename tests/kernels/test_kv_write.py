@@ -3,13 +3,15 @@ every row outside the null page equal bit for bit, bfloat16/float32 and FP8 pool
 that are and are not multiples of the kernel's block, padding into the null page. Interpreted on
 the CPU; compiled (Triton) where JAX sees a GPU, at the 8B's shapes."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxserve.models.llama import write_kv
-from pallas_kernels import kv_quant, kv_write
+from pallas_kernels import attention, get_kv_write_fn, kv_quant, kv_write, reference
 
 on_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
 
@@ -54,3 +56,15 @@ def test_block_tokens():
 @pytest.mark.parametrize("fp8", [False, True])
 def test_kv_write_gpu(num_tokens, fp8):
     _check(num_tokens, 8, 128, jnp.bfloat16, fp8, num_pages=600, page_size=16, interpret=False)
+
+
+def test_the_kernel_writes_the_pallas_pools_at_prefill_sizes():
+    """The Pallas attention's pools take the kernel past SCATTER_MAX_TOKENS (interpreted as the
+    attention is); smaller steps and the reference's pools take XLA's scatter (None)."""
+    big = kv_write.SCATTER_MAX_TOKENS + 16
+    interpreted = functools.partial(functools.partial(attention, interpret=True), sm_scale=0.1)
+    write = get_kv_write_fn(interpreted, big)
+    assert write.func is kv_write.write_kv and write.keywords == {"interpret": True}
+    assert get_kv_write_fn(attention, big).keywords == {"interpret": False}
+    assert get_kv_write_fn(attention, kv_write.SCATTER_MAX_TOKENS) is None
+    assert get_kv_write_fn(reference.attention, big) is None

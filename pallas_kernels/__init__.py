@@ -10,12 +10,14 @@ experts' grouped GEMM (``grouped_matmul.grouped_matmul``, ``jax.lax.ragged_dot``
   (``pool_layer``: the CPU's layer loop).
 * ``pool_head_dim(attention_fn, head_dim)`` — the head width of the pool it reads (the Pallas
   kernels': a power of two).
+* ``get_kv_write_fn(attention_fn, num_tokens)`` — the KV write that goes with it (``kv_write``:
+  a Pallas kernel for the Pallas kernels' pools at prefill sizes).
 """
 
 import functools
 from collections.abc import Callable
 
-from pallas_kernels import reference
+from pallas_kernels import kv_write, reference
 from pallas_kernels.flash_attention import PrefillTuning, attention
 from pallas_kernels.paged_attention import DecodeTuning, paged_attention
 
@@ -27,6 +29,7 @@ __all__ = [
     "PrefillTuning",
     "attention",
     "get_attention_fn",
+    "get_kv_write_fn",
     "paged_attention",
     "pool_head_dim",
     "reads_stacked_pools",
@@ -67,3 +70,18 @@ def pool_head_dim(attention_fn: Callable, head_dim: int) -> int:
     if attention_fn is reference.attention:
         return head_dim
     return 1 << (head_dim - 1).bit_length()
+
+
+def get_kv_write_fn(attention_fn: Callable, num_tokens: int) -> Callable | None:
+    """The KV write for a step of ``num_tokens`` tokens into the pools ``attention_fn`` reads:
+    for the Pallas ``attention`` (``attention_fn`` it, or it with arguments bound by
+    ``functools.partial``) past ``kv_write.SCATTER_MAX_TOKENS`` tokens, the Pallas kernel
+    (``kv_write.write_kv``, interpreted where ``attention_fn`` is); else None: the model writes
+    with XLA's scatter (``llama.write_kv``, which also writes a pool stacked by layer)."""
+    fn, keywords = attention_fn, {}
+    while isinstance(fn, functools.partial):
+        keywords = {**fn.keywords, **keywords}
+        fn = fn.func
+    if fn is not attention or num_tokens <= kv_write.SCATTER_MAX_TOKENS:
+        return None
+    return functools.partial(kv_write.write_kv, interpret=keywords.get("interpret", False))

@@ -36,6 +36,7 @@ from jaxserve.models import fp8_checkpoint, moe, sharding
 from jaxserve.models.families import ARCHITECTURES
 from jaxserve.models.linear import Fp8Weight, LayerSelect, linear, quantize_linears
 from jaxserve.models.rope import rope_attention_factor, rope_inv_freq
+import pallas_kernels
 from pallas_kernels import kv_quant, pool_layer
 
 
@@ -146,13 +147,15 @@ def write_kv(k_pages, v_pages, k: jax.Array, v: jax.Array, slot_mapping: jax.Arr
 
 
 def _write_and_attend(attention_fn: Callable, q, k, v, k_pages, v_pages, md: AttentionMetadata):
-    """This step's K/V into the pool, then attention: (out [T, H, D], k_pages, v_pages). A pool
+    """This step's K/V into the pool (the write that goes with ``attention_fn``:
+    ``pallas_kernels.get_kv_write_fn``), then attention: (out [T, H, D], k_pages, v_pages). A pool
     wider than the heads (``pallas_kernels.pool_head_dim``) takes q, k and v padded with zero
     features, and the output's padding is dropped."""
     head_dim, width = q.shape[-1], k_pages.shape[-1]
     if width > head_dim:
         q, k, v = (jnp.pad(x, ((0, 0), (0, 0), (0, width - head_dim))) for x in (q, k, v))
-    k_pages, v_pages = write_kv(k_pages, v_pages, k, v, md.slot_mapping)
+    write = pallas_kernels.get_kv_write_fn(attention_fn, k.shape[0]) or write_kv
+    k_pages, v_pages = write(k_pages, v_pages, k, v, md.slot_mapping)
     out = attention_fn(q, k_pages, v_pages, md.query_start_loc, md.seq_lens, md.block_tables)
     return out[..., :head_dim], k_pages, v_pages
 

@@ -1,12 +1,14 @@
 """Heads whose width is not a power of two (Phi-3-mini's 96) through the Pallas kernels: the
 pool is as wide as the next power of two (``pallas_kernels.pool_head_dim``), the model pads its
 queries and new keys and values with zeros, and greedy decoding equals HF transformers'. The
-kernels run interpreted on the CPU."""
+kernels run interpreted on the CPU; with the KV write as XLA's scatter (these steps' size) and
+as the Pallas kernel (``pallas_kernels.kv_write``, forced for every step)."""
 
 import numpy as np
+import pytest
 
 from jaxserve.sampling_params import SamplingParams
-from pallas_kernels import get_attention_fn, pool_head_dim, reference
+from pallas_kernels import get_attention_fn, kv_write, pool_head_dim, reference
 from tests.greedy import assert_equals_hf_greedy
 from tests.tiny_models import TINY, save_tiny_model
 
@@ -21,8 +23,14 @@ def test_pool_head_dim():
     assert pool_head_dim(reference.attention, 96) == 96
 
 
-def test_heads_of_24_equal_hf_greedy_through_pallas(tmp_path, smollm):
+@pytest.mark.parametrize("kernel_write", [False, True])
+def test_heads_of_24_equal_hf_greedy_through_pallas(tmp_path, smollm, monkeypatch, kernel_write):
     from jaxserve import LLM
+
+    if kernel_write:
+        monkeypatch.setattr(kv_write, "SCATTER_MAX_TOKENS", 0)
+        # the patch is not in the source that keys the compiled-program cache
+        monkeypatch.setenv("JAXSERVE_DISABLE_EXECUTABLE_CACHE", "1")
 
     hf_model = save_tiny_model("phi3-heads-of-24", tmp_path, smollm.tokenizer)
     llm = LLM(str(tmp_path), attention_backend="pallas", **ENGINE)

@@ -12,7 +12,7 @@ import pytest
 
 from jaxserve.config import ModelConfig
 from jaxserve.model_loader.dummy import PRESETS, load_dummy
-from pallas_kernels import pool_head_dim
+from pallas_kernels import kv_write, pool_head_dim
 from pallas_kernels.flash_attention import PrefillTuning, attention
 from pallas_kernels.grouped_matmul import GmmTuning, grouped_matmul
 from pallas_kernels.kv_quant import QuantizedPages
@@ -146,3 +146,14 @@ def test_every_preset_attention_lowers_for_cuda(shape, decode_only):
                 sm_scale=c.head_dim ** -0.5 if c.attn_scale is None else c.attn_scale,
                 decode_only=decode_only),
             a["q"], a["k"], a["v"], a["qsl"], a["seq_lens"], a["bt"])
+
+
+@pytest.mark.parametrize("num_tokens", [1, 7, 256, 8192])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_kv_write_lowers_for_cuda(num_tokens, fp8):
+    s = jax.ShapeDtypeStruct
+    shape = (8, 1000, 16, 128)
+    pool = (QuantizedPages(s(shape, jnp.uint8), s(shape[:-1], jnp.float32)) if fp8
+            else s(shape, jnp.bfloat16))
+    x = s((num_tokens, 8, 128), jnp.bfloat16)
+    _export_cuda(kv_write.write_kv, pool, pool, x, x, s((num_tokens,), jnp.int32))

@@ -49,12 +49,8 @@ def _kernel(slot_ref, k_ref, v_ref, *refs, quantized: bool):
         x = x_ref[...]  # [block_tokens, D]
         if quantized:
             values_ref, scales_ref = outs[2 * n], outs[2 * n + 1]
-            xf = x.astype(jnp.float32)
-            amax = jnp.max(jnp.abs(xf), axis=-1)
-            scales = jnp.where(amax > 0, amax / kv_quant.FP8_MAX, 1.0)
-            values = jnp.clip(xf / scales[:, None], -kv_quant.FP8_MAX, kv_quant.FP8_MAX)
-            values = kv_quant.to_storage(values.astype(kv_quant.FP8_DTYPE))
-            values_ref[slots] = values
+            values, scales = kv_quant.quantize(x)
+            values_ref[slots] = kv_quant.to_storage(values)
             scales_ref[slots] = scales
         else:
             pool_ref = outs[n]

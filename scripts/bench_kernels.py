@@ -262,7 +262,8 @@ def run_kv_write(bench: Bench, cfg, batch=64, ctx=2048, loops=50):
         pool = kv_quant.quantize_pages(kp) if fp8 else kp
         for tokens in (1, 256, 1024, 4096, 16384):
             tokens = min(tokens, rows)
-            k = jax.random.normal(jax.random.PRNGKey(1), (tokens, kp.shape[0], kp.shape[3]), cfg["dtype"])
+            shape = (tokens, kp.shape[0], kp.shape[3])
+            k = jax.random.normal(jax.random.PRNGKey(1), shape, cfg["dtype"])
             slots = jax.random.permutation(jax.random.PRNGKey(2), rows)[:tokens].astype(jnp.int32)
             row = {"workload": f"kv-write-t{tokens}" + ("-fp8" if fp8 else "")}
             for key, write in writers.items():

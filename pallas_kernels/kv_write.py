@@ -9,8 +9,8 @@ kernel's 39.8 (FP8: 176.5 against 40.0); up to 256 tokens XLA's scatters are abo
 ``SCATTER_MAX_TOKENS`` keep them (``pallas_kernels.get_kv_write_fn``; docs/performance.md,
 "The KV write"). Here one program takes ``block_tokens`` tokens of one KV head: it loads their
 K and V rows, quantizes them for an FP8 pool (``kv_quant``'s rule: one scale a row,
-``max|x| / 448``), and stores each row at its slot. The pools are the kernel's inputs and outputs at once (aliased), so only the rows written
-move; donate them to the step.
+``max|x| / 448``), and stores each row at its slot. The pools are the kernel's inputs and
+outputs at once (aliased), so only the rows written move; donate them to the step.
 
 Padding tokens' slots point into the null page (page 0, never read), where their rows may land
 in any order.

@@ -31,12 +31,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+import pallas_kernels
 from jaxserve.config import ModelConfig
 from jaxserve.models import fp8_checkpoint, moe, sharding
 from jaxserve.models.families import ARCHITECTURES
 from jaxserve.models.linear import Fp8Weight, LayerSelect, linear, quantize_linears
 from jaxserve.models.rope import rope_attention_factor, rope_inv_freq
-import pallas_kernels
 from pallas_kernels import kv_quant, pool_layer
 
 

@@ -74,9 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None,
                    help="the name clients send as `model` (None: the model's own name)")
     p.add_argument("--api-key", default=None, help=(
-        "require 'Authorization: Bearer KEY' on /v1/* (/health, /version and /metrics stay "
-        "open); prefer the environment variable JAXSERVE_API_KEY, used when this flag is not "
-        "given: a flag's value shows in `ps` to every user of the machine"))
+        "require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize (/health, "
+        "/version and /metrics stay open); prefer the environment variable JAXSERVE_API_KEY, "
+        "used when this flag is not given: a flag's value shows in `ps` to every user of the "
+        "machine"))
     p.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS),
                    default=DEFAULT_TOOL_PARSER, help=(
                        "the format of the model's tool calls: hermes (Hermes 2 Pro, Qwen2.5, and "

@@ -188,7 +188,8 @@ class InputProcessor:
             raise ValidationError(
                 f"This model's maximum context length (max_model_len) is {self.max_model_len} "
                 f"tokens. However, you requested {n + max_tokens} tokens ({n} in the prompt, "
-                f"{max_tokens} for the completion). Please reduce the prompt or max_tokens.",
+                f"{max_tokens} for the completion). Please reduce the length of the prompt or "
+                "of the completion.",
                 parameter="max_tokens")
         # After the length check, so a huge id list costs no more than max_model_len looks.
         check_token_ids(prompt_token_ids, self.vocab_size, "prompt")

@@ -118,7 +118,8 @@ def build_app(llm: AsyncLLM, *, served_model_name: str | None = None,
     Args:
       llm: an AsyncLLM (it may still be starting: endpoints answer 503 until it is ready).
       served_model_name: the name clients use in ``model``; None = the model's own name.
-      api_key: if set, /v1/* requires ``Authorization: Bearer <api_key>`` (else 401).
+      api_key: if set, /v1/*, /tokenize and /detokenize require ``Authorization: Bearer
+        <api_key>`` (else 401).
       limits: the server's bounds (ServerLimits' defaults if None).
       tool_call_parser: the format of the model's tool calls (a key of TOOL_PARSERS).
       reasoning_parser: how the model's reasoning is marked (a key of REASONING_PARSERS), or

@@ -323,6 +323,10 @@ class ToolCallParam(_Base):
     function: FunctionCallParam
 
 
+# Roles whose messages carry content; other roles (vLLM's custom ones) may leave it null.
+CONTENT_REQUIRED = ("system", "developer", "user", "tool")
+
+
 class ChatCompletionMessageParam(_Base):
     """One message of a chat request: system / developer / user text, an assistant message
     (its ``content`` may be null when it carries ``tool_calls``; its ``reasoning``, or the
@@ -366,10 +370,16 @@ class ChatCompletionMessageParam(_Base):
         ``reasoning``).
 
         Raises:
-          ValidationError: on ``messages``, naming ``where``: a part that is not text,
-            ``tool_calls`` on a message
-            that is not the assistant's, a tool message without ``tool_call_id``.
+          ValidationError: on ``messages``, naming ``where``: a part that is not text, no
+            ``content`` on a system, developer, user or tool message (or on an assistant
+            message without ``tool_calls`` or reasoning: OpenAI's rule), ``tool_calls`` on a
+            message that is not the assistant's, a tool message without ``tool_call_id``.
         """
+        if self.content is None and (self.role in CONTENT_REQUIRED or self.role == "assistant" and (
+                self.tool_calls is None and self.reasoning is None
+                and self.reasoning_content is None)):
+            raise ValidationError(f"{where}.content: field required for a {self.role} message",
+                                  parameter="messages")
         out = {"role": "system" if self.role == "developer" else self.role,
                "content": self.text(where)}
         if self.tool_calls is not None:

@@ -357,6 +357,21 @@ def chat_messages(items: list[InputItem], field: str) -> list[ChatCompletionMess
     return messages
 
 
+def check_call_outputs(conversation: list[ChatCompletionMessageParam]) -> None:
+    """OpenAI's rule: each ``function_call_output`` (a tool message here) answers a function
+    call made earlier in the conversation (this input's or a previous response's).
+
+    Raises:
+      ValidationError: on ``input``, naming the ``call_id`` that no call has.
+    """
+    calls: set[str] = set()
+    for message in conversation:
+        calls.update(call.id for call in message.tool_calls or ())
+        if message.role == "tool" and message.tool_call_id not in calls:
+            raise ValidationError(f"input: no function call found for the function_call_output "
+                                  f"with call_id {message.tool_call_id!r}", parameter="input")
+
+
 # -- the response object ----------------------------------------------------------------------
 
 

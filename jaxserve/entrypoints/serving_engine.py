@@ -164,10 +164,10 @@ async def parse_request(request: web.Request, model_cls):
 def bad_request(e: ValidationError, renames: dict[str, str] | None = None) -> APIError:
     """The 400 of ``e``, its ``param`` the field at fault in the request's name (``renames``:
     the internal name -> the request's, where they differ), as is the message's leading
-    ``name:`` when it names that field."""
+    ``name:`` or ``name `` when it names that field."""
     param, message = e.parameter, str(e)
     name = (renames or {}).get(param, param)
-    if param is not None and message.startswith(f"{param}:"):
+    if param is not None and message.startswith((f"{param}:", f"{param} ")):
         message = name + message[len(param):]
     return APIError(400, message, param=name)
 

@@ -26,7 +26,7 @@ from jaxserve.entrypoints.protocol import ChatCompletionMessageParam
 from jaxserve.entrypoints.responses import json_response
 from jaxserve.entrypoints.responses_bodies import ResponsesBodies
 from jaxserve.entrypoints.responses_protocol import (
-    Response, ResponseDeleted, ResponsesRequest, output_messages)
+    Response, ResponseDeleted, ResponsesRequest, check_call_outputs, output_messages)
 from jaxserve.entrypoints.responses_store import ResponseStore, StoredResponse
 from jaxserve.entrypoints.serving_chat import chat_inputs
 from jaxserve.entrypoints.serving_engine import bad_request, lora_request_of, take_in
@@ -66,6 +66,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     try:
         req.check()
         conversation = _history(request, req) + req.input_messages()
+        check_call_outputs(conversation)
         chat = req.chat_request(conversation)
     except ValidationError as e:
         raise bad_request(e) from None

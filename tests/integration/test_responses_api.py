@@ -276,6 +276,8 @@ def test_disconnect_mid_stream_aborts(server):
     ({"input": "hello " * 2000}, "input"),
     ({"max_output_tokens": 2000}, "max_output_tokens"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
+    ({"max_output_tokens": -1}, "max_output_tokens"),
+    ({"input": [{"type": "function_call_output", "call_id": "nope", "output": "x"}]}, "input"),
     ({"temperature": 9}, "temperature"),
     ({"previous_response_id": "resp_unknown"}, "previous_response_id"),
     ({"background": True}, "background"),
@@ -298,6 +300,8 @@ def test_bad_requests_are_400s_naming_the_field(server, body, param):
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert error["param"] == param and error["type"] == "invalid_request_error", error
+    # The message names the request's own fields (the Responses API has no max_tokens).
+    assert "max_tokens" not in error["message"].replace("max_output_tokens", ""), error
     if param == "previous_response_id":
         assert error["code"] == "previous_response_not_found"
 

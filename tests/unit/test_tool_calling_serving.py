@@ -106,6 +106,9 @@ def test_tool_choice_none_returns_text():
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": [1]}}]}, "tools"),
     ({"tools": [{"type": "function"}]}, "tools"),
     ({"messages": [{"role": "tool", "content": "42"}]}, "messages"),  # no tool_call_id
+    ({"messages": [{"role": "user", "content": None}]}, "messages"),  # OpenAI: content required
+    ({"messages": [{"role": "system"}, {"role": "user", "content": "hi"}]}, "messages"),
+    ({"messages": MESSAGES + [{"role": "assistant", "content": None}]}, "messages"),
     ({"messages": [{"role": "user", "content": "hi", "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
      "messages"),

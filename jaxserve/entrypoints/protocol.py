@@ -375,11 +375,11 @@ class ChatCompletionMessageParam(_Base):
             message without ``tool_calls`` or reasoning: OpenAI's rule), ``tool_calls`` on a
             message that is not the assistant's, a tool message without ``tool_call_id``.
         """
-        if self.content is None and (self.role in CONTENT_REQUIRED or self.role == "assistant" and (
-                self.tool_calls is None and self.reasoning is None
-                and self.reasoning_content is None)):
-            raise ValidationError(f"{where}.content: field required for a {self.role} message",
-                                  parameter="messages")
+        if self.content is None and (self.role in CONTENT_REQUIRED or self.role == "assistant"
+                                     and not (self.tool_calls or self.reasoning is not None
+                                              or self.reasoning_content is not None)):
+            raise ValidationError(f"{where}.content: field required in a message of role "
+                                  f"{self.role!r}", parameter="messages")
         out = {"role": "system" if self.role == "developer" else self.role,
                "content": self.text(where)}
         if self.tool_calls is not None:

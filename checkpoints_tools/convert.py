@@ -10,13 +10,19 @@ smaller model of its tokenizer exists (docs/spec_decode.md).
 
 The HF folder written from a GGUF (config.json, model.safetensors in float32 with Q/K rows
 un-permuted, tokenizer.json/tokenizer_config.json with the chat template) loads in HF transformers
-(``AutoModelForCausalLM.from_pretrained``) as well as in jaxserve.
+(``AutoModelForCausalLM.from_pretrained``) as well as in jaxserve. Either output holds the input's
+sampling defaults as a ``generation_config.json`` (the default model's chat defaults for its GGUF;
+an HF folder's own file) where it has any.
+
+Exit status: 0 done; 1 an input that does not load or an output that cannot be written (one
+line on stderr); 2 a usage error.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import pathlib
 import re
 import sys
@@ -53,6 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     from jaxserve.model_loader import detect_format, load_checkpoint, save_hf_folder, save_orbax
+    from jaxserve.model_loader.generation_config import (GENERATION_CONFIG_FILE,
+                                                         hf_generation_config,
+                                                         load_generation_config)
 
     src, out = pathlib.Path(args.input).expanduser(), pathlib.Path(args.output).expanduser()
     try:
@@ -67,14 +76,26 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--output: {out} exists and is not an empty folder")
     t0 = time.perf_counter()
     print(f"[convert] loading {src} ({fmt})", file=sys.stderr, flush=True)
-    ckpt = load_checkpoint(str(src), fmt)
+    try:
+        ckpt = load_checkpoint(str(src), fmt)
+        defaults = load_generation_config(str(src), fmt)
+    except (ValueError, OSError) as e:  # a damaged or incomplete checkpoint
+        print(f"error: --input {src}: {e}", file=sys.stderr)
+        return 1
     if args.num_layers is not None:
         try:
             ckpt = first_layers(ckpt, args.num_layers)
         except ValueError as e:
             parser.error(f"--num-layers: {e}")
     print(f"[convert] writing {args.to} to {out}", file=sys.stderr, flush=True)
-    (save_orbax if args.to == "orbax" else save_hf_folder)(out, ckpt)
+    try:
+        (save_orbax if args.to == "orbax" else save_hf_folder)(out, ckpt)
+        if defaults:  # the sampling defaults go with the weights (a GGUF carries none)
+            (out / GENERATION_CONFIG_FILE).write_text(
+                json.dumps(hf_generation_config(defaults), indent=2) + "\n")
+    except OSError as e:
+        print(f"error: --output {out}: {e}", file=sys.stderr)
+        return 1
     print(f"[convert] done in {time.perf_counter() - t0:.1f}s: {out}", file=sys.stderr, flush=True)
     print(out)
     return 0

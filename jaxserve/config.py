@@ -8,6 +8,7 @@ with and sends to the API process in its ``Ready`` message.
 """
 
 import dataclasses
+import os
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -195,6 +196,29 @@ class EngineConfig:
         "help": "seed of the engine's default RNG (requests without their own seed) and of "
                 "dummy weights",
         "valid": Valid(lambda v: 0 <= v < 2**63, "a non-negative 63-bit integer")})
+
+    def __post_init__(self):
+        """Checks each field as its flag does (type, choices, ``valid``), for the fields set
+        through ``LLM(**kwargs)``; a path-like ``model`` becomes its text.
+
+        Raises:
+          ValueError: a field of the wrong type, outside its choices or its valid values
+            (the message names the field).
+        """
+        if isinstance(self.model, os.PathLike):
+            self.model = os.fspath(self.model)
+        for f in dataclasses.fields(self):
+            value, hint = getattr(self, f.name), _HINTS[f.name]
+            try:
+                msgspec.convert(value, hint)
+            except msgspec.ValidationError as e:
+                choices = [c for a in (hint, *typing.get_args(hint))
+                           if typing.get_origin(a) is Literal for c in typing.get_args(a)]
+                expected = f"expected one of {', '.join(map(repr, choices))}" if choices else e
+                raise ValueError(f"{f.name} {value!r}: {expected}") from None
+            valid = f.metadata.get("valid")
+            if valid is not None and value is not None and not valid.ok(value):
+                raise ValueError(f"{f.name} must be {valid.text}, got {value!r}")
 
 
 def _resolved_type(hint):

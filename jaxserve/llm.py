@@ -2,6 +2,7 @@
 
 import sys
 from collections.abc import Sequence
+from numbers import Integral
 
 from tqdm import tqdm
 
@@ -14,6 +15,9 @@ from jaxserve.exceptions import ValidationError
 from jaxserve.lora.request import LoRARequest
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
+
+
+PROMPT_TYPES = "text, token ids, {'prompt': text} or {'prompt_token_ids': ids}"
 
 
 class LLM:
@@ -44,13 +48,14 @@ class LLM:
 
     def generate(
         self,
-        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        prompts: str | dict | Sequence[str | dict] | Sequence[int] | Sequence[Sequence[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Complete each prompt (text, or a list of token ids); results in input order, each
+        """Complete each prompt (text, a list of token ids, or vLLM's prompt dicts
+        ``{"prompt": text}`` / ``{"prompt_token_ids": ids}``); results in input order, each
         with its ``n`` choices (CompletionOutputs by index) and, where asked, log-probabilities
         (``CompletionOutput.logprobs``, ``RequestOutput.prompt_logprobs``).
 
@@ -66,10 +71,25 @@ class LLM:
             prompt's index).
           ValueError: a LoRA adapter that is missing or refused, before any work.
         """
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if (isinstance(prompts, (str, dict))
+                or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], Integral))):
             prompts = [prompts]
-        items = [(p if isinstance(p, str) else None, self.input_processor.tokenize_prompt(p))
-                 for p in prompts]
+        if not isinstance(prompts, Sequence):
+            raise TypeError(f"prompts: expected {PROMPT_TYPES} or a list of them, "
+                            f"got {type(prompts).__name__}")
+        items = []
+        for p in prompts:
+            if isinstance(p, dict):  # vLLM's TextPrompt / TokensPrompt
+                if len(p) != 1 or not {"prompt", "prompt_token_ids"} >= p.keys():
+                    raise TypeError(f"a prompt dict holds one key, 'prompt' or "
+                                    f"'prompt_token_ids'; got {sorted(p)}")
+                (p,) = p.values()
+            if isinstance(p, str):
+                items.append((p, self.input_processor.tokenize_prompt(p)))
+            elif isinstance(p, Sequence) and all(isinstance(t, Integral) for t in p):
+                items.append((None, self.input_processor.tokenize_prompt(p)))
+            else:
+                raise TypeError(f"a prompt: expected {PROMPT_TYPES}, got {type(p).__name__}")
         return self._run(items, sampling_params, use_tqdm, lora_request)
 
     def chat(
@@ -102,6 +122,10 @@ class LLM:
             conv, add_generation_prompt, tools=tools, continue_final_message=continue_final_message,
             chat_template_kwargs=chat_template_kwargs) for conv in messages]
         return self._run(items, sampling_params, use_tqdm, lora_request)
+
+    def get_tokenizer(self):
+        """The model's tokenizer (a transformers tokenizer), as vLLM's ``LLM.get_tokenizer``."""
+        return self.tokenizer
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``generate`` / ``chat`` use when given no SamplingParams: the model's
@@ -140,15 +164,19 @@ class LLM:
             self.output_processor.add_request(rid, prompt, ids, sp)
             self.engine.add_request(EngineCoreRequest(rid, ids, sp, lora_request=lora))
         bar = tqdm(total=len(items), desc="generating", disable=not use_tqdm, unit="req")
-        while index:
-            processed = self.output_processor.process_outputs(self.engine.step())
-            if processed.reqs_to_abort:
-                self.engine.abort_requests(processed.reqs_to_abort)
-            for delta in processed.request_outputs:
-                i = index[delta.request_id]
-                results[i] = delta if results[i] is None else merge_outputs(results[i], delta)
-                if delta.finished:
-                    del index[delta.request_id]
-                    bar.update(1)
-        bar.close()
+        try:
+            while index:
+                processed = self.output_processor.process_outputs(self.engine.step())
+                if processed.reqs_to_abort:
+                    self.engine.abort_requests(processed.reqs_to_abort)
+                for delta in processed.request_outputs:
+                    i = index[delta.request_id]
+                    results[i] = delta if results[i] is None else merge_outputs(results[i], delta)
+                    if delta.finished:
+                        del index[delta.request_id]
+                        bar.update(1)
+        finally:  # an interrupt (Ctrl-C) or an error leaves no request behind in the engine
+            bar.close()
+            for rid in index:
+                self.engine.abort_requests(self.output_processor.abort_request(rid))
         return results

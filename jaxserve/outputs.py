@@ -35,7 +35,8 @@ class CompletionOutput:
       token_ids: generated token ids (an EOS or stop token id that ended it included).
       finish_reason: "stop" (EOS, stop token id or stop string) or "length"
         (max_tokens or max_model_len).
-      stop_reason: the stop string or stop token id that ended it, if any.
+      stop_reason: the stop string or ``stop_token_ids`` entry that ended it, if any (None
+        at EOS, as vLLM).
       logprobs: one PositionLogprobs per token of token_ids when the request asked for
         logprobs, else None.
     """

@@ -46,12 +46,23 @@ class TokenizerVocab:
         return cls((folder / "tokenizer.json").read_text(), facts["size"], facts["eos_token_id"])
 
 
+# The files transformers builds a tokenizer from (fast, sentencepiece, BPE vocabularies).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 def load_tokenizer(folder: pathlib.Path):
     """The tokenizer saved in ``folder``, with no Hub access: ``AutoTokenizer.from_pretrained``,
     except for a folder whose tokenizer_config.json names ``PreTrainedTokenizerFast`` (ours, from
     ``save_tokenizer``), which that class loads directly. AutoTokenizer's model-config machinery
     imports torch where it is installed (seconds of start-up, on a GPU machine more); the
-    generic class does not, and behaves the same for such a folder."""
+    generic class does not, and behaves the same for such a folder.
+
+    Raises:
+      ValueError: a folder with no tokenizer file (transformers' own message lists its
+        converters instead).
+    """
+    if not any((pathlib.Path(folder) / name).is_file() for name in TOKENIZER_FILES):
+        raise ValueError(f"{folder} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
     cfg_path = pathlib.Path(folder) / "tokenizer_config.json"
     cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
     if cfg.get("tokenizer_class") == "PreTrainedTokenizerFast":

@@ -14,9 +14,11 @@ Input: one JSON object per line, either
 
 Fields: exactly one of ``prompt`` (a string, or a list of token ids) or ``messages`` (a list of
 ``{"role", "content"}`` objects, sent through the model's chat template with the assistant turn
-opened); optional ``id`` (string or integer, copied to the output); optional sampling fields with
-vLLM's defaults: ``max_tokens`` (16), ``temperature`` (1.0), ``top_p`` (1.0), ``top_k`` (0 = off),
-``seed`` (none), ``stop`` (a string or a list of strings).
+opened); optional ``id`` (string or integer, copied to the output); optional sampling fields
+``max_tokens``, ``temperature``, ``top_p``, ``top_k`` (0 = off), ``seed``, ``stop`` (a string or a
+list of strings). A field left out (or null) takes the model's sampling default, as on the server
+and in ``LLM.generate`` (``--generation-config``; the start-up log names them), else vLLM's:
+``max_tokens`` 16, ``temperature`` 1.0, ``top_p`` 1.0, ``top_k`` off, no seed, no stop.
 
 Validation is strict, as the OpenAI API is for a request body: a field this script does not know
 (a typo such as ``max_token``) makes that line fail instead of being silently ignored (which
@@ -47,6 +49,7 @@ line on stderr naming the flag.
 from __future__ import annotations
 
 import argparse
+import codecs
 import dataclasses
 import json
 import os
@@ -80,10 +83,11 @@ class BatchLine(BaseModel):
     id: str | int | None = None
     prompt: str | list[int] | None = None
     messages: Annotated[list[Message], Field(min_length=1)] | None = None
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
+    # Sampling fields (SAMPLING_FIELDS); None: the model's default (main()).
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
 
@@ -108,6 +112,9 @@ class BatchLine(BaseModel):
             which = "both" if self.prompt is not None else "neither"
             raise ValueError(f"give exactly one of 'prompt' and 'messages' (got {which})")
         return self
+
+
+SAMPLING_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop"}
 
 
 class LineError(Exception):
@@ -166,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     if not in_path.is_file():
         cli_fail(parser, f"--input: {in_path} does not exist or is not a file")
     try:
-        raw_lines = in_path.read_bytes().splitlines()
+        # A byte-order mark (Windows editors write one) is not part of line 1's JSON.
+        raw_lines = in_path.read_bytes().removeprefix(codecs.BOM_UTF8).splitlines()
     except OSError as e:
         cli_fail(parser, f"--input: cannot read {in_path}: {e.strerror}")
     out_dir = out_path.parent if str(out_path.parent) else pathlib.Path(".")
@@ -212,10 +220,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         n = rec["line"]
         try:
-            sp = SamplingParams(
-                max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
-                top_k=req.top_k, seed=req.seed, stop=req.stop,
-            )
+            sp = SamplingParams(**{**llm.engine.generation_config,
+                                   **req.model_dump(include=SAMPLING_FIELDS, exclude_none=True)})
             if req.messages is not None:
                 _, ids = processor.tokenize_chat([m.model_dump() for m in req.messages])
             else:

@@ -485,7 +485,7 @@ class Scheduler:
             if sp.stop_token_ids and token in sp.stop_token_ids:
                 return "stop", token
             if token in self.eos_token_ids and not sp.ignore_eos:
-                return "stop", token
+                return "stop", None  # vLLM's: stop_reason names only a stop the request set
         if sp.max_tokens is not None and n - len(req.prompt_token_ids) >= sp.max_tokens:
             return "length", None
         if n >= self.max_model_len:

@@ -71,7 +71,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
         drafts and the sampled token.
       finish_reason: None while running; "stop" (EOS or a stop token id), "length"
         (max_tokens or max_model_len) or "abort".
-      stop_reason: the stop token id that ended it, if any.
+      stop_reason: the ``stop_token_ids`` entry that ended it, if any (None at EOS, as vLLM).
       num_prompt_tokens: prompt length, tokens.
       num_cached_tokens: prompt tokens served from the prefix cache, tokens.
       new_logprobs: log-probabilities of new_token_ids when the request asked for them.

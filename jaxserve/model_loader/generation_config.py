@@ -33,6 +33,16 @@ def sampling_defaults(hf_config: dict) -> dict:
     return out
 
 
+def hf_generation_config(defaults: dict) -> dict:
+    """The ``generation_config.json`` dict of sampling defaults in SamplingParams' names (the
+    inverse of ``sampling_defaults``), with ``do_sample`` so that transformers samples too."""
+    hf_name = {ours: hf for hf, ours in _FIELDS.items()}
+    out = {hf_name[k]: v for k, v in defaults.items()}
+    if out:
+        out["do_sample"] = defaults.get("temperature", 1.0) > 0
+    return out
+
+
 def _read(folder: pathlib.Path) -> dict:
     path = folder / GENERATION_CONFIG_FILE
     return json.loads(path.read_text()) if path.is_file() else {}

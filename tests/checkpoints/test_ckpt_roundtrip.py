@@ -112,3 +112,44 @@ def test_convert_cli_errors_name_the_flag(args, flag, smollm_hf_folder, default_
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert flag in err and "error:" in err
+
+
+def test_convert_cli_damaged_input_is_one_line(smollm_hf_folder, default_gguf, tmp_path, capsys):
+    """A checkpoint that does not load, or an output that cannot be written: exit 1 with one
+    line naming the flag, no traceback."""
+    (tmp_path / "text.gguf").write_text("not a GGUF\n")
+    (tmp_path / "cut.gguf").write_bytes(default_gguf.read_bytes()[:5_000_000])
+    (tmp_path / "bad-json").mkdir()
+    (tmp_path / "bad-json" / "config.json").write_text("{not json")
+    (tmp_path / "bad-json" / "model.safetensors").symlink_to(smollm_hf_folder / "model.safetensors")
+    (tmp_path / "no-tokenizer").mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (tmp_path / "no-tokenizer" / name).symlink_to(smollm_hf_folder / name)
+    (tmp_path / "a-file").write_text("x")
+    cases = [(tmp_path / "text.gguf", tmp_path / "o1", "--input"),
+             (tmp_path / "cut.gguf", tmp_path / "o2", "--input"),
+             (tmp_path / "bad-json", tmp_path / "o3", "--input"),
+             (tmp_path / "no-tokenizer", tmp_path / "o4", "--input"),
+             (smollm_hf_folder, tmp_path / "a-file" / "out", "--output")]
+    for src, out, flag in cases:
+        assert convert(["--input", str(src), "--output", str(out)]) == 1, src
+        err = capsys.readouterr().err
+        assert "Traceback" not in err
+        assert err.strip().splitlines()[-1].startswith(f"error: {flag} "), err
+
+
+def test_convert_keeps_the_default_models_sampling_defaults(default_gguf, tmp_path):
+    """The default model's GGUF carries no generation config: its chat defaults go into the
+    converted folder, and a copy of the GGUF elsewhere is the default model too."""
+    from jaxserve.model_loader.default_model import GENERATION_CONFIG
+    from jaxserve.model_loader.generation_config import load_generation_config
+
+    copy = tmp_path / "elsewhere.gguf"
+    copy.hardlink_to(default_gguf)
+    assert load_generation_config(str(copy), "gguf") == GENERATION_CONFIG
+    assert convert(["--input", str(copy), "--output", str(tmp_path / "hf"), "--to", "hf"]) == 0
+    written = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
+    assert written == {**GENERATION_CONFIG, "do_sample": True}
+    assert load_generation_config(str(tmp_path / "hf"), "safetensors") == GENERATION_CONFIG
+    assert convert(["--input", str(tmp_path / "hf"), "--output", str(tmp_path / "orbax")]) == 0
+    assert load_generation_config(str(tmp_path / "orbax"), "orbax") == GENERATION_CONFIG

@@ -37,3 +37,27 @@ def test_resolved_config_has_every_field_and_no_unresolved_value():
     assert (r.model, r.seed) == ("m", 3)
     with pytest.raises(msgspec.ValidationError):  # "auto" is not a resolved value
         msgspec.convert({**msgspec.to_builtins(r), "dtype": "auto"}, ResolvedConfig)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(gpu_memory_utilization=2), "gpu_memory_utilization must be in (0, 1], got 2"),
+    (dict(max_model_len=-1), "max_model_len must be positive, got -1"),
+    (dict(max_model_len="abc"), "max_model_len 'abc': Expected `int | null`, got `str`"),
+    (dict(max_num_seqs=True), "max_num_seqs True: Expected `int | null`, got `bool`"),
+    (dict(dtype="float16"), "dtype 'float16': expected one of 'auto', 'bfloat16', 'float32'"),
+    (dict(quantization="int4"), "quantization 'int4': expected one of 'fp8', "),
+    (dict(page_size=12), "page_size must be a power of two, got 12"),
+    (dict(enable_prefix_caching="yes"), "enable_prefix_caching 'yes': Expected `bool`"),
+    (dict(seed=-1), "seed must be a non-negative 63-bit integer, got -1"),
+])
+def test_engine_config_checks_each_field_as_its_flag_does(kwargs, message):
+    """``LLM(**kwargs)`` reaches EngineConfig without argparse: a bad value is a ValueError
+    naming the field, before any model is loaded."""
+    with pytest.raises(ValueError) as e:
+        EngineConfig(**kwargs)
+    assert str(e.value).startswith(message)
+
+
+def test_engine_config_takes_a_path_and_whole_numbers_for_floats(tmp_path):
+    config = EngineConfig(model=tmp_path, kv_cache_gib=3, speculative_config={"method": "ngram"})
+    assert config.model == str(tmp_path) and config.kv_cache_gib == 3

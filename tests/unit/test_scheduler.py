@@ -180,7 +180,7 @@ def test_stops_on_eos_stop_token_and_max_model_len():
     sched, _ = make(max_model_len=12)
     r = make_request("r", [1, 2, 3], max_tokens=100)
     r.sampling_params.ignore_eos = False
-    assert sched._check_stop(r, 0) == ("stop", 0)
+    assert sched._check_stop(r, 0) == ("stop", None)  # EOS: no stop_reason (vLLM's)
     r.sampling_params.stop_token_ids = [77]
     assert sched._check_stop(r, 77) == ("stop", 77)
     r.all_token_ids += [5] * 9
@@ -196,7 +196,7 @@ def test_min_tokens_holds_stops_back_unless_a_grammar_gave_them():
     r.all_token_ids += [0]
     assert sched._check_stop(r, 0) == (None, None)
     r.sampling_params.structured_outputs = StructuredOutputsParams(choice=["a"])
-    assert sched._check_stop(r, 0) == ("stop", 0)
+    assert sched._check_stop(r, 0) == ("stop", None)
 
 
 def test_async_scheduling_gives_the_same_outputs():

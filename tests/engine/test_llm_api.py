@@ -1,0 +1,67 @@
+"""jaxserve.LLM as vLLM's users call it: prompt dicts, an interrupted generate, stop_reason."""
+
+import pytest
+
+from jaxserve.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6)
+
+
+def test_prompt_dicts_equal_text_and_token_ids(smollm_llm):
+    """vLLM's TextPrompt / TokensPrompt dicts give what the text and its ids give."""
+    text = "The capital of France is"
+    ids = smollm_llm.get_tokenizer().encode(text)
+    outs = smollm_llm.generate([text, {"prompt": text}, {"prompt_token_ids": ids}, ids], GREEDY,
+                               use_tqdm=False)
+    assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 1
+    assert outs[1].prompt == text and outs[2].prompt_token_ids == ids
+    single = smollm_llm.generate({"prompt_token_ids": ids}, GREEDY, use_tqdm=False)
+    assert single[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("prompts", [5, [3.5], [{"text": "x"}], [{"prompt": "x", "seed": 1}],
+                                     [{"prompt": 7}], [["a", "b"]]])
+def test_other_prompt_types_are_a_type_error(smollm_llm, prompts):
+    with pytest.raises(TypeError, match="prompt"):
+        smollm_llm.generate(prompts, GREEDY, use_tqdm=False)
+
+
+def test_an_interrupted_generate_leaves_no_request_behind(smollm_llm, monkeypatch):
+    """Ctrl-C (KeyboardInterrupt) in the middle of generate aborts its requests: the next
+    generate runs as if it had not happened."""
+    prompts = ["Tell me a story about a dragon.", "List three colours."]
+    params = SamplingParams(temperature=0, max_tokens=12)
+    before = smollm_llm.generate(prompts, params, use_tqdm=False)
+    engine, step, calls = smollm_llm.engine, smollm_llm.engine.step, []
+
+    def interrupted_step():
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return step()
+
+    monkeypatch.setattr(engine, "step", interrupted_step)
+    with pytest.raises(KeyboardInterrupt):
+        smollm_llm.generate(prompts * 4, SamplingParams(max_tokens=200, ignore_eos=True),
+                            use_tqdm=False)
+    monkeypatch.undo()
+    assert not engine.scheduler.has_unfinished_requests()
+    after = smollm_llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in after] == [o.outputs[0].token_ids for o in before]
+    assert not smollm_llm.output_processor.requests
+
+
+def test_stop_reason_is_the_stop_token_not_eos(smollm_llm):
+    """vLLM's stop_reason: the stop_token_ids entry that ended a choice, None at EOS."""
+    chat = [{"role": "user", "content": "Say hello."}]
+    out = smollm_llm.chat(chat, SamplingParams(temperature=0, max_tokens=200),
+                          use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.token_ids[-1] in smollm_llm.engine.eos_token_ids
+    assert out.stop_reason is None
+    second = out.token_ids[1]
+    assert second != out.token_ids[0]
+    stopped = smollm_llm.chat(chat, SamplingParams(temperature=0, max_tokens=200,
+                                                   stop_token_ids=[second]),
+                              use_tqdm=False)[0].outputs[0]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == second
+    assert stopped.token_ids == out.token_ids[:2]

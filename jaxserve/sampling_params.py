@@ -13,6 +13,7 @@ capped). An out-of-range value raises ValidationError naming its field (``parame
 
 import json as _json  # a field of StructuredOutputsParams is named json
 import math
+import typing
 
 import msgspec
 
@@ -145,7 +146,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
 
     Raises:
       ValidationError: from ``__post_init__``, with the field as ``parameter``, when a value
-        is out of range.
+        is out of range or of the wrong type.
     """
 
     n: int = 1
@@ -172,6 +173,18 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
+        try:
+            self._check()
+        except TypeError:  # a value of the wrong type (the API's bodies are typed; LLM's not)
+            for name, hint in typing.get_type_hints(SamplingParams).items():
+                try:
+                    msgspec.convert(getattr(self, name), hint)
+                except msgspec.ValidationError as e:
+                    raise ValidationError(f"{name} {getattr(self, name)!r}: {e}",
+                                          parameter=name) from None
+            raise
+
+    def _check(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])

@@ -108,3 +108,13 @@ def test_only_a_validation_error_is_a_400():
     status, err = _error("/v1/completions", {"prompt": "hi"},
                          RejectingLLM(ValueError("max_tokens: not a validation error")))
     assert status == 500 and err["param"] is None, err
+
+
+@pytest.mark.parametrize("field,value", [("seed", "abc"), ("temperature", "hot"), ("n", None),
+                                         ("stop", [1])])
+def test_sampling_params_of_the_wrong_type_name_the_field(field, value):
+    """LLM's users build SamplingParams without the API's typed bodies: a value of the wrong
+    type is a ValidationError naming the field, not a TypeError from a comparison."""
+    with pytest.raises(ValidationError) as e:
+        SamplingParams(**{field: value})
+    assert e.value.parameter == field and str(e.value).startswith(f"{field} {value!r}: Expected")

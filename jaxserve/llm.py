@@ -157,14 +157,14 @@ class LLM:
                 raise ValidationError(f"prompt {i}: {e}", parameter=e.parameter) from None
         index: dict[str, int] = {}
         results: list[RequestOutput | None] = [None] * len(items)
-        for i, ((prompt, ids), sp, lora) in enumerate(zip(items, sampling_params, loras)):
-            rid = str(self._next_id)
-            self._next_id += 1
-            index[rid] = i
-            self.output_processor.add_request(rid, prompt, ids, sp)
-            self.engine.add_request(EngineCoreRequest(rid, ids, sp, lora_request=lora))
         bar = tqdm(total=len(items), desc="generating", disable=not use_tqdm, unit="req")
         try:
+            for i, ((prompt, ids), sp, lora) in enumerate(zip(items, sampling_params, loras)):
+                rid = str(self._next_id)
+                self._next_id += 1
+                index[rid] = i
+                self.output_processor.add_request(rid, prompt, ids, sp)
+                self.engine.add_request(EngineCoreRequest(rid, ids, sp, lora_request=lora))
             while index:
                 processed = self.output_processor.process_outputs(self.engine.step())
                 if processed.reqs_to_abort:

@@ -17,7 +17,7 @@ Fields: exactly one of ``prompt`` (a string, or a list of token ids) or ``messag
 opened); optional ``id`` (string or integer, copied to the output); optional sampling fields
 ``max_tokens``, ``temperature``, ``top_p``, ``top_k`` (0 = off), ``seed``, ``stop`` (a string or a
 list of strings). A field left out (or null) takes the model's sampling default, as on the server
-and in ``LLM.generate`` (``--generation-config``; the start-up log names them), else vLLM's:
+(``--generation-config``; the start-up log names them), else vLLM's:
 ``max_tokens`` 16, ``temperature`` 1.0, ``top_p`` 1.0, ``top_k`` off, no seed, no stop.
 
 Validation is strict, as the OpenAI API is for a request body: a field this script does not know

@@ -261,6 +261,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
                                       f"[-{MAX_LOGIT_BIAS_VALUE:g}, {MAX_LOGIT_BIAS_VALUE:g}], got {bias}",
                                       parameter="logit_bias")
 
+    def clone(self) -> "SamplingParams":
+        """A deep copy (vLLM's ``SamplingParams.clone``): changing the copy's lists, dicts or
+        structured outputs leaves this one as it is."""
+        return msgspec.convert(msgspec.to_builtins(self), SamplingParams)
+
     @property
     def penalized(self) -> bool:
         """Whether any of the three penalties applies (the sampler then needs token counts)."""

@@ -2,7 +2,7 @@
 
 import pytest
 
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6)
 
@@ -65,3 +65,16 @@ def test_stop_reason_is_the_stop_token_not_eos(smollm_llm):
                               use_tqdm=False)[0].outputs[0]
     assert stopped.finish_reason == "stop" and stopped.stop_reason == second
     assert stopped.token_ids == out.token_ids[:2]
+
+
+def test_sampling_params_clone_is_deep():
+    """vLLM's SamplingParams.clone: an equal copy whose lists and dicts are its own."""
+    a = SamplingParams(n=2, temperature=0.5, stop=["x"], logit_bias={3: 1.0},
+                       structured_outputs=StructuredOutputsParams(json={"type": "object"}))
+    b = a.clone()
+    assert b == a and b is not a
+    b.stop.append("y")
+    b.logit_bias[4] = 2.0
+    b.structured_outputs.json["type"] = "array"
+    assert a.stop == ["x"] and a.logit_bias == {3: 1.0}
+    assert a.structured_outputs.json == {"type": "object"}

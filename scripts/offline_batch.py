@@ -39,7 +39,7 @@ string) or "length" (max_tokens or max_model_len). A line that failed gives inst
 
 (``id`` is null when the line has none or could not be parsed), and the other lines are still run.
 All valid lines go to the engine together, in one batch (continuous batching; a tqdm progress bar
-on stderr).
+on stderr). A file with no valid line loads no model.
 
 Exit status: 0 when every line succeeded; 1 when at least one line failed; 2 for a command-line
 problem (missing input file, unwritable output, unusable model or engine flags), reported as one
@@ -162,41 +162,16 @@ def build_parser() -> argparse.ArgumentParser:
     return add_cli_args(p)
 
 
+def log(msg: str):
+    print(f"[offline_batch] {msg}", file=sys.stderr, flush=True)
+
+
 def cli_fail(parser: argparse.ArgumentParser, message: str):
     parser.error(message)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    in_path, out_path = pathlib.Path(args.input), pathlib.Path(args.output)
-    if not in_path.is_file():
-        cli_fail(parser, f"--input: {in_path} does not exist or is not a file")
-    try:
-        # A byte-order mark (Windows editors write one) is not part of line 1's JSON.
-        raw_lines = in_path.read_bytes().removeprefix(codecs.BOM_UTF8).splitlines()
-    except OSError as e:
-        cli_fail(parser, f"--input: cannot read {in_path}: {e.strerror}")
-    out_dir = out_path.parent if str(out_path.parent) else pathlib.Path(".")
-    if not out_dir.is_dir():
-        cli_fail(parser, f"--output: folder {out_dir} does not exist")
-    if out_path.is_dir():
-        cli_fail(parser, f"--output: {out_path} is a folder")
-    if not os.access(out_dir, os.W_OK) or (out_path.exists() and not os.access(out_path, os.W_OK)):
-        cli_fail(parser, f"--output: {out_path} is not writable")
-
-    # Parse every line before loading the model: pure-syntax errors need no engine.
-    records: list[dict] = []  # in input order: {"line", "id", "req" | "error"}
-    for n, raw in enumerate(raw_lines, 1):
-        if not raw.strip():
-            continue
-        try:
-            line_id, req = parse_line(raw)
-            records.append({"line": n, "id": line_id, "req": req})
-        except LineError as e:
-            records.append({"line": n, "id": e.args[1], "error": f"line {n}: {e.args[0]}"})
-
-    log = lambda msg: print(f"[offline_batch] {msg}", file=sys.stderr, flush=True)  # noqa: E731
+def run_lines(records: list[dict], args: argparse.Namespace, parser: argparse.ArgumentParser):
+    """Loads the model and runs every parsed line: each record gets "result" or "error"."""
     t0 = time.perf_counter()
     from jaxserve import LLM, SamplingParams
 
@@ -249,6 +224,42 @@ def main(argv: list[str] | None = None) -> int:
                 "completion_tokens": len(c.token_ids),
                 "finish_reason": c.finish_reason,
             }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    in_path, out_path = pathlib.Path(args.input), pathlib.Path(args.output)
+    if not in_path.is_file():
+        cli_fail(parser, f"--input: {in_path} does not exist or is not a file")
+    try:
+        # A byte-order mark (Windows editors write one) is not part of line 1's JSON.
+        raw_lines = in_path.read_bytes().removeprefix(codecs.BOM_UTF8).splitlines()
+    except OSError as e:
+        cli_fail(parser, f"--input: cannot read {in_path}: {e.strerror}")
+    out_dir = out_path.parent if str(out_path.parent) else pathlib.Path(".")
+    if not out_dir.is_dir():
+        cli_fail(parser, f"--output: folder {out_dir} does not exist")
+    if out_path.is_dir():
+        cli_fail(parser, f"--output: {out_path} is a folder")
+    if not os.access(out_dir, os.W_OK) or (out_path.exists() and not os.access(out_path, os.W_OK)):
+        cli_fail(parser, f"--output: {out_path} is not writable")
+
+    # Parse every line before loading the model: pure-syntax errors need no engine.
+    records: list[dict] = []  # in input order: {"line", "id", "req" | "error"}
+    for n, raw in enumerate(raw_lines, 1):
+        if not raw.strip():
+            continue
+        try:
+            line_id, req = parse_line(raw)
+            records.append({"line": n, "id": line_id, "req": req})
+        except LineError as e:
+            records.append({"line": n, "id": e.args[1], "error": f"line {n}: {e.args[0]}"})
+
+    if any("req" in rec for rec in records):  # no valid line: no model to load
+        run_lines(records, args, parser)
+    else:
+        log("no valid line: the model is not loaded")
 
     failed = 0
     with out_path.open("w", encoding="utf-8") as f:

@@ -107,3 +107,13 @@ def test_cli_errors_are_one_line_exit_2(tmp_path):
     assert proc.returncode == 2
     assert "--model" in proc.stderr and "Traceback" not in proc.stderr
     assert not out.exists()
+
+
+def test_no_valid_line_loads_no_model(tmp_path):
+    """Every line invalid: each gets its error and no model is loaded (a model that does not
+    exist is never opened)."""
+    proc, rows = run_script(tmp_path, ['{"prompt": "x", "max_token": 8}', "not json"],
+                            "--model", str(tmp_path / "no-such-model"))
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert [r["line"] for r in rows] == [1, 2] and all("error" in r for r in rows)
+    assert "the model is not loaded" in proc.stderr and "Traceback" not in proc.stderr

@@ -124,7 +124,7 @@ class EngineCoreClient:
 
     async def shutdown(self, timeout: float = 10.0) -> None:
         """Ask the engine to exit, wait up to ``timeout`` s (0.5 s if it is still starting), then
-        SIGTERM it, then SIGKILL it. Idempotent."""
+        SIGKILL it (it ignores SIGTERM: core_proc). Idempotent."""
         if self._closing:
             return
         self._closing = True
@@ -133,12 +133,9 @@ class EngineCoreClient:
         if not self.dead:
             self._transport.write(_frame(M.encode(M.Shutdown())))
         if self.ready_msg is None:
-            timeout = 0.5  # still loading/compiling: it would not read the pipe; SIGTERM it
+            timeout = 0.5  # still loading/compiling: it would not read the pipe; kill it
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, self._proc.join, timeout)
-        if self._proc.is_alive():
-            self._proc.terminate()
-            await loop.run_in_executor(None, self._proc.join, 5.0)
         if self._proc.is_alive():
             self._proc.kill()
             await loop.run_in_executor(None, self._proc.join, 5.0)

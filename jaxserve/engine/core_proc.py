@@ -22,8 +22,10 @@ value may be able to: every ``add`` is checked here before the core sees it (Sam
 bounds run when the frame is decoded; ``check_engine_request`` adds the prompt's length and
 every token id against the model's vocabulary), so a bad value fails its own request, not the
 step. ``Shutdown`` and the API process going away (EOF on the pipe, or the parent process
-dying) end the process cleanly, SIGTERM at once (``os._exit``); SIGINT is ignored here because
-the API process, which gets the same Ctrl-C, coordinates the shutdown.
+dying) end the process cleanly. SIGINT and SIGTERM are ignored here: the API process coordinates
+the shutdown (in-flight requests get ``--shutdown-timeout`` to finish), and a signal sent to the
+whole process group (Ctrl-C, systemd's and supervisord's stop) reaches both processes at once.
+The API process ends an engine that does not exit with SIGKILL.
 """
 
 from __future__ import annotations
@@ -258,13 +260,6 @@ class EngineCoreProc:
             self._sender.close(FLUSH_TIMEOUT_S)
 
 
-def _sigterm(signum, frame):
-    # Exit at once rather than raise SystemExit: raised from a signal handler it can land inside
-    # a garbage-collection callback (JAX registers one), where Python prints it and swallows it,
-    # and a process still starting up then went on loading the model.
-    os._exit(0)
-
-
 def run_engine_core(config: EngineConfig, conn: Connection, parent_pid: int | None = None) -> None:
     """Engine process entry point (multiprocessing ``spawn`` target).
 
@@ -273,8 +268,8 @@ def run_engine_core(config: EngineConfig, conn: Connection, parent_pid: int | No
       conn: this process's end of the duplex Pipe.
       parent_pid: the API process; the engine exits if it disappears.
     """
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, _sigterm)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     threading.Thread(target=_watch_parent, args=(parent_pid or os.getppid(),), daemon=True,
                      name="jaxserve-parent-watch").start()
     try:

@@ -103,7 +103,8 @@ class Server:
     ``stub_server`` (this folder's: the server with stub_engine's StubEngineCore)."""
 
     def __init__(self, *args: str, env: dict | None = None, startup_timeout: float = 1200.0,
-                 module: str = "jaxserve.serve"):
+                 module: str = "jaxserve.serve", new_session: bool = False,
+                 wait_for_engine: bool = True):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile(prefix="jaxserve-server-", suffix=".log",
@@ -115,17 +116,19 @@ class Server:
             p for p in (REPO, HERE, full_env.get("PYTHONPATH")) if p)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", module, "--port", str(self.port), *args],
-            stdout=self.log, stderr=subprocess.STDOUT, env=full_env, cwd=REPO)
-        self._wait_ready(startup_timeout)
+            stdout=self.log, stderr=subprocess.STDOUT, env=full_env, cwd=REPO,
+            start_new_session=new_session)  # its own process group: stop(group=True)
+        # /health is 503 until the engine is ready, 200 after: either means the port is open.
+        self._wait_ready(startup_timeout, (200,) if wait_for_engine else (200, 503))
         self.engine_pids = descendants(self.proc.pid)
 
-    def _wait_ready(self, timeout: float) -> None:
+    def _wait_ready(self, timeout: float, statuses: tuple[int, ...]) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited ({self.proc.returncode}):\n{self.output()}")
             try:
-                if get(f"{self.url}/health", timeout=2)[0] == 200:
+                if get(f"{self.url}/health", timeout=2)[0] in statuses:
                     return
             except OSError:
                 pass
@@ -142,11 +145,16 @@ class Server:
         assert status == 200, text
         return parse_metrics(text)
 
-    def stop(self, sig=signal.SIGINT, timeout: float = 60.0) -> int | None:
-        """Signal the server and wait for it; kills it (and its children) if it hangs."""
+    def stop(self, sig=signal.SIGINT, timeout: float = 60.0, group: bool = False) -> int | None:
+        """Signal the server (``group``: its whole process group, as a terminal's Ctrl-C or
+        systemd's stop does; needs ``new_session``) and wait for it; kills it (and its
+        children) if it hangs."""
         pids = descendants(self.proc.pid) | self.engine_pids
         if self.proc.poll() is None:
-            self.proc.send_signal(sig)
+            if group:
+                os.killpg(self.proc.pid, sig)
+            else:
+                self.proc.send_signal(sig)
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:

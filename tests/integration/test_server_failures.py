@@ -252,6 +252,57 @@ def test_engine_death_fails_in_flight_then_restarts(stub_server):
     assert not wait_gone(stub_server.engine_pids | {new_engine})
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_to_the_process_group_lets_in_flight_requests_finish(sig):
+    """systemd's stop (SIGTERM to every process of the service) and a terminal's Ctrl-C (SIGINT
+    to the process group) reach the engine process too: it leaves the shutdown to the API
+    process, so a stream in flight finishes within --shutdown-timeout, and nothing is left."""
+    srv = Server("--max-model-len", "512", "--shutdown-timeout", "20", module=STUB,
+                 startup_timeout=120, new_session=True)
+    try:
+        result = {}
+
+        def stream():
+            for ch in _client(srv).completions.create(
+                    model="stub-model", prompt="hi", max_tokens=100, stream=True,
+                    stream_options={"include_usage": True}):
+                if ch.choices and ch.choices[0].finish_reason:
+                    result["finish"] = ch.choices[0].finish_reason
+                if ch.usage:
+                    result["tokens"] = ch.usage.completion_tokens
+
+        t = threading.Thread(target=stream)
+        t.start()
+        deadline = time.monotonic() + 30
+        while srv.metrics()["jaxserve:num_requests_running"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert srv.stop(sig, timeout=60, group=True) == 0, srv.output()
+        t.join(30)
+        assert result == {"tokens": 100, "finish": "length"}, (result, srv.output())
+        assert "Traceback" not in srv.output()
+        assert not wait_gone(srv.engine_pids)
+    finally:
+        srv.stop()
+
+
+def test_a_group_signal_during_start_up_ends_the_server():
+    """SIGTERM to the process group while the engine loads: the server exits at once (the
+    engine, which ignores SIGTERM, is killed), leaving no process behind."""
+    srv = Server("--max-model-len", "512", module=STUB, startup_timeout=120, new_session=True,
+                 env={"STUB_START_DELAY_S": "60"}, wait_for_engine=False)
+    try:
+        deadline = time.monotonic() + 30
+        while not (engines := _engine_pids(srv)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert engines
+        t0 = time.monotonic()
+        assert srv.stop(signal.SIGTERM, timeout=30, group=True) == 0, srv.output()
+        assert time.monotonic() - t0 < 10
+        assert not wait_gone(set(engines))
+    finally:
+        srv.stop()
+
+
 def test_engine_death_without_restarts_exits_3():
     """--max-engine-restarts 0: in-flight requests fail, then the server exits with code 3 for
     its supervisor, leaving no process behind."""

@@ -123,8 +123,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
       allowed_token_ids: only these tokens can be drawn (EOS too only when listed), a
         non-empty list; applied as a bitmask with the structured outputs' (the InputProcessor
         checks the ids against the vocabulary).
-      seed: per-request RNG seed for reproducible sampling; None draws one at random. Choice i
-        of a request with n > 1 uses seed + i.
+      seed: per-request RNG seed for reproducible sampling, a 64-bit integer (negative ones
+        too, as OpenAI and vLLM take them); None draws one at random. Choice i of a request with
+        n > 1 uses seed + i.
       stop: up to 16 strings of 1..256 characters that end generation.
       stop_token_ids: up to 1024 non-negative token ids that end generation (besides EOS)
         (the InputProcessor also checks them against the vocabulary).
@@ -224,8 +225,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
         if allowed is not None and not (allowed and all(0 <= t <= INT32_MAX for t in allowed)):
             raise ValidationError("allowed_token_ids: give a non-empty list of token ids",
                                   parameter="allowed_token_ids")
-        if self.seed is not None and not 0 <= self.seed < 2**63:
-            raise ValidationError(f"seed must be a non-negative 63-bit integer, got {self.seed}",
+        if self.seed is not None and not -(2**63) <= self.seed < 2**63:
+            raise ValidationError(f"seed must be a 64-bit integer, got {self.seed}",
                                   parameter="seed")
         if len(self.stop) > MAX_STOP_STRINGS:
             raise ValidationError(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}",

@@ -78,3 +78,12 @@ def test_sampling_params_clone_is_deep():
     b.structured_outputs.json["type"] = "array"
     assert a.stop == ["x"] and a.logit_bias == {3: 1.0}
     assert a.structured_outputs.json == {"type": "object"}
+
+
+def test_a_negative_seed_is_a_seed(smollm_llm):
+    """OpenAI and vLLM take any 64-bit seed; -1 is a seed like any other (reproducible)."""
+    outs = [smollm_llm.generate("Tell me a story.", SamplingParams(temperature=1.0, max_tokens=8,
+                                                                   seed=seed), use_tqdm=False)
+            for seed in (-1, -1, -(2**63))]
+    assert outs[0][0].outputs[0].token_ids == outs[1][0].outputs[0].token_ids
+    assert len(outs[2][0].outputs[0].token_ids) == 8

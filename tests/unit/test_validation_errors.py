@@ -20,7 +20,7 @@ MESSAGES = [{"role": "user", "content": "hi"}]
     ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"), ({"temperature": 3}, "temperature"),
     ({"top_p": 0}, "top_p"), ({"top_k": -2}, "top_k"), ({"min_p": 2}, "min_p"),
     ({"presence_penalty": 3}, "presence_penalty"), ({"frequency_penalty": -3}, "frequency_penalty"),
-    ({"repetition_penalty": 0}, "repetition_penalty"), ({"seed": -1}, "seed"),
+    ({"repetition_penalty": 0}, "repetition_penalty"), ({"seed": 2**63}, "seed"),
     ({"stop": [""]}, "stop"), ({"stop_token_ids": [-1]}, "stop_token_ids"),
     ({"logit_bias": {1: 101}}, "logit_bias"), ({"logprobs": 21}, "logprobs"),
     ({"prompt_logprobs": 21}, "prompt_logprobs"),

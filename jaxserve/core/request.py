@@ -1,6 +1,7 @@
 """Request: the engine's state of one sequence (tokens, progress, KV pages)."""
 
 import enum
+import time
 
 from jaxserve.engine import EngineCoreRequest, LogprobsLists, child_request_id
 from jaxserve.sampling_params import SamplingParams
@@ -68,6 +69,9 @@ class Request:
         self.block_hashes: list[bytes] = []
         self.num_registered_pages = 0
         self.num_preemptions = 0
+        # time.monotonic(): arrival, and the latest scheduling before the first token (metrics).
+        self.queued_ts = time.monotonic()
+        self.scheduled_ts = 0.0
         self.status = RequestStatus.WAITING
         self.fork_children: list[Request] = []
         self.fork_parent: Request | None = None

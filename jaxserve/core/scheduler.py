@@ -59,6 +59,7 @@ device pool); a waiting request whose adapter would be one too many waits, and s
 requests behind it (arrival order is kept).
 """
 
+import time
 from collections import deque
 
 import numpy as np
@@ -253,6 +254,8 @@ class Scheduler:
                 self.prefix_cache_hits += num_cached
                 req.num_cached_tokens = num_cached
             req.num_computed_tokens += num_cached
+            if req.num_output_tokens == 0:
+                req.scheduled_ts = time.monotonic()
             req.status = RequestStatus.RUNNING
             running.append(req)
             out.new_reqs.append(self._new_request_data(req))
@@ -388,6 +391,7 @@ class Scheduler:
         for child in children:
             child.num_computed_tokens = child.num_prompt_tokens
             child.num_output_placeholders = 1
+            child.scheduled_ts = parent.scheduled_ts  # its prefill was the parent's
             child.status = RequestStatus.RUNNING
             self.running.append(child)
             out.new_reqs.append(self._new_request_data(child))
@@ -456,10 +460,11 @@ class Scheduler:
             if logprobs is not None and n < len(tokens):
                 logprobs = LogprobsLists(logprobs.logprob_token_ids[:n], logprobs.logprobs[:n],
                                          logprobs.sampled_token_ranks[:n])
+            times = (req.queued_ts, req.scheduled_ts) if first_output else (0.0, 0.0)
             outputs.append(
                 EngineCoreOutput(
                     req.request_id, tokens[:n], reason, stop_reason,
-                    req.num_prompt_tokens, req.num_cached_tokens, logprobs, prompt_lp,
+                    req.num_prompt_tokens, req.num_cached_tokens, logprobs, prompt_lp, *times,
                 )
             )
             if reason is not None:

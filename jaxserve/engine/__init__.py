@@ -77,6 +77,11 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
       new_logprobs: log-probabilities of new_token_ids when the request asked for them.
       new_prompt_logprobs: those of the prompt's tokens after the first (once, with the first
         output of choice 0) when the request asked for them.
+      queued_ts, scheduled_ts: with a choice's first output only (0 on the others), the engine
+        process's ``time.monotonic()`` when the choice reached the engine and when it was last
+        scheduled before its first token (a preemption during its prefill schedules it again):
+        the start of its queue and prefill phases (vLLM's QUEUED and SCHEDULED events). The API
+        process compares them only with the engine's own times (``messages.Outputs.timestamp``).
     """
 
     request_id: str
@@ -87,6 +92,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     num_cached_tokens: int = 0
     new_logprobs: LogprobsLists | None = None
     new_prompt_logprobs: LogprobsLists | None = None
+    queued_ts: float = 0.0
+    scheduled_ts: float = 0.0
 
     @property
     def finished(self) -> bool:

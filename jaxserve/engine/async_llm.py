@@ -327,7 +327,8 @@ class AsyncLLM:
             if msg.stats is not None:
                 self.metrics.update_stats(msg.stats)
             if msg.outputs:
-                to_abort = self.output_processor.process_outputs(msg.outputs).reqs_to_abort
+                to_abort = self.output_processor.process_outputs(
+                    msg.outputs, msg.timestamp).reqs_to_abort
                 if to_abort:
                     self.engine_core.abort_requests(to_abort)
         elif isinstance(msg, M.Error):

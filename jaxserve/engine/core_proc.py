@@ -192,6 +192,7 @@ class EngineCoreProc:
         live request fails and the process exits, for the API process to start it again."""
         try:
             outputs = self.core.step()
+            timestamp = time.monotonic()
         except Exception as e:  # noqa: BLE001 - fail the step's requests, keep serving
             traceback.print_exc()
             self._failed_steps += 1
@@ -218,7 +219,7 @@ class EngineCoreProc:
         for o in outputs:
             if o.finished:
                 self.live.discard(o.request_id)
-        self.send(M.Outputs(list(outputs), self._stats()))
+        self.send(M.Outputs(list(outputs), self._stats(), timestamp))
 
     def _stats(self):
         try:

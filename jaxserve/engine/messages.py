@@ -73,8 +73,13 @@ class Ready(msgspec.Struct, tag="ready"):
 
 
 class Outputs(msgspec.Struct, tag="outputs"):
+    """A step's outputs, the scheduler's stats, and ``timestamp``: the engine process's
+    ``time.monotonic()`` when the step's tokens were known (the end of the outputs' phases,
+    measured against their ``queued_ts`` / ``scheduled_ts``; 0 with no outputs)."""
+
     outputs: list[EngineCoreOutput]
     stats: SchedulerStats | None = None
+    timestamp: float = 0.0
 
 
 class Error(msgspec.Struct, tag="error"):

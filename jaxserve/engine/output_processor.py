@@ -70,6 +70,11 @@ class ChoiceState:
     num_output_tokens: int = 0
     finished: bool = False
     last_output_time: float | None = None  # time.monotonic() of its latest tokens
+    # The engine's time.monotonic() (EngineCoreOutput.queued_ts / scheduled_ts, and the step's
+    # Outputs.timestamp of its first tokens): its queue, prefill and decode phases.
+    queued_ts: float = 0.0
+    scheduled_ts: float = 0.0
+    first_token_ts: float = 0.0
 
 
 @dataclass
@@ -154,8 +159,12 @@ class OutputProcessor:
         hit = self._choice_of.get(engine_id)
         return engine_id if hit is None else hit[0].request_id
 
-    def process_outputs(self, outputs: list[EngineCoreOutput]) -> OutputProcessorOutput:
+    def process_outputs(self, outputs: list[EngineCoreOutput],
+                        engine_time: float | None = None) -> OutputProcessorOutput:
         """Detokenize, check stop strings, and queue or return the deltas.
+
+        ``engine_time``: the engine process's ``time.monotonic()`` when the step's tokens were
+        known (``messages.Outputs.timestamp``); None: now (the engine runs in this process).
 
         An error while handling one request's output (a queued request: the server) fails that
         request alone with a RequestError, and it is aborted in the engine; the others go on.
@@ -163,6 +172,8 @@ class OutputProcessor:
         """
         to_abort, returned = [], []
         now = time.monotonic()
+        if engine_time is None:
+            engine_time = now
         for o in outputs:
             hit = self._choice_of.get(o.request_id)
             if hit is None:
@@ -171,7 +182,7 @@ class OutputProcessor:
             if st.choices[index].finished:
                 continue  # a stop string ended it; tokens already in flight are dropped
             try:
-                out, abort = self._process_one(st, index, o, now)
+                out, abort = self._process_one(st, index, o, now, engine_time)
             except Exception as e:
                 if st.queue is None:
                     raise
@@ -199,13 +210,16 @@ class OutputProcessor:
             out.append(entry)
         return out
 
-    def _process_one(self, st: RequestState, index: int, o: EngineCoreOutput,
-                     now: float) -> tuple[RequestOutput, bool]:
+    def _process_one(self, st: RequestState, index: int, o: EngineCoreOutput, now: float,
+                     engine_time: float) -> tuple[RequestOutput, bool]:
         """One choice's delta, and whether the engine must abort it (a stop string matched
         before the engine saw a stop). Forgets the request and records metrics when its last
         choice ends."""
         choice = st.choices[index]
         sp = st.sampling_params
+        if o.scheduled_ts:  # the choice's first output
+            choice.queued_ts, choice.scheduled_ts = o.queued_ts, o.scheduled_ts
+            choice.first_token_ts = engine_time
         if o.new_token_ids:
             self._record_tokens(st, choice, len(o.new_token_ids), now)
         choice.num_output_tokens += len(o.new_token_ids)
@@ -226,6 +240,10 @@ class OutputProcessor:
         elif finish_reason is not None:
             text += choice.detokenizer.flush()
         choice.finished = finish_reason is not None
+        if choice.finished and choice.scheduled_ts and self.metrics is not None:
+            self.metrics.record_phases(choice.scheduled_ts - choice.queued_ts,
+                                       choice.first_token_ts - choice.scheduled_ts,
+                                       engine_time - choice.first_token_ts)
         logprobs = None if o.new_logprobs is None else self._logprobs(o.new_logprobs)
         prompt_logprobs = None
         if o.new_prompt_logprobs is not None:
@@ -239,8 +257,8 @@ class OutputProcessor:
             self._forget(st)
             if self.metrics is not None:
                 self.metrics.record_finished(finish_reason, len(st.prompt_token_ids),
-                                             sum(c.num_output_tokens for c in st.choices),
-                                             now - st.arrival_time)
+                                             [c.num_output_tokens for c in st.choices],
+                                             now - st.arrival_time, sp.max_tokens)
         return out, abort
 
     def _record_tokens(self, st: RequestState, choice: ChoiceState, num_tokens: int,

@@ -15,6 +15,7 @@ after the reasoning, the Responses API's ``reasoning`` item, and vLLM's metric n
 from __future__ import annotations
 
 import json
+import time
 
 import openai
 import pytest
@@ -261,3 +262,30 @@ def test_vllm_metric_names_and_labels(server, client, model):
         final["vllm:inter_token_latency_seconds_count"]
     assert summary["time_to_first_token_seconds"]["count"] == \
         final["vllm:time_to_first_token_seconds_count"]
+
+
+def test_vllm_request_phase_metrics(server, client, model):
+    """vLLM's per-request histograms: each choice's queue, prefill, decode and inference times
+    (engine-measured: inference = prefill + decode, within the request's end-to-end latency),
+    the n and max_tokens parameters, and the most tokens a choice generated."""
+    before = server.metrics()
+    t0 = time.monotonic()
+    client.completions.create(model=model, prompt="Count: one two three", max_tokens=6, n=2,
+                              temperature=1.0, extra_body={"ignore_eos": True})
+    wall = time.monotonic() - t0
+    after = server.metrics()
+
+    def delta(name):
+        return after[f"vllm:{name}"] - before[f"vllm:{name}"]
+
+    for phase in ("queue", "prefill", "decode", "inference"):
+        assert delta(f"request_{phase}_time_seconds_count") == 2, phase  # one per choice
+    prefill, decode = delta("request_prefill_time_seconds_sum"), delta(
+        "request_decode_time_seconds_sum")
+    assert prefill > 0 and decode > 0 and delta("request_queue_time_seconds_sum") >= 0
+    assert delta("request_inference_time_seconds_sum") == pytest.approx(prefill + decode)
+    assert (delta("request_queue_time_seconds_sum") + delta("request_inference_time_seconds_sum")
+            <= 2 * wall)
+    assert delta("request_params_n_count") == 1 and delta("request_params_n_sum") == 2
+    assert delta("request_params_max_tokens_sum") == 6
+    assert delta("request_max_num_generation_tokens_sum") == 6

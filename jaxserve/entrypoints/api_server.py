@@ -80,8 +80,10 @@ def _auth_middleware(api_key: str | None):
             # aiohttp decodes header bytes as UTF-8 with surrogateescape: encode them back the
             # same way, so any bytes a client sends compare (and never raise).
             got = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
-            want = f"Bearer {api_key}".encode("utf-8", "surrogateescape")
-            if not hmac.compare_digest(got, want):
+            scheme, _, token = got.partition(b" ")
+            want = api_key.encode("utf-8", "surrogateescape")
+            # The scheme is case-insensitive (RFC 9110 section 11.1); the key is not.
+            if not (hmac.compare_digest(token, want) and scheme.lower() == b"bearer"):
                 raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer KEY')",
                                code="invalid_api_key")
         return await handler(request)

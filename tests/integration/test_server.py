@@ -387,8 +387,12 @@ def test_unknown_model_404(server):
 def test_api_key_401(server):
     body = json.dumps({"prompt": "hi", "max_tokens": 2})
     _assert_error(*_post(server, "/v1/completions", body, headers={}), 401)
-    _assert_error(*_post(server, "/v1/completions", body,
-                         headers={"Authorization": "Bearer wrong"}), 401)
+    for header in ("Bearer wrong", f"Basic {API_KEY}", API_KEY, f"Bearer {API_KEY.upper()}"):
+        _assert_error(*_post(server, "/v1/completions", body,
+                             headers={"Authorization": header}), 401)
+    # The scheme is case-insensitive (RFC 9110), the key is not.
+    assert _post(server, "/v1/completions", body,
+                 headers={"Authorization": f"bearer {API_KEY}"})[0] == 200
     assert get(f"{server.url}/health")[0] == 200  # health and metrics need no key
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{server.url}/v1", api_key="nope").models.list()

@@ -8,7 +8,7 @@ from __future__ import annotations
 from jaxserve.engine.async_llm import AsyncLLM
 from jaxserve.entrypoints.beam_search import MAX_BEAM_WIDTH
 from jaxserve.entrypoints.errors import APIError
-from jaxserve.entrypoints.serving_engine import bad_request, max_sequences
+from jaxserve.entrypoints.serving_engine import bad_request, max_choices
 from jaxserve.exceptions import ValidationError
 from jaxserve.sampling_params import MAX_N, SamplingParams, StructuredOutputsParams
 
@@ -55,7 +55,7 @@ async def to_sampling_params(llm: AsyncLLM, req, max_tokens: int | None,
         sp = req.sampling_params(max_tokens, llm.generation_config, so)
     except ValidationError as e:
         raise bad_request(e, renames) from None
-    limit = min(MAX_N, max_sequences(llm))
+    limit = min(MAX_N, max_choices(llm))
     if sp.n > limit:
         raise APIError(400, f"n: at most {limit} choices per request on this server (the "
                        "engine runs at most --max-num-seqs sequences at once)", param="n")

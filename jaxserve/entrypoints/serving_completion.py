@@ -1,6 +1,6 @@
 """POST /v1/completions (OpenAI's, SSE streaming): a prompt, token ids, or a list of either
-(one engine request per prompt, all at once, at most ``--max-num-seqs`` sequences in all; with
-``use_beam_search``, each prompt's beam search instead: beam_search.py).
+(one engine request per prompt and choice, all at once: the engine queues what it cannot run
+yet, as vLLM does; with ``use_beam_search``, each prompt's beam search instead: beam_search.py).
 The body is read and validated, its sequences (prompts x ``n``) admitted, each text prompt
 tokenized off the event loop and checked against max_model_len, the requests submitted to the
 engine (before the response is set up: the engine starts on them meanwhile), then answered
@@ -20,7 +20,7 @@ from jaxserve.entrypoints.errors import APIError
 from jaxserve.entrypoints.protocol import CompletionRequest
 from jaxserve.entrypoints.request_mapping import check_request, to_sampling_params
 from jaxserve.entrypoints.serving_engine import (
-    admitted, bad_request, encode, lora_request_of, max_sequences, take_in)
+    admitted, bad_request, encode, in_flight_cap, lora_request_of, take_in)
 from jaxserve.entrypoints.serving_stream import make_bodies, run_request, submitting
 from jaxserve.exceptions import ValidationError
 
@@ -32,11 +32,11 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
         prompts = req.prompts()
     except ValidationError as e:
         raise bad_request(e) from None
-    limit = max_sequences(llm)
-    if len(prompts) * sp.n > limit:
+    limit = in_flight_cap(request)
+    if len(prompts) * sp.n > limit:  # could never be admitted: not a 503 to retry
         raise APIError(400, f"prompt: {len(prompts)} prompts x n={sp.n} asks for "
-                       f"{len(prompts) * sp.n} sequences; at most {limit} per request on this "
-                       "server (--max-num-seqs)", param="prompt")
+                       f"{len(prompts) * sp.n} sequences; at most {limit} on this server "
+                       "(--max-num-seqs + --max-waiting-requests)", param="prompt")
     with admitted(request, len(prompts) * sp.n):
         ids_list = []
         for prompt in prompts:

@@ -57,6 +57,12 @@ def limits_of(request: web.Request) -> ServerLimits:
     return request.app[STATE_KEY]["limits"]
 
 
+def in_flight_cap(request: web.Request) -> int:
+    """The most sequences (engine requests) in flight at once: what the engine runs
+    (``--max-num-seqs``) and what may wait (``--max-waiting-requests``)."""
+    return llm_of(request).config.max_num_seqs + limits_of(request).max_waiting_requests
+
+
 @contextlib.contextmanager
 def admitted(request: web.Request, sequences: int):
     """Counts a generation request's ``sequences`` (engine requests: prompts x ``n``) in
@@ -68,8 +74,7 @@ def admitted(request: web.Request, sequences: int):
         + max_waiting_requests`` sequences in flight.
     """
     state, llm, limits = request.app[STATE_KEY], llm_of(request), limits_of(request)
-    cap = llm.config.max_num_seqs + limits.max_waiting_requests
-    if state["in_flight"] + sequences > cap:
+    if state["in_flight"] + sequences > in_flight_cap(request):
         llm.metrics.record_rejected("overloaded")
         raise APIError(503, f"the server is overloaded ({state['in_flight']} sequences in "
                        "flight); retry later", code="overloaded",
@@ -193,10 +198,9 @@ def lora_request_of(request: web.Request, model: str) -> LoRARequest | None:
     return request.app[STATE_KEY]["lora_requests"].get(model)
 
 
-def max_sequences(llm: AsyncLLM) -> int:
-    """The most sequences (prompts x ``n``) one request may ask for: what the engine runs at
-    once (``max_num_seqs``). More would only queue behind the request's own, and it bounds what
-    one HTTP request adds to the queue."""
+def max_choices(llm: AsyncLLM) -> int:
+    """The most choices (``n``) of one prompt: what the engine runs at once (``max_num_seqs``),
+    since a prompt's choices fork from its prefill to run together."""
     return llm.config.max_num_seqs
 
 

@@ -236,9 +236,21 @@ def test_admission_counts_each_prompt_and_choice(server):
     assert fits[0] == 200, fits
 
 
+def test_a_prompt_list_past_max_num_seqs_queues(server):
+    """More prompts than --max-num-seqs in one request are run as vLLM runs them: the engine
+    queues what it cannot run yet, and every prompt gets its choice, in order."""
+    status, _, text = _post(server, {"prompt": [[7, i + 1] for i in range(MAX_IN_FLIGHT)],
+                                     "max_tokens": 3})
+    assert status == 200, text
+    body = json.loads(text)
+    assert [c["index"] for c in body["choices"]] == list(range(MAX_IN_FLIGHT))
+    assert body["usage"]["prompt_tokens"] == 2 * MAX_IN_FLIGHT
+
+
 def test_prompt_list_is_bounded_and_others_keep_their_latency(server):
-    """20,000 prompts in one request are a 400 on prompt (one request asks for at most
-    max_num_seqs sequences), and a short request sent with it is answered as fast as alone."""
+    """20,000 prompts in one request are a 400 on prompt (more sequences than the server ever
+    holds in flight: --max-num-seqs + --max-waiting-requests), and a short request sent with it
+    is answered as fast as alone."""
 
     async def post(s, body):
         t0 = time.monotonic()
@@ -258,7 +270,7 @@ def test_prompt_list_is_bounded_and_others_keep_their_latency(server):
     _assert_400(flood[0], flood[1], "prompt")
     assert "20000 prompts" in flood[1]
     assert short[0] == 200 and short[2] < 2 * alone[2] + 0.5, (short, alone)
-    _assert_400(*_post(server, {"prompt": ["a"] * 3, "n": 2, "max_tokens": 2})[::2], "prompt")
+    _assert_400(*_post(server, {"prompt": ["a"] * 4, "n": 2, "max_tokens": 2})[::2], "prompt")
 
 
 def test_half_sent_bodies_take_no_place_in_the_queue(server):

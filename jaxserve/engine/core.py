@@ -127,6 +127,20 @@ def _structured_output_manager(tokenizer_future, model_config):
     return manager, eos_token_ids, seconds
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def device_seed(seed: int) -> int:
+    """The sampler's 32-bit seed (``SamplingField`` "seeds", uint32) of a request's 64-bit one:
+    the high half of splitmix64's output (Steele, Lea and Flood, "Fast splittable pseudorandom
+    number generators", OOPSLA 2014), so that every bit of the seed counts (1 and 2**32 + 1
+    draw differently; a truncation would make them equal). Negative seeds are taken mod 2**64."""
+    z = (seed + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 32
+
+
 class EngineCore:
     """Loads the model, sizes and allocates the KV pool, compiles every bucket, then serves steps.
 
@@ -418,7 +432,7 @@ class EngineCore:
         sp = request.sampling_params
         seed = sp.seed
         if seed is None:
-            seed = self._rng.getrandbits(32)
+            seed = self._rng.getrandbits(64)
         grammars = [None] * sp.n
         if sp.structured_outputs is not None:
             grammars = [self.structured_output_manager.grammar_init(sp.structured_outputs)
@@ -426,9 +440,9 @@ class EngineCore:
         allowed = None
         if sp.allowed_token_ids is not None:
             allowed = token_bitmask(sp.allowed_token_ids, self.vocab_size)
-        parent = Request(request, seed & 0xFFFFFFFF, grammar=grammars[0], allowed_bitmask=allowed)
+        parent = Request(request, device_seed(seed), grammar=grammars[0], allowed_bitmask=allowed)
         for i in range(1, sp.n):
-            child = Request(request, (seed + i) & 0xFFFFFFFF, index=i, grammar=grammars[i],
+            child = Request(request, device_seed(seed + i), index=i, grammar=grammars[i],
                             allowed_bitmask=allowed)
             child.fork_parent = parent
             parent.fork_children.append(child)

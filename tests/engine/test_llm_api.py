@@ -80,10 +80,14 @@ def test_sampling_params_clone_is_deep():
     assert a.structured_outputs.json == {"type": "object"}
 
 
-def test_a_negative_seed_is_a_seed(smollm_llm):
-    """OpenAI and vLLM take any 64-bit seed; -1 is a seed like any other (reproducible)."""
-    outs = [smollm_llm.generate("Tell me a story.", SamplingParams(temperature=1.0, max_tokens=8,
-                                                                   seed=seed), use_tqdm=False)
-            for seed in (-1, -1, -(2**63))]
-    assert outs[0][0].outputs[0].token_ids == outs[1][0].outputs[0].token_ids
-    assert len(outs[2][0].outputs[0].token_ids) == 8
+def test_every_bit_of_a_64_bit_seed_counts(smollm_llm):
+    """OpenAI and vLLM take any 64-bit seed: -1 is a seed like any other (reproducible), and
+    seeds that differ only above bit 31 draw differently."""
+    def tokens(seed):
+        sp = SamplingParams(temperature=1.5, max_tokens=12, seed=seed)
+        return smollm_llm.generate("Tell me a story.", sp, use_tqdm=False)[0].outputs[0].token_ids
+
+    assert tokens(-1) == tokens(-1)
+    assert len(tokens(-(2**63))) == 12
+    outs = {tuple(tokens(s)) for s in (1, 2**32 + 1, 2**40 + 1, -(2**32) + 1)}
+    assert len(outs) == 4

@@ -12,10 +12,13 @@ the GIL. This module never imports JAX.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import multiprocessing
 import os
+import signal
 import socket
+import threading
 from collections.abc import Callable
 
 from jaxserve.config import EngineConfig
@@ -65,6 +68,22 @@ class _Pipe(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._on_lost()
+
+
+@contextlib.contextmanager
+def _signals_ignored(*signals: int):
+    """The signals ignored in this process while the block runs (a child started meanwhile
+    inherits SIG_IGN through exec; the engine process then sets its own handlers). Only the main
+    thread may change them: elsewhere the block runs as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = [signal.signal(sig, signal.SIG_IGN) for sig in signals]
+    try:
+        yield
+    finally:
+        for sig, handler in zip(signals, saved):
+            signal.signal(sig, handler)
 
 
 class EngineStartError(RuntimeError):
@@ -117,7 +136,8 @@ class EngineCoreClient:
         self._proc = ctx.Process(target=run_engine_core,
                                  args=(self.config, child_conn, os.getpid()),
                                  name="jaxserve-engine", daemon=False)
-        self._proc.start()
+        with _signals_ignored(signal.SIGINT, signal.SIGTERM):  # inherited through exec
+            self._proc.start()
         child_conn.close()  # so that EOF reaches us when the engine exits
         self.ready_msg = await self._ready
         return self.ready_msg

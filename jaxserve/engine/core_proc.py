@@ -25,7 +25,8 @@ step. ``Shutdown`` and the API process going away (EOF on the pipe, or the paren
 dying) end the process cleanly. SIGINT and SIGTERM are ignored here: the API process coordinates
 the shutdown (in-flight requests get ``--shutdown-timeout`` to finish), and a signal sent to the
 whole process group (Ctrl-C, systemd's and supervisord's stop) reaches both processes at once.
-The API process ends an engine that does not exit with SIGKILL.
+The API process ends an engine that does not exit with SIGKILL; it starts the engine with both
+signals ignored, so that one arriving while the engine imports does not interrupt it.
 """
 
 from __future__ import annotations
@@ -261,6 +262,12 @@ class EngineCoreProc:
             self._sender.close(FLUSH_TIMEOUT_S)
 
 
+def _leave_to_the_api_process(signum, frame):
+    # A handler, not SIG_IGN: an ignored signal stays ignored through exec, and the processes
+    # this one starts (pip, the tokenizer export) must end with the process group.
+    pass
+
+
 def run_engine_core(config: EngineConfig, conn: Connection, parent_pid: int | None = None) -> None:
     """Engine process entry point (multiprocessing ``spawn`` target).
 
@@ -270,7 +277,7 @@ def run_engine_core(config: EngineConfig, conn: Connection, parent_pid: int | No
       parent_pid: the API process; the engine exits if it disappears.
     """
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_IGN)
+        signal.signal(sig, _leave_to_the_api_process)
     threading.Thread(target=_watch_parent, args=(parent_pid or os.getppid(),), daemon=True,
                      name="jaxserve-parent-watch").start()
     try:

@@ -285,6 +285,19 @@ def test_a_signal_to_the_process_group_lets_in_flight_requests_finish(sig):
         srv.stop()
 
 
+def test_the_engine_catches_stop_signals_and_its_children_do_not_inherit_them(stub_server):
+    """The engine process handles SIGINT and SIGTERM (a no-op: the API process coordinates)
+    rather than ignoring them: an ignored signal stays ignored through exec, and the processes
+    the engine starts (pip, the tokenizer export) would outlive a stop of the process group."""
+    (engine,) = _engine_pids(stub_server)
+    with open(f"/proc/{engine}/status") as f:
+        masks = {k: int(v, 16) for k, v in (line.split(":\t") for line in f)
+                 if k in ("SigIgn", "SigCgt")}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        bit = 1 << (sig - 1)
+        assert masks["SigCgt"] & bit and not masks["SigIgn"] & bit, (sig, masks)
+
+
 def test_a_group_signal_during_start_up_ends_the_server():
     """SIGTERM to the process group while the engine loads: the server exits at once (the
     engine, which ignores SIGTERM, is killed), leaving no process behind."""

@@ -61,6 +61,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from jaxserve.engine.arg_utils import HelpFormatter, add_cli_args, from_cli_args
+from jaxserve.sampling_params import SamplingParams
 
 # jaxserve.LLM (and with it JAX) is imported in main(), after the arguments are checked, so that a
 # command-line error is reported at once.
@@ -103,6 +104,8 @@ class BatchLine(BaseModel):
         if isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
             if not v:
                 raise ValueError("must not be empty")
+            if min(v) < 0:
+                raise ValueError("token ids are non-negative")
             return v
         raise ValueError("must be a string or a list of integer token ids")
 
@@ -144,9 +147,14 @@ def parse_line(raw: bytes) -> tuple[Any, BatchLine]:
     if not isinstance(line_id, (str, int)) or isinstance(line_id, bool):
         line_id = None
     try:
-        return line_id, BatchLine.model_validate(obj)
+        line = BatchLine.model_validate(obj)
     except ValidationError as e:
         raise LineError(format_validation_error(e), line_id) from None
+    try:  # the ranges, before any model is loaded (main() adds the model's defaults)
+        SamplingParams(**line.model_dump(include=SAMPLING_FIELDS, exclude_none=True))
+    except ValueError as e:
+        raise LineError(str(e), line_id) from None
+    return line_id, line
 
 
 class _Parser(argparse.ArgumentParser):
@@ -173,7 +181,7 @@ def cli_fail(parser: argparse.ArgumentParser, message: str):
 def run_lines(records: list[dict], args: argparse.Namespace, parser: argparse.ArgumentParser):
     """Loads the model and runs every parsed line: each record gets "result" or "error"."""
     t0 = time.perf_counter()
-    from jaxserve import LLM, SamplingParams
+    from jaxserve import LLM
 
     try:
         llm = LLM(log=log, **dataclasses.asdict(from_cli_args(args)))

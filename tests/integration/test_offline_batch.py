@@ -112,8 +112,10 @@ def test_cli_errors_are_one_line_exit_2(tmp_path):
 def test_no_valid_line_loads_no_model(tmp_path):
     """Every line invalid: each gets its error and no model is loaded (a model that does not
     exist is never opened)."""
-    proc, rows = run_script(tmp_path, ['{"prompt": "x", "max_token": 8}', "not json"],
-                            "--model", str(tmp_path / "no-such-model"))
+    lines = ['{"prompt": "x", "max_token": 8}', "not json", '{"prompt": "x", "temperature": -1}',
+             '{"prompt": [1, -5]}', '{"prompt": "x", "seed": 9223372036854775808}']
+    proc, rows = run_script(tmp_path, lines, "--model", str(tmp_path / "no-such-model"))
     assert proc.returncode == 1, proc.stderr[-3000:]
-    assert [r["line"] for r in rows] == [1, 2] and all("error" in r for r in rows)
+    assert [r["line"] for r in rows] == [1, 2, 3, 4, 5] and all("error" in r for r in rows)
+    assert "temperature" in rows[2]["error"] and "seed" in rows[4]["error"]
     assert "the model is not loaded" in proc.stderr and "Traceback" not in proc.stderr

@@ -11,6 +11,7 @@ token (stop strings are matched in Python on every delta, so their number and le
 capped). An out-of-range value raises ValidationError naming its field (``parameter``).
 """
 
+import copy
 import json as _json  # a field of StructuredOutputsParams is named json
 import math
 import typing
@@ -265,7 +266,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     def clone(self) -> "SamplingParams":
         """A deep copy (vLLM's ``SamplingParams.clone``): changing the copy's lists, dicts or
         structured outputs leaves this one as it is."""
-        return msgspec.convert(msgspec.to_builtins(self), SamplingParams)
+        return copy.deepcopy(self)
 
     @property
     def penalized(self) -> bool:

@@ -29,7 +29,11 @@ from jaxserve.engine import SchedulerStats
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 METRICS_PREFIXES = ("jaxserve", "vllm")
 
-_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+# Latency histograms' buckets, seconds: vLLM's request-latency buckets (to 7,680 s: a queued
+# request of a long burst stays below +Inf), finer below 0.3 s.
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0,
+                    15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0,
+                    7680.0)
 # The inter-token latency histogram's buckets, seconds: vLLM's (every bound a vLLM dashboard may
 # query is there), finer below 10 ms, where a GPU decode step lands.
 _INTER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,

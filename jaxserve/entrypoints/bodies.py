@@ -56,10 +56,12 @@ MIN_LOGPROB = -9999.0
 Entry = tuple[int, PositionLogprobs | None]
 
 
-def usage(num_prompt: int, num_output: int, num_cached: int) -> UsageInfo:
+def usage(num_prompt: int, num_output: int, num_cached: int | None) -> UsageInfo:
+    """The usage block; ``num_cached`` None (not known yet: a stream's opening chunk, sent
+    before the engine has looked the prompt up) leaves ``prompt_tokens_details`` out."""
+    details = None if num_cached is None else PromptTokenUsageInfo(cached_tokens=num_cached)
     return UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_output,
-                     total_tokens=num_prompt + num_output,
-                     prompt_tokens_details=PromptTokenUsageInfo(cached_tokens=num_cached))
+                     total_tokens=num_prompt + num_output, prompt_tokens_details=details)
 
 
 def _clamp(logprob: float) -> float:

@@ -633,7 +633,7 @@ class UsageInfo(OpenAIBaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
-    prompt_tokens_details: PromptTokenUsageInfo
+    prompt_tokens_details: PromptTokenUsageInfo | None = None
 
 
 class CompletionLogProbs(OpenAIBaseModel):

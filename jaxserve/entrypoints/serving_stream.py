@@ -209,7 +209,7 @@ async def run_request(request, llm: AsyncLLM, prompts: list[list[int]], submitte
     try:
         try:
             async with contextlib.aclosing(gen), asyncio.timeout_at(deadline):
-                opening = usage(len(prompts[0]), 0, 0) if continuous else None
+                opening = usage(len(prompts[0]), 0, None) if continuous else None
                 for first in bodies.first_chunks(len(progress.choices), prompts[0], opening):
                     await sse.send(first)
                 async for p, out in gen:

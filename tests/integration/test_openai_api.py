@@ -484,6 +484,11 @@ def test_stream_options_and_continuous_usage_stats(server, client):
         assert counts == sorted(counts) and counts[-1] == 5 and counts[-2] == 5
         assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens
                    for c in chunks)
+        # Cached tokens are stated once the engine has looked the prompt up, and never change
+        # (a chat's opening role chunk, sent before, leaves them out).
+        cached = {c.usage.prompt_tokens_details.cached_tokens for c in chunks
+                  if c.usage.prompt_tokens_details is not None}
+        assert cached == {chunks[-1].usage.prompt_tokens_details.cached_tokens}
         chunks = list(create(**kw, stream_options={"include_usage": False,
                                                    "continuous_usage_stats": True}))
         assert all(c.usage is None for c in chunks)

@@ -144,7 +144,7 @@ class EngineCoreClient:
 
     async def shutdown(self, timeout: float = 10.0) -> None:
         """Ask the engine to exit, wait up to ``timeout`` s (0.5 s if it is still starting), then
-        SIGKILL it (it ignores SIGTERM: core_proc). Idempotent."""
+        SIGKILL it (SIGTERM does nothing there: core_proc). Idempotent."""
         if self._closing:
             return
         self._closing = True

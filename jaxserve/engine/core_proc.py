@@ -22,7 +22,8 @@ value may be able to: every ``add`` is checked here before the core sees it (Sam
 bounds run when the frame is decoded; ``check_engine_request`` adds the prompt's length and
 every token id against the model's vocabulary), so a bad value fails its own request, not the
 step. ``Shutdown`` and the API process going away (EOF on the pipe, or the parent process
-dying) end the process cleanly. SIGINT and SIGTERM are ignored here: the API process coordinates
+dying) end the process cleanly. SIGINT and SIGTERM do nothing here (a handler that does
+nothing, not SIG_IGN: ``_leave_to_the_api_process``): the API process coordinates
 the shutdown (in-flight requests get ``--shutdown-timeout`` to finish), and a signal sent to the
 whole process group (Ctrl-C, systemd's and supervisord's stop) reaches both processes at once.
 The API process ends an engine that does not exit with SIGKILL; it starts the engine with both

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -120,6 +121,8 @@ class Server:
             start_new_session=new_session)  # its own process group: stop(group=True)
         # /health is 503 until the engine is ready, 200 after: either means the port is open.
         self._wait_ready(startup_timeout, (200,) if wait_for_engine else (200, 503))
+        if wait_for_engine:  # the ready lines follow /health's 200 by a moment
+            self.wait_output(r"sampling defaults for requests that leave them out")
         self.engine_pids = descendants(self.proc.pid)
 
     def _wait_ready(self, timeout: float, statuses: tuple[int, ...]) -> None:
@@ -139,6 +142,14 @@ class Server:
     def output(self) -> str:
         with open(self.log.name) as f:
             return f.read()
+
+    def wait_output(self, pattern: str, timeout: float = 30.0) -> re.Match | None:
+        """The first match of ``pattern`` in the log, waiting up to ``timeout`` s for it (None
+        after)."""
+        deadline = time.monotonic() + timeout
+        while (m := re.search(pattern, self.output())) is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return m
 
     def metrics(self) -> dict[str, float]:
         status, text = get(f"{self.url}/metrics")

@@ -99,6 +99,7 @@ class ChoiceState:
       entries: its tokens' log-probability entries (when asked for).
       text_offset: characters of token text counted so far (completions logprobs).
       finish_reason: set once it ended.
+      stop_reason: the stop string or stop token id that ended it (vLLM's), if one did.
       tool_parser: the parser following a streamed chat choice's text, when the request
         has tools.
       reasoning_parser: the parser following a streamed chat choice's text, with a
@@ -111,6 +112,7 @@ class ChoiceState:
     entries: list[Entry] | None = None
     text_offset: int = 0
     finish_reason: str | None = None
+    stop_reason: str | int | None = None
     started: bool = False  # a streamed choice sent its echo / first chunk
     tool_parser: ToolParser | None = None
     reasoning_parser: ReasoningParser | None = None
@@ -251,7 +253,7 @@ class CompletionBodies(ChoiceBodies):
             p = ch.index // n
             out.append(CompletionResponseChoice(
                 index=ch.index, text=ch.text, logprobs=self._entries_logprobs(ch),
-                finish_reason=ch.finish_reason,
+                finish_reason=ch.finish_reason, stop_reason=ch.stop_reason,
                 prompt_token_ids=prompt_ids[p] if self.return_token_ids else None,
                 token_ids=ch.token_ids if self.return_token_ids else None,
                 prompt_logprobs=(prompt_logprobs_body(prompt_logprobs[p])
@@ -260,7 +262,8 @@ class CompletionBodies(ChoiceBodies):
 
     def _stream_choice(self, ch, text, logprobs, **ids) -> CompletionResponseStreamChoice:
         return CompletionResponseStreamChoice(index=ch.index, text=text, logprobs=logprobs,
-                                              finish_reason=ch.finish_reason, **ids)
+                                              finish_reason=ch.finish_reason,
+                                              stop_reason=ch.stop_reason, **ids)
 
     def _logprobs(self, ch: ChoiceState, entries: list[Entry]) -> CompletionLogProbs:
         out = CompletionLogProbs()
@@ -337,7 +340,8 @@ class ChatBodies(ChoiceBodies):
                               reasoning=reasoning, reasoning_content=reasoning)
         return ChatCompletionResponseChoice(
             index=ch.index, message=message, logprobs=self._entries_logprobs(ch),
-            finish_reason=finish_reason, token_ids=ch.token_ids if self.return_token_ids else None)
+            finish_reason=finish_reason, stop_reason=ch.stop_reason,
+            token_ids=ch.token_ids if self.return_token_ids else None)
 
     def chunks(self, ch, text, c, entries, prompt_ids, usage_info=None):
         # The prompt's ids went out with the opening chunks (first_chunks).
@@ -375,7 +379,8 @@ class ChatBodies(ChoiceBodies):
                 and not ids.get("token_ids")):
             return None  # a parser holds the text back
         return ChatCompletionResponseStreamChoice(
-            index=ch.index, delta=delta, logprobs=logprobs, finish_reason=finish_reason, **ids)
+            index=ch.index, delta=delta, logprobs=logprobs, finish_reason=finish_reason,
+            stop_reason=ch.stop_reason, **ids)
 
     def _entry(self, token: int, logprob: float) -> ChatCompletionLogProb:
         text, data = self.piece(token)

@@ -666,6 +666,7 @@ class CompletionResponseChoice(OpenAIBaseModel):
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id that ended it
     # vLLM's return_token_ids: the prompt's ids and the generated ids (EOS / stop token included).
     prompt_token_ids: list[int] | None = None
     token_ids: list[int] | None = None
@@ -689,6 +690,7 @@ class CompletionResponseStreamChoice(OpenAIBaseModel):
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = _omitted_if_none()
     token_ids: list[int] | None = _omitted_if_none()
     prompt_token_ids: list[int] | None = _omitted_if_none()
 
@@ -752,6 +754,7 @@ class ChatCompletionResponseChoice(OpenAIBaseModel):
     message: ChatMessage
     logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id that ended it
     token_ids: list[int] | None = None  # vLLM's return_token_ids; null when not asked for
 
 
@@ -800,6 +803,7 @@ class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
     delta: DeltaMessage
     logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = _omitted_if_none()
     token_ids: list[int] | None = _omitted_if_none()
 
 

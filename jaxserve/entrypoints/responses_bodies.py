@@ -14,8 +14,8 @@ kept, so both have the same items:
   its one ``output_text`` part (``output_text.delta``); the message stays open to the end of the
   reply (a response holds one at most, all its text);
 - a tool call opens a ``function_call`` item (``output_item.added``, the arguments ""), its
-  arguments come as ``function_call_arguments.delta``, and it closes when the next call starts
-  or the reply ends (``function_call_arguments.done``, ``output_item.done``);
+  arguments come as ``function_call_arguments.delta``, and it closes when text or the next call
+  follows, or the reply ends (``function_call_arguments.done``, ``output_item.done``);
 - the end closes what is open (the message: ``output_text.done``, ``content_part.done``,
   ``output_item.done``), after adding an empty message when the reply had nothing but its
   reasoning.
@@ -169,7 +169,10 @@ class ResponsesBodies(Bodies):
         return events + self._close_message()
 
     def _apply(self, parsed: ParsedDelta) -> list[ResponseStreamEvent]:
-        events = self._add_text(parsed.content)
+        # Text after an open call follows it in the reply (the parser sends none mid-call):
+        # the call is complete.
+        events = self._close_call() if parsed.content else []
+        events += self._add_text(parsed.content)
         for d in parsed.tool_calls:
             if d.id is not None:  # a new call (the one before it is complete)
                 events += self._close_call()

@@ -161,7 +161,7 @@ class _Progress:
                         entries = list(zip(self.prompts[p], self.prompt_logprobs[p]
                                            or [None] * len(self.prompts[p]))) + entries
             ch.token_ids += c.token_ids
-            ch.finish_reason = c.finish_reason
+            ch.finish_reason, ch.stop_reason = c.finish_reason, c.stop_reason
             yield ch, c, text, entries
 
     def usage(self):

@@ -272,12 +272,16 @@ def test_sampling_fields_through_the_client(client):
         extra_body={"stop_token_ids": [stop_at], "return_token_ids": True})
     assert stopped.choices[0].token_ids[-1] == stop_at and stopped.choices[0].finish_reason == "stop"
     assert eos_id == 2
+    # vLLM's stop_reason: the stop token id or string that ended the choice, null at EOS
+    assert (stopped.choices[0].stop_reason, eos.choices[0].stop_reason) == (stop_at, None)
     # include_stop_str_in_output with a stop string, streamed
     word = eos.choices[0].message.content.split()[2]
-    text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+    chunks = [c for c in client.chat.completions.create(
         model=MODEL, messages=PARIS_Q, temperature=0, max_tokens=64, stop=[word], stream=True,
-        extra_body={"include_stop_str_in_output": True}) if c.choices)
+        extra_body={"include_stop_str_in_output": True}) if c.choices]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
     assert text.endswith(word) and word in eos.choices[0].message.content
+    assert [getattr(c.choices[0], "stop_reason", None) for c in chunks][-1] == word
 
 
 @pytest.mark.parametrize("path,body,param", [

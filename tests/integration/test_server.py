@@ -126,8 +126,9 @@ def test_completion_and_stop_string(client):
     word = text.split()[min(1, len(text.split()) - 1)]
     r2 = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=16,
                                    stop=[word])
-    assert r2.choices[0].finish_reason == "stop"
+    assert r2.choices[0].finish_reason == "stop" and r2.choices[0].stop_reason == word
     assert r2.choices[0].text == text[:text.index(word)]
+    assert r.choices[0].stop_reason is None
 
 
 @pytest.mark.parametrize("kind", ["chat", "completion"])

@@ -1,8 +1,8 @@
 """/v1/responses through the real aiohttp app with a fake engine (test_openai_serving.py's
 FakeLLM, scripted): every body and event validates against the ``openai`` package's own types;
 a reply of text and a Hermes tool call gives the same items whole and streamed, in OpenAI's
-event order; a reply cut by max_output_tokens leaves the response and its items incomplete; an
-empty reply is one empty message; with a ``--reasoning-parser`` the reasoning is a
+event order; a reply cut by max_output_tokens leaves the response and its items incomplete; text after a
+call closes the call first; an empty reply is one empty message; with a ``--reasoning-parser`` the reasoning is a
 ``reasoning`` item before the answer, whole and streamed, and a follow-up leaves it out of the
 prompt; the store evicts the least recently used and can be off; a stream that fails ends with an
 ``error`` event and keeps nothing."""
@@ -128,6 +128,26 @@ def test_a_cut_reply_is_incomplete():
         assert response.status == "incomplete" and response.output[0].status == "incomplete"
         assert response.incomplete_details.reason == "max_output_tokens"
     assert events[-1]["type"] == "response.incomplete"
+
+
+def test_text_after_a_call_closes_it_first():
+    """A complete call, then a second one cut by max_output_tokens before its name (text): the
+    call's done events come before the message opens, whole and streamed alike."""
+    body = {"input": "Weather in Paris?", "tools": [WEATHER]}
+    text = CALL_TEXT.removeprefix("Checking.") + '\n<tool_call>\n{"name":'
+    [(_, whole), (_, events)] = _run(ScriptedLLM(text, "length"),
+                                     [_create(body), _create({**body, "stream": True})])
+    assert [(i["type"], i["status"]) for i in _items(whole)] == [
+        ("function_call", "completed"), ("message", "incomplete")]
+    assert whole["output"][1]["content"][0]["text"] == '<tool_call>\n{"name":'
+    _valid_events(events)
+    assert [t for t, _ in itertools.groupby(e["type"] for e in events)][2:] == [
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.done", "response.output_item.done",
+        "response.output_item.added", "response.content_part.added", "response.output_text.delta",
+        "response.output_text.done", "response.content_part.done", "response.output_item.done",
+        "response.incomplete"]
+    assert _items(events[-1]["response"]) == _items(whole)
 
 
 def test_an_empty_reply_is_one_empty_message():

@@ -111,6 +111,9 @@ def test_hermes_json_aware_ends_and_leftovers():
 def test_hermes_call_cut_short_keeps_partial_arguments():
     assert parse("hermes", '<tool_call>\n{"name": "f", "arguments": {"a": [1, 2') == \
         (None, [("f", '{"a": [1, 2')])
+    # Cut before its arguments: "" (not "{}", which would pass for a complete call)
+    assert parse("hermes", '<tool_call>\n{"name": "f", "') == (None, [("f", "")])
+    assert parse("llama3_json", '{"name": "f", "parameters": ') == (None, [("f", "")])
 
 
 def test_hermes_keeps_special_tokens():

@@ -12,7 +12,8 @@ What a subclass decides is where calls are in the text (its ``_consume`` / ``_fi
 what follows a call or an object that is none (``_after_call`` / ``_not_a_call``); the handling
 of one call, a ``CallObject``, is shared here:
 - the name fragment goes out once the ``name`` string is complete, then the arguments' text as
-  it arrives (the model's own JSON text of the value; ``{}`` when it wrote none);
+  it arrives (the model's own JSON text of the value; ``{}`` when its object closed without
+  one);
 - an object without a string ``name`` is no call: its text goes back to the content;
 - a call cut short (max_tokens) keeps what it has; its arguments may then be invalid JSON,
   which OpenAI's API warns of too.

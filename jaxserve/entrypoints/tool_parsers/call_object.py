@@ -105,10 +105,11 @@ class CallObject:
         return ""
 
     def final_arguments(self) -> str:
-        """The arguments of the finished call: ``arguments()``, or ``{}`` when the model wrote
-        none (OpenAI's arguments are always a string; a function without parameters gets
-        ``{}``)."""
-        return self.arguments() or "{}"
+        """The arguments of the finished call: ``arguments()``, or ``{}`` when the model closed
+        the object without any (OpenAI's arguments are always a string; a function without
+        parameters gets ``{}``). A call cut short keeps what it has, "" included: ``{}``
+        would pass for a complete call."""
+        return self.arguments() or ("{}" if self.closed else "")
 
 
 def json_as(text: str, kind: type):

@@ -6,9 +6,10 @@ Against the real server (conftest.py's ``small_server``, shared with the structu
 tool-calling tests): a chat message streams an answer into the page over several chunks, with
 its TTFT and tokens/s; a JSON schema gives a reply that is JSON of it; the dashboard's figures
 move and agree with GET /metrics. Against the stub server with ``--api-key`` (it starts in
-seconds, and its replies run until ``max_tokens``): the page asks for the key and then works,
-and the stop button ends a long reply, which the server aborts (its running count goes back to
-0). The first test saves a screenshot outside the clone and prints its path.
+seconds, and its replies run until ``max_tokens``): the page asks for the key, says why a
+wrong one failed, and then works; the stop button ends a long reply, which the server aborts
+(its running count goes back to 0); Clear mid-reply leaves the aborted reply out of the next
+request. The first test saves a screenshot outside the clone and prints its path.
 """
 
 from __future__ import annotations
@@ -163,8 +164,18 @@ def test_json_schema_box_gives_json_of_the_schema(browser, small_server):
 
 def test_api_key_then_stop_aborts_the_request(browser, stub_server):
     _open(browser, stub_server)
-    # The page met a 401 on /v1/models: it asks for the key, and then lists the model.
+    # The page met a 401 on /v1/models: it asks for the key (saying why once one was refused),
+    # and then lists the model.
     _wait(browser, lambda: browser.find_element(By.ID, "key-form").is_displayed())
+    assert _text(browser, "key-error") == ""
+    browser.find_element(By.ID, "api-key").send_keys("wrong")
+    browser.find_element(By.CSS_SELECTOR, "#key-form button").click()
+    _wait(browser, lambda: "invalid or missing API key" in _text(browser, "key-error"))
+    assert browser.find_element(By.ID, "key-form").is_displayed()
+    _send(browser, "hi")
+    assert _text(browser, "chat-error") == "no model yet: the server needs its API key"
+    browser.find_element(By.ID, "prompt").clear()
+    browser.find_element(By.ID, "api-key").clear()
     browser.find_element(By.ID, "api-key").send_keys(API_KEY)
     browser.find_element(By.CSS_SELECTOR, "#key-form button").click()
     _wait(browser, "document.getElementById('model').value === 'stub-model'")
@@ -186,3 +197,30 @@ def test_api_key_then_stop_aborts_the_request(browser, stub_server):
     assert _summary(stub_server)["requests_finished"] == finished
     _no_console_errors(browser, expected="/v1/models - Failed to load resource: the server "
                        "responded with a status of 401")
+
+
+def test_clear_mid_reply_starts_an_empty_conversation(browser, stub_server):
+    """Clear while a reply streams: the reply is aborted and is not part of the next request."""
+    _open(browser, stub_server)
+    browser.execute_script(f"sessionStorage.setItem('jaxserve-api-key', '{API_KEY}')")
+    _open(browser, stub_server)
+    _wait(browser, "document.getElementById('model').value === 'stub-model'")
+    browser.execute_script("""window.sentBodies = [];
+        const fetch0 = window.fetch;
+        window.fetch = (url, options) => {
+          if (options?.body) window.sentBodies.push(JSON.parse(options.body));
+          return fetch0(url, options);
+        };""")
+    _settings(browser, **{"max-tokens": str(STUB_MAX_TOKENS)})
+    _send(browser, "Tell me a long story.")
+    _wait(browser, lambda: (r := _reply(browser)) and int(r["chunks"]) >= 3)
+    browser.find_element(By.ID, "clear").click()
+    _wait(browser, lambda: _summary(stub_server)["requests_running"] == 0, timeout=10)
+    _settings(browser, **{"max-tokens": "3"})
+    _send(browser, "hi")
+    done = _wait(browser, lambda: (r := _reply(browser)) and r["state"] != "streaming" and r)
+    assert done["state"] == "done", done
+    bodies = browser.execute_script("return window.sentBodies")
+    assert [b["messages"] for b in bodies] == [
+        [{"role": "user", "content": "Tell me a long story."}], [{"role": "user", "content": "hi"}]]
+    _no_console_errors(browser)

@@ -14,6 +14,10 @@ export function setKey(key) {
   sessionStorage.setItem(KEY_ITEM, key);
 }
 
+export function hasKey() {
+  return sessionStorage.getItem(KEY_ITEM) !== null;
+}
+
 // fetch() with the Authorization header when a key is set; throws APIError on an HTTP error.
 export async function apiFetch(path, options = {}) {
   const headers = {...options.headers};

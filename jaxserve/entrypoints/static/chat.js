@@ -86,13 +86,18 @@ async function send(model, onUnauthorized) {
   const text = $("prompt").value.trim();
   if (!text || controller) return;
   showError("");
-  history.push({role: "user", content: text});
+  // Clear may start a new conversation while this reply streams: the reply stays in its own.
+  const conversation = history;
+  conversation.push({role: "user", content: text});
   let body;
   try {
-    if (!model) throw new Error("no model yet: the engine is starting");
+    if (!model) {
+      throw new Error($("key-form").hidden ? "no model yet: the engine is starting"
+                                           : "no model yet: the server needs its API key");
+    }
     body = requestBody(model);
   } catch (e) {
-    history.pop();
+    conversation.pop();
     showError(e.message);
     return;
   }
@@ -139,9 +144,9 @@ async function send(model, onUnauthorized) {
     setBusy(false);
   }
   if (content.textContent) {
-    history.push({role: "assistant", content: content.textContent});
+    conversation.push({role: "assistant", content: content.textContent});
   } else {
-    history.pop();  // nothing came back: the next message does not follow this one
+    conversation.pop();  // nothing came back: the next message does not follow this one
   }
   showStats(li, stats);
 }

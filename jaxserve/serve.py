@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import json
 import logging
 import os
 import resource
@@ -28,6 +29,7 @@ import sys
 
 from jaxserve.distributed import check_hosts
 from jaxserve.engine.arg_utils import HelpFormatter, add_cli_args, bounded, from_cli_args
+from jaxserve.entrypoints.cors import CorsOptions
 from jaxserve.entrypoints.limits import ServerLimits
 from jaxserve.entrypoints.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS
 from jaxserve.lora.checkpoint import read_adapter
@@ -58,6 +60,18 @@ _grace = bounded(float, lambda v: v >= 0, "non-negative")
 RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 
 
+def _json_list(text: str) -> list[str]:
+    """A flag's JSON list of strings (vLLM's form: ``'["https://a.example"]'``)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings such as "
+                                         f"'[\"https://app.example\"]', got {text!r}")
+    return value
+
+
 def _lora_module(text: str) -> tuple[str, str]:
     """``--lora-modules`` item ``name=path`` -> (name, path)."""
     name, sep, path = text.partition("=")
@@ -78,6 +92,15 @@ def build_parser() -> argparse.ArgumentParser:
         "/version and /metrics stay open); prefer the environment variable JAXSERVE_API_KEY, "
         "used when this flag is not given: a flag's value shows in `ps` to every user of the "
         "machine"))
+    cors = CorsOptions()
+    p.add_argument("--allowed-origins", type=_json_list, default=cors.allowed_origins, help=(
+        "the origins whose browser pages may call the API (CORS), a JSON list; [\"*\"]: any"))
+    p.add_argument("--allowed-methods", type=_json_list, default=cors.allowed_methods,
+                   help="the HTTP methods a cross-origin request may use, a JSON list")
+    p.add_argument("--allowed-headers", type=_json_list, default=cors.allowed_headers,
+                   help="the headers a cross-origin request may send, a JSON list")
+    p.add_argument("--allow-credentials", action="store_true",
+                   help="cross-origin requests may carry cookies or HTTP authentication")
     p.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS),
                    default=DEFAULT_TOOL_PARSER, help=(
                        "the format of the model's tool calls: hermes (Hermes 2 Pro, Qwen2.5, and "
@@ -223,6 +246,8 @@ async def serve(args, sock: socket.socket) -> int:
                     limits=limits, tool_call_parser=args.tool_call_parser,
                     reasoning_parser=args.reasoning_parser,
                     return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                    cors=CorsOptions(args.allowed_origins, args.allowed_methods,
+                                     args.allowed_headers, args.allow_credentials),
                     allow_runtime_lora_updating=os.environ.get(
                         RUNTIME_LORA_ENV, "0").strip().lower() in ("1", "true"))
     # What each connection's protocol (limits.CappedSockSite makes them) is built with.

@@ -26,6 +26,7 @@ from aiohttp import web
 
 from jaxserve.engine.async_llm import AsyncLLM
 from jaxserve.entrypoints.app_state import LLM_KEY, STATE_KEY
+from jaxserve.entrypoints.cors import CorsOptions, enable_cors
 from jaxserve.entrypoints.errors import APIError, error_response
 from jaxserve.entrypoints.limits import ServerLimits
 from jaxserve.entrypoints.metrics_summary import metrics_summary
@@ -76,7 +77,8 @@ async def _errors_middleware(request: web.Request, handler):
 def _auth_middleware(api_key: str | None):
     @web.middleware
     async def check(request: web.Request, handler):
-        if api_key and request.path.startswith(_GUARDED):
+        # A CORS preflight (OPTIONS) carries no credentials: the browser sends them after.
+        if api_key and request.path.startswith(_GUARDED) and request.method != "OPTIONS":
             # aiohttp decodes header bytes as UTF-8 with surrogateescape: encode them back the
             # same way, so any bytes a client sends compare (and never raise).
             got = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
@@ -113,7 +115,7 @@ async def _metrics(request: web.Request) -> web.Response:
 def build_app(llm: AsyncLLM, *, served_model_name: str | None = None,
               api_key: str | None = None, limits: ServerLimits | None = None,
               tool_call_parser: str = DEFAULT_TOOL_PARSER, reasoning_parser: str | None = None,
-              return_tokens_as_token_ids: bool = False,
+              return_tokens_as_token_ids: bool = False, cors: CorsOptions | None = None,
               allow_runtime_lora_updating: bool = False) -> web.Application:
     """The aiohttp app serving ``llm``.
 
@@ -127,6 +129,8 @@ def build_app(llm: AsyncLLM, *, served_model_name: str | None = None,
       reasoning_parser: how the model's reasoning is marked (a key of REASONING_PARSERS), or
         None for a model whose output is all content.
       return_tokens_as_token_ids: log-probability tokens as ``token_id:{id}`` by default.
+      cors: who may call it from a browser page of another origin (CorsOptions' defaults,
+        any origin, if None).
       allow_runtime_lora_updating: serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter
         (vLLM's ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``).
     """
@@ -162,4 +166,5 @@ def build_app(llm: AsyncLLM, *, served_model_name: str | None = None,
     app.router.add_get("/metrics/summary", metrics_summary)
     app.router.add_get("/", index)
     app.router.add_get("/static/{name}", static_file)
+    enable_cors(app, cors or CorsOptions())
     return app

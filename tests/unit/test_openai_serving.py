@@ -105,7 +105,7 @@ def test_completion_response():
     assert _body(text) == {
         "object": "text_completion", "model": "fake-model",
         "choices": [{"index": 0, "text": "Hello é", "logprobs": None, "finish_reason": "stop",
-                     "prompt_token_ids": None, "token_ids": None, "prompt_logprobs": None}],
+                     "stop_reason": None, "prompt_token_ids": None, "token_ids": None, "prompt_logprobs": None}],
         "usage": USAGE}
 
 
@@ -116,7 +116,8 @@ def test_chat_response_with_token_ids():
         "object": "chat.completion", "model": "fake-model",
         "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hello é", "refusal": None,
                                              "reasoning": None, "reasoning_content": None},
-                     "logprobs": None, "finish_reason": "stop", "token_ids": [10, 11, 12, 2]}],
+                     "logprobs": None, "finish_reason": "stop", "stop_reason": None,
+                     "token_ids": [10, 11, 12, 2]}],
         "usage": USAGE, "prompt_logprobs": None, "prompt_token_ids": PROMPT_IDS}
 
 

@@ -8,12 +8,15 @@ Bounds keep every value inside what the engine's arrays hold (int32 top_k, float
 top_p, min_p and penalties, fixed-size per-request tables of logit biases and stop token ids,
 at most ``MAX_LOGPROBS`` log-probabilities a token) and what the API process can afford per
 token (stop strings are matched in Python on every delta, so their number and length are
-capped). An out-of-range value raises ValidationError naming its field (``parameter``).
+capped). An out-of-range value raises ValidationError naming its field (``parameter``), and
+so does a value of the wrong type; integer fields take numpy's integers (stored as Python ints)
+but no float, 3.0 included, and no bool, as the HTTP API's typed bodies refuse them.
 """
 
 import copy
 import json as _json  # a field of StructuredOutputsParams is named json
 import math
+import numbers
 import typing
 
 import msgspec
@@ -42,6 +45,15 @@ MAX_STRUCTURED_OUTPUT_CHARS = 100_000
 def _in_range(x: float, lo: float, hi: float) -> bool:
     # NaN fails every comparison, so each check passes only for good values.
     return math.isfinite(x) and lo <= x <= hi
+
+
+def _as_int(x):
+    """``x`` as a Python int where it is an integer of another type (numpy's), else ``x``.
+    A bool stays a bool and a float a float, 3.0 too: the HTTP API refuses both for an
+    integer field, and so does ``SamplingParams``."""
+    if isinstance(x, numbers.Integral) and not isinstance(x, bool):
+        return int(x)
+    return x
 
 
 class StructuredOutputsParams(msgspec.Struct, omit_defaults=True):
@@ -190,7 +202,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        self._check_integers()
         if not 1 <= self.n <= MAX_N:
             raise ValidationError(f"n must be in [1, {MAX_N}], got {self.n}", parameter="n")
         if self.max_tokens is not None and not 1 <= self.max_tokens <= INT32_MAX:
@@ -247,6 +260,28 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
                 raise ValidationError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}",
                                       parameter=name)
 
+    def _check_integers(self) -> None:
+        """Integer fields, token id lists and logit_bias keys hold Python ints: numpy's
+        integers are converted; anything else raises TypeError, which ``__post_init__`` turns
+        into the field's ValidationError (comparisons alone would let 2.5 or True through)."""
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            if value is not None and type(value) is not int:
+                value = _as_int(value)
+                if type(value) is not int:
+                    raise TypeError(name)
+                setattr(self, name, value)
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            ids = getattr(self, name)
+            if ids is not None and any(type(t) is not int for t in ids):
+                setattr(self, name, ids := [_as_int(t) for t in ids])
+                if any(type(t) is not int for t in ids):
+                    raise TypeError(name)
+        if self.logit_bias and any(type(t) is not int for t in self.logit_bias):
+            self.logit_bias = bias = {_as_int(t): b for t, b in self.logit_bias.items()}
+            if any(type(t) is not int for t in bias):
+                raise TypeError("logit_bias")
+
     def _check_logit_bias(self) -> None:
         if not self.logit_bias:
             self.logit_bias = None
@@ -273,6 +308,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
         """Whether any of the three penalties applies (the sampler then needs token counts)."""
         return (self.presence_penalty != 0 or self.frequency_penalty != 0
                 or self.repetition_penalty != 1)
+
+
+# The integer fields (``int`` or ``int | None``), as annotated.
+_INT_FIELDS = tuple(name for name, hint in typing.get_type_hints(SamplingParams).items()
+                    if hint in (int, int | None))
 
 
 def describe_sampling_defaults(defaults: dict) -> str:

@@ -1,5 +1,6 @@
 """jaxserve.LLM as vLLM's users call it: prompt dicts, an interrupted generate, stop_reason."""
 
+import numpy as np
 import pytest
 
 from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
@@ -91,3 +92,12 @@ def test_every_bit_of_a_64_bit_seed_counts(smollm_llm):
     assert len(tokens(-(2**63))) == 12
     outs = {tuple(tokens(s)) for s in (1, 2**32 + 1, 2**40 + 1, -(2**32) + 1)}
     assert len(outs) == 4
+
+
+def test_numpy_integers_sample_as_the_ints_they_are(smollm_llm):
+    """A seed or max_tokens drawn with numpy is stored as a Python int: same tokens."""
+    def tokens(seed, max_tokens):
+        sp = SamplingParams(temperature=1, seed=seed, max_tokens=max_tokens)
+        return smollm_llm.generate("Hi", sp, use_tqdm=False)[0].outputs[0].token_ids
+
+    assert tokens(np.int64(5), np.int64(3)) == tokens(5, 3)

@@ -5,6 +5,7 @@ the message says. Only a ValidationError is a 400; any other ValueError is a 500
 
 import json
 
+import numpy as np
 import pytest
 from test_openai_serving import FakeLLM, _call
 
@@ -118,3 +119,26 @@ def test_sampling_params_of_the_wrong_type_name_the_field(field, value):
     with pytest.raises(ValidationError) as e:
         SamplingParams(**{field: value})
     assert e.value.parameter == field and str(e.value).startswith(f"{field} {value!r}: Expected")
+
+
+@pytest.mark.parametrize("field,value", [
+    ("n", 2.5), ("n", True), ("max_tokens", 3.5), ("max_tokens", 3.0), ("min_tokens", 1.5),
+    ("top_k", 2.5), ("seed", 1.5), ("logprobs", 1.5), ("prompt_logprobs", False),
+    ("stop_token_ids", [2.5]), ("stop_token_ids", [np.int64(1), 2.5]),
+    ("allowed_token_ids", [504.5]), ("logit_bias", {504.5: 5}),
+])
+def test_integer_fields_refuse_floats_and_bools(field, value):
+    """As the HTTP API's strict bodies do (``max_tokens: 3.0`` is a 400 there too)."""
+    with pytest.raises(ValidationError) as e:
+        SamplingParams(**{field: value})
+    assert e.value.parameter == field and "Expected `int" in str(e.value), e.value
+
+
+def test_numpy_integers_are_stored_as_python_ints():
+    sp = SamplingParams(n=np.int64(2), max_tokens=np.int32(3), seed=np.int64(5), top_k=np.int8(4),
+                        stop_token_ids=np.array([7, 8]), allowed_token_ids=[np.uint16(9)],
+                        logit_bias={np.int64(10): 1.0}, logprobs=np.int64(1))
+    values = [sp.n, sp.max_tokens, sp.seed, sp.top_k, sp.logprobs, *sp.stop_token_ids,
+              *sp.allowed_token_ids, *sp.logit_bias]
+    assert values == [2, 3, 5, 4, 1, 7, 8, 9, 10]
+    assert {type(v) for v in values} == {int} and type(sp.stop_token_ids) is list

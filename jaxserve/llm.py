@@ -66,7 +66,8 @@ class LLM:
 
         Raises:
           ValidationError: a prompt that is empty, holds an id outside the vocabulary or does not
-            fit max_model_len, a token id of its SamplingParams outside the vocabulary, or
+            fit max_model_len, a SamplingParams field out of range (checked again here, as it
+            may have been changed since it was made) or token id outside the vocabulary, or
             structured outputs that do not compile (before any work; the message names the
             prompt's index).
           ValueError: a LoRA adapter that is missing or refused, before any work.
@@ -147,9 +148,14 @@ class LLM:
             raise ValueError(f"got {len(loras)} LoRA requests for {len(items)} prompts")
         for lora in {r for r in loras if r is not None}:
             self.engine.add_lora(lora)
+        checked = set()  # ids of the SamplingParams checked (one is often every prompt's)
         for i, ((_, ids), sp) in enumerate(zip(items, sampling_params)):
             try:
                 self.input_processor.check_prompt(ids)
+                if id(sp) in checked:
+                    continue
+                checked.add(id(sp))
+                sp.verify()  # again: a field may have been changed since it was made
                 self.input_processor.check_sampling_params(sp)
                 if sp.structured_outputs is not None:  # compiled once; add_request reuses it
                     self.engine.structured_output_manager.grammar_init(sp.structured_outputs)

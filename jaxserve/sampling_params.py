@@ -187,6 +187,16 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
+        self.verify()
+
+    def verify(self) -> None:
+        """Check and normalize every field, as construction does: ``LLM`` calls it again when
+        it adds a request, since a field may have been changed since then.
+
+        Raises:
+          ValidationError: with the field as ``parameter``, for a value out of range or of
+            the wrong type.
+        """
         try:
             self._check()
         except TypeError:  # a value of the wrong type (the API's bodies are typed; LLM's not)
@@ -262,7 +272,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
 
     def _check_integers(self) -> None:
         """Integer fields, token id lists and logit_bias keys hold Python ints: numpy's
-        integers are converted; anything else raises TypeError, which ``__post_init__`` turns
+        integers are converted; anything else raises TypeError, which ``verify`` turns
         into the field's ValidationError (comparisons alone would let 2.5 or True through)."""
         for name in _INT_FIELDS:
             value = getattr(self, name)

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from jaxserve.exceptions import ValidationError
 from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6)
@@ -101,3 +102,13 @@ def test_numpy_integers_sample_as_the_ints_they_are(smollm_llm):
         return smollm_llm.generate("Hi", sp, use_tqdm=False)[0].outputs[0].token_ids
 
     assert tokens(np.int64(5), np.int64(3)) == tokens(5, 3)
+
+
+@pytest.mark.parametrize("field,value", [("n", 0), ("max_tokens", -5), ("seed", 1.5)])
+def test_sampling_params_changed_after_construction_are_checked_again(smollm_llm, field, value):
+    sp = SamplingParams(temperature=0, max_tokens=3)
+    setattr(sp, field, value)
+    with pytest.raises(ValidationError) as e:
+        smollm_llm.generate(["Hi", "Hello"], sp, use_tqdm=False)
+    assert e.value.parameter == field and str(e.value).startswith("prompt 0: ")
+    assert not smollm_llm.engine.scheduler.has_unfinished_requests()

@@ -71,6 +71,7 @@ class LLM:
             structured outputs that do not compile (before any work; the message names the
             prompt's index).
           ValueError: a LoRA adapter that is missing or refused, before any work.
+          TypeError: ``prompts`` or ``sampling_params`` of another type than these.
         """
         if (isinstance(prompts, (str, dict))
                 or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], Integral))):
@@ -138,6 +139,13 @@ class LLM:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(items)
+        if not isinstance(sampling_params, Sequence) or isinstance(sampling_params, str):
+            raise TypeError(f"sampling_params: expected a SamplingParams or a list of them (one "
+                            f"per prompt), got {type(sampling_params).__name__}")
+        for sp in sampling_params:
+            if not isinstance(sp, SamplingParams):
+                raise TypeError(f"sampling_params: expected a SamplingParams or a list of them "
+                                f"(one per prompt), got a list holding {type(sp).__name__}")
         if len(sampling_params) != len(items):
             raise ValueError(
                 f"got {len(sampling_params)} SamplingParams for {len(items)} prompts"

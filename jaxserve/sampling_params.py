@@ -153,7 +153,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
         tokenizers are all fast ones, which put no spaces there (vLLM V1's fast detokenizer
         ignores it the same way).
       structured_outputs: constrain the output to a JSON schema, regex, choice or grammar
-        (StructuredOutputsParams); each choice of an ``n`` request is constrained alone.
+        (StructuredOutputsParams, or a dict of its fields, converted to one); each choice of
+        an ``n`` request is constrained alone.
 
     Log-probabilities are log-softmax values of the model's raw logits (before penalties,
     biases and temperature), as vLLM V1 returns them by default.
@@ -214,6 +215,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
         self.stop = list(self.stop or [])
         self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
         self._check_integers()
+        self._check_structured_outputs()
         if not 1 <= self.n <= MAX_N:
             raise ValidationError(f"n must be in [1, {MAX_N}], got {self.n}", parameter="n")
         if self.max_tokens is not None and not 1 <= self.max_tokens <= INT32_MAX:
@@ -291,6 +293,28 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
             self.logit_bias = bias = {_as_int(t): b for t, b in self.logit_bias.items()}
             if any(type(t) is not int for t in bias):
                 raise TypeError("logit_bias")
+
+    def _check_structured_outputs(self) -> None:
+        """A dict of StructuredOutputsParams' fields (as the HTTP API's ``structured_outputs``)
+        becomes one; any other type is a ValidationError."""
+        so = self.structured_outputs
+        if so is None or isinstance(so, StructuredOutputsParams):
+            return
+        if not isinstance(so, dict):
+            raise ValidationError(f"structured_outputs: expected a StructuredOutputsParams or a "
+                                  f"dict of its fields, got {type(so).__name__}",
+                                  parameter="structured_outputs")
+        unknown = sorted(set(so) - set(StructuredOutputsParams.__struct_fields__), key=str)
+        if unknown:
+            raise ValidationError(f"structured_outputs: unknown field {unknown[0]!r} (fields: "
+                                  f"{', '.join(StructuredOutputsParams.__struct_fields__)})",
+                                  parameter="structured_outputs")
+        try:
+            self.structured_outputs = msgspec.convert(so, StructuredOutputsParams)
+        except msgspec.ValidationError as e:  # __post_init__'s ValidationError comes wrapped
+            message = str(e).removeprefix("structured_outputs: ")
+            raise ValidationError(f"structured_outputs: {message}",
+                                  parameter="structured_outputs") from None
 
     def _check_logit_bias(self) -> None:
         if not self.logit_bias:

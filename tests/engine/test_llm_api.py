@@ -112,3 +112,22 @@ def test_sampling_params_changed_after_construction_are_checked_again(smollm_llm
         smollm_llm.generate(["Hi", "Hello"], sp, use_tqdm=False)
     assert e.value.parameter == field and str(e.value).startswith("prompt 0: ")
     assert not smollm_llm.engine.scheduler.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("params", [{"temperature": 0}, "greedy", [GREEDY, {"temperature": 0}]])
+def test_sampling_params_of_another_type_are_a_type_error(smollm_llm, params):
+    with pytest.raises(TypeError, match="^sampling_params: expected a SamplingParams"):
+        smollm_llm.generate(["Hi", "Hello"], params, use_tqdm=False)
+
+
+def test_structured_outputs_as_a_dict_of_its_fields(smollm_llm):
+    """vLLM's HTTP ``structured_outputs`` shape: converted to StructuredOutputsParams."""
+    sp = SamplingParams(temperature=0, max_tokens=5, structured_outputs={"choice": ["yes", "no"]})
+    assert sp.structured_outputs == StructuredOutputsParams(choice=["yes", "no"])
+    (out,) = smollm_llm.generate("Is the sky blue?", sp, use_tqdm=False)
+    assert out.outputs[0].text in ("yes", "no")
+    for bad, match in [({"choise": ["a"]}, "unknown field 'choise'"),
+                       ({"choice": "ab"}, "Expected `array"), ("json", "got str")]:
+        with pytest.raises(ValidationError, match=match) as e:
+            SamplingParams(structured_outputs=bad)
+        assert e.value.parameter == "structured_outputs"

@@ -11,6 +11,7 @@ from jaxserve.engine import EngineCoreRequest
 from jaxserve.engine.core import EngineCore
 from jaxserve.engine.input_processor import InputProcessor
 from jaxserve.engine.output_processor import OutputProcessor, merge_outputs
+from jaxserve.entrypoints.protocol import parse_messages
 from jaxserve.exceptions import ValidationError
 from jaxserve.lora.request import LoRARequest
 from jaxserve.outputs import RequestOutput
@@ -18,6 +19,13 @@ from jaxserve.sampling_params import SamplingParams
 
 
 PROMPT_TYPES = "text, token ids, {'prompt': text} or {'prompt_token_ids': ids}"
+
+
+def _shape(value) -> str:
+    """A value's type for an error message: ``list of str`` for a list."""
+    if isinstance(value, (list, tuple)) and value:
+        return f"{type(value).__name__} of {type(value[0]).__name__}"
+    return type(value).__name__
 
 
 class LLM:
@@ -106,23 +114,42 @@ class LLM:
         chat_template_kwargs: dict | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Answer one conversation (a list of {"role", "content"} messages; assistant
-        ``tool_calls`` and ``tool`` messages as transformers' chat format has them) or a list of
-        them, through the model's chat template with the assistant turn opened (vLLM's
-        ``add_generation_prompt``, ``continue_final_message`` and ``chat_template_kwargs`` as
-        the server takes them). ``tools`` (OpenAI tool definitions) are rendered as the server
-        renders them (docs/tool_calling.md); the text comes back as the model wrote it, calls
-        unparsed, as vLLM's ``LLM.chat`` does.
+        """Answer one conversation (a list of messages) or a list of them, through the
+        model's chat template with the assistant turn opened (vLLM's ``add_generation_prompt``,
+        ``continue_final_message`` and ``chat_template_kwargs`` as the server takes them).
+        The messages are read as the server reads a chat request's (OpenAI's format,
+        ``protocol.parse_messages``): text content parts are joined, ``developer`` is
+        ``system``, assistant ``tool_calls`` carry their ``id`` and their arguments as JSON
+        text, ``tool`` messages their ``tool_call_id``. ``tools`` (OpenAI tool definitions)
+        are rendered as the server renders them (docs/tool_calling.md); the text comes back as
+        the model wrote it, calls unparsed, as vLLM's ``LLM.chat`` does.
 
         Raises:
-          ValidationError: as ``generate``, or the chat template rejected the messages.
+          ValidationError: as ``generate``, or on ``messages``: a message the server would
+            refuse (a non-text content part, a missing field), or the chat template rejected
+            them (the message names the conversation's index as ``prompt``'s).
           ValueError: as ``generate``.
+          TypeError: ``messages`` is not a list of message dicts or a list of such lists;
+            ``sampling_params`` as ``generate``.
         """
-        if messages and isinstance(messages[0], dict):
-            messages = [messages]
-        items = [self.input_processor.tokenize_chat(
-            conv, add_generation_prompt, tools=tools, continue_final_message=continue_final_message,
-            chat_template_kwargs=chat_template_kwargs) for conv in messages]
+        is_conversation = (isinstance(messages, Sequence) and not isinstance(messages, str)
+                           and bool(messages) and isinstance(messages[0], dict))
+        conversations = [messages] if is_conversation else messages
+        if not isinstance(conversations, Sequence) or isinstance(conversations, str) or any(
+                not isinstance(c, Sequence) or isinstance(c, str)
+                or not all(isinstance(m, dict) for m in c) for c in conversations):
+            raise TypeError(f"messages: expected a conversation (a list of message dicts, "
+                            f"{{'role': ..., 'content': ...}}) or a list of them, got "
+                            f"{_shape(messages)}")
+        items = []
+        for i, conv in enumerate(conversations):
+            try:
+                items.append(self.input_processor.tokenize_chat(
+                    parse_messages(conv), add_generation_prompt, tools=tools,
+                    continue_final_message=continue_final_message,
+                    chat_template_kwargs=chat_template_kwargs))
+            except ValidationError as e:
+                raise ValidationError(f"prompt {i}: {e}", parameter=e.parameter) from None
         return self._run(items, sampling_params, use_tqdm, lora_request)
 
     def get_tokenizer(self):

@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
+import pydantic
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from jaxserve.entrypoints.tool_parsers.call_object import json_as
@@ -63,6 +64,24 @@ def Items(item: Any) -> Any:
 class _Base(BaseModel):
     # allow_inf_nan=False: JSON has no NaN / Infinity, and 1e400 parses to inf; both are 400s.
     model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict"}  # pydantic's union member tags
+
+
+def field_error(e: pydantic.ValidationError) -> ValidationError:
+    """A body's pydantic error as the ValidationError of the field at fault: ``"<path>:
+    <message>"`` (``messages.0.content: ...``), its ``parameter`` the top-level field."""
+    # A union reports one error per member; the deepest is the one about the value
+    # (``stop: ["\ud800"]``: the list item's encoding, not "stop is not a string").
+    err = max(e.errors(include_url=False, include_input=False), key=lambda err: len(err["loc"]))
+    # Union members add their type names to the location ("str", "list[...]",
+    # "function-after[...]"); keep the field names and item indices only.
+    loc = ".".join(str(p) for p in err["loc"]
+                   if isinstance(p, int) or (p.isidentifier() and p not in _TYPE_TAGS))
+    field = str(err["loc"][0]) if err["loc"] else None
+    msg = "field required" if err["type"] == "missing" else err["msg"]
+    return ValidationError(f"{loc or field}: {msg}", parameter=field)
 
 
 class StreamOptions(_Base):
@@ -448,6 +467,32 @@ class ChatCompletionNamedToolChoiceParam(_Base):
     function: NamedFunction
 
 
+# A chat's messages: at least one, checked until the first bad one.
+Messages = Annotated[list[ChatCompletionMessageParam], Field(min_length=1, fail_fast=True)]
+
+
+class ChatMessages(_Base):
+    """A conversation given as plain dicts (``LLM.chat``'s), read as a chat request's."""
+
+    messages: Messages
+
+
+def parse_messages(messages: list[dict]) -> list[dict]:
+    """Messages as dicts (OpenAI's format) -> messages for the chat template, read as a chat
+    request's ``messages`` are (``ChatCompletionMessageParam.template_message``: text content
+    parts joined, ``developer`` as ``system``, tool call arguments as dicts): ``LLM.chat``
+    takes what the server takes.
+
+    Raises:
+      ValidationError: on ``messages``, naming the message's field at fault.
+    """
+    try:
+        parsed = ChatMessages.model_validate({"messages": messages}).messages
+    except pydantic.ValidationError as e:
+        raise field_error(e) from None
+    return template_messages(parsed)
+
+
 class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions: messages, text content only, and vLLM's chat template
     options: ``add_generation_prompt`` (open the assistant's turn, the default),
@@ -458,7 +503,7 @@ class ChatCompletionRequest(_SamplingFields):
     has the reply's role) and ``include_reasoning`` (false drops the reasoning a
     ``--reasoning-parser`` separates)."""
 
-    messages: Annotated[list[ChatCompletionMessageParam], Field(min_length=1, fail_fast=True)]
+    messages: Messages
     max_tokens: Int32 | None = None
     max_completion_tokens: Int32 | None = None
     logprobs: bool | None = False

@@ -23,13 +23,13 @@ from jaxserve.engine.async_llm import AsyncLLM
 from jaxserve.entrypoints.app_state import LLM_KEY, STATE_KEY
 from jaxserve.entrypoints.errors import APIError
 from jaxserve.entrypoints.limits import ServerLimits
+from jaxserve.entrypoints.protocol import field_error
 from jaxserve.entrypoints.safe_log import clip
 from jaxserve.exceptions import ValidationError
 from jaxserve.lora.request import LoRARequest
 
 logger = logging.getLogger("jaxserve.api")
 _MAX_LOGGED_FIELDS = 10  # unknown field names quoted in one warning
-_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict"}  # pydantic's union member tags
 
 
 def llm_of(request: web.Request) -> AsyncLLM:
@@ -142,19 +142,8 @@ async def parse_request(request: web.Request, model_cls):
     try:
         req = model_cls.model_validate(body)
     except pydantic.ValidationError as e:
-        # A union reports one error per member; the deepest is the one about the value
-        # (``stop: ["\ud800"]``: the list item's encoding, not "stop is not a string").
-        err = max(e.errors(include_url=False, include_input=False),
-                  key=lambda err: len(err["loc"]))
-        # Union members add their type names to the location ("str", "list[...]",
-        # "function-after[...]"); keep the field names and item indices only.
-        loc = ".".join(str(p) for p in err["loc"]
-                       if isinstance(p, int) or (p.isidentifier() and p not in _TYPE_TAGS))
-        field = str(err["loc"][0]) if err["loc"] else None
-        msg = err["msg"]
-        if err["type"] == "missing":
-            msg = "field required"
-        raise APIError(400, f"{loc or field}: {msg}", param=field) from None
+        err = field_error(e)
+        raise APIError(400, str(err), param=err.parameter) from None
     if req.model_extra:
         names = itertools.islice(req.model_extra, _MAX_LOGGED_FIELDS)  # in body order
         more = len(req.model_extra) - _MAX_LOGGED_FIELDS

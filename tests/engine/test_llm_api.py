@@ -131,3 +131,27 @@ def test_structured_outputs_as_a_dict_of_its_fields(smollm_llm):
         with pytest.raises(ValidationError, match=match) as e:
             SamplingParams(structured_outputs=bad)
         assert e.value.parameter == "structured_outputs"
+
+
+def test_chat_reads_messages_as_the_server_does(smollm_llm):
+    """OpenAI's content parts and the developer role, as /v1/chat/completions takes them
+    (protocol.parse_messages): the same prompt as plain text and the system role."""
+    plain = [{"role": "system", "content": "Be brief."},
+             {"role": "user", "content": "What is 2+2?"}]
+    parts = [{"role": "developer", "content": [{"type": "text", "text": "Be "},
+                                               {"type": "text", "text": "brief."}]},
+             {"role": "user", "content": [{"type": "text", "text": "What is 2+2?"}]}]
+    a, b = smollm_llm.chat([plain, parts], SamplingParams(temperature=0, max_tokens=2),
+                           use_tqdm=False)
+    assert a.prompt_token_ids == b.prompt_token_ids
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    with pytest.raises(ValidationError, match=r"^prompt 1: messages\.0\.content\.0: images") as e:
+        smollm_llm.chat([plain, image], GREEDY, use_tqdm=False)
+    assert e.value.parameter == "messages"
+
+
+@pytest.mark.parametrize("messages", ["Hello", [["user", "hi"]], 5, [{"role": "user"}, "hi"]])
+def test_chat_messages_of_another_shape_are_a_type_error(smollm_llm, messages):
+    with pytest.raises(TypeError, match="^messages: expected a conversation"):
+        smollm_llm.chat(messages, GREEDY, use_tqdm=False)

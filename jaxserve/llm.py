@@ -9,7 +9,7 @@ from tqdm import tqdm
 from jaxserve.config import EngineConfig
 from jaxserve.engine import EngineCoreRequest
 from jaxserve.engine.core import EngineCore
-from jaxserve.engine.input_processor import InputProcessor
+from jaxserve.engine.input_processor import InputProcessor, chat_text_bytes
 from jaxserve.engine.output_processor import OutputProcessor, merge_outputs
 from jaxserve.entrypoints.protocol import parse_messages
 from jaxserve.exceptions import ValidationError
@@ -74,7 +74,8 @@ class LLM:
 
         Raises:
           ValidationError: a prompt that is empty, holds an id outside the vocabulary or does not
-            fit max_model_len, a SamplingParams field out of range (checked again here, as it
+            fit max_model_len (a text too long to fit is refused before it is tokenized:
+            ``InputProcessor.check_text_size``), a SamplingParams field out of range (checked again here, as it
             may have been changed since it was made) or token id outside the vocabulary, or
             structured outputs that do not compile (before any work; the message names the
             prompt's index).
@@ -88,13 +89,17 @@ class LLM:
             raise TypeError(f"prompts: expected {PROMPT_TYPES} or a list of them, "
                             f"got {type(prompts).__name__}")
         items = []
-        for p in prompts:
+        for i, p in enumerate(prompts):
             if isinstance(p, dict):  # vLLM's TextPrompt / TokensPrompt
                 if len(p) != 1 or not {"prompt", "prompt_token_ids"} >= p.keys():
                     raise TypeError(f"a prompt dict holds one key, 'prompt' or "
                                     f"'prompt_token_ids'; got {sorted(p)}")
                 (p,) = p.values()
             if isinstance(p, str):
+                try:  # measured before it is tokenized, as the server does
+                    self.input_processor.check_text_size(len(p.encode("utf-8")))
+                except ValidationError as e:
+                    raise ValidationError(f"prompt {i}: {e}", parameter=e.parameter) from None
                 items.append((p, self.input_processor.tokenize_prompt(p)))
             elif isinstance(p, Sequence) and all(isinstance(t, Integral) for t in p):
                 items.append((None, self.input_processor.tokenize_prompt(p)))
@@ -144,8 +149,11 @@ class LLM:
         items = []
         for i, conv in enumerate(conversations):
             try:
+                conv = parse_messages(conv)
+                self.input_processor.check_text_size(
+                    chat_text_bytes(conv, tools, chat_template_kwargs), "messages")
                 items.append(self.input_processor.tokenize_chat(
-                    parse_messages(conv), add_generation_prompt, tools=tools,
+                    conv, add_generation_prompt, tools=tools,
                     continue_final_message=continue_final_message,
                     chat_template_kwargs=chat_template_kwargs))
             except ValidationError as e:

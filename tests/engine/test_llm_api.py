@@ -155,3 +155,21 @@ def test_chat_reads_messages_as_the_server_does(smollm_llm):
 def test_chat_messages_of_another_shape_are_a_type_error(smollm_llm, messages):
     with pytest.raises(TypeError, match="^messages: expected a conversation"):
         smollm_llm.chat(messages, GREEDY, use_tqdm=False)
+
+
+def test_text_too_long_to_fit_is_refused_before_it_is_tokenized(smollm_llm, monkeypatch):
+    """The server's byte-size bound (InputProcessor.check_text_size), offline too."""
+    ip = smollm_llm.input_processor
+    text = "a" * (ip.max_text_bytes + 1)
+
+    def never(*args, **kwargs):
+        raise AssertionError("tokenized")
+
+    monkeypatch.setattr(ip, "tokenize_prompt", never)
+    monkeypatch.setattr(ip, "tokenize_chat", never)
+    with pytest.raises(ValidationError, match=r"^prompt 0: prompt: \d+ bytes of text") as e:
+        smollm_llm.generate([text, "Hi"], GREEDY, use_tqdm=False)
+    assert e.value.parameter == "prompt"
+    with pytest.raises(ValidationError, match=r"^prompt 0: messages: \d+ bytes of text") as e:
+        smollm_llm.chat([{"role": "user", "content": text}], GREEDY, use_tqdm=False)
+    assert e.value.parameter == "messages"

@@ -21,6 +21,35 @@ from jaxserve.sampling_params import SamplingParams
 PROMPT_TYPES = "text, token ids, {'prompt': text} or {'prompt_token_ids': ids}"
 
 
+# vLLM's multimodal prompt keys: taken when they carry nothing (None or empty), since the
+# engine serves text-only models and would otherwise ignore what they hold.
+MULTIMODAL_KEYS = ("multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids")
+
+
+def _prompt_dict(p: dict) -> tuple[object, str | None]:
+    """vLLM's TextPrompt / TokensPrompt -> (its prompt, its ``cache_salt`` or None).
+
+    Raises:
+      TypeError: not exactly one of ``prompt`` and ``prompt_token_ids``, a key vLLM's prompt
+        dicts do not have, or a ``cache_salt`` that is no non-empty string.
+      ValidationError: on the multimodal key that holds something.
+    """
+    keys = [k for k in ("prompt", "prompt_token_ids") if k in p]
+    if len(keys) != 1 or not {*keys, "cache_salt", *MULTIMODAL_KEYS} >= p.keys():
+        raise TypeError(f"a prompt dict holds 'prompt' or 'prompt_token_ids', and optionally "
+                        f"'cache_salt' and vLLM's multimodal keys, empty; got "
+                        f"{sorted(p, key=str)}")
+    for key in MULTIMODAL_KEYS:
+        value = p.get(key)
+        if value is not None and not (isinstance(value, (dict, list, tuple)) and not value):
+            raise ValidationError(f"{key}: multimodal input is not supported (this engine "
+                                  "serves text-only models)", parameter=key)
+    salt = p.get("cache_salt")
+    if salt is not None and not (isinstance(salt, str) and salt):
+        raise TypeError(f"a prompt's cache_salt: expected a non-empty string, got {salt!r}")
+    return p[keys[0]], salt
+
+
 def _shape(value) -> str:
     """A value's type for an error message: ``list of str`` for a list."""
     if isinstance(value, (list, tuple)) and value:
@@ -67,6 +96,10 @@ class LLM:
         with its ``n`` choices (CompletionOutputs by index) and, where asked, log-probabilities
         (``CompletionOutput.logprobs``, ``RequestOutput.prompt_logprobs``).
 
+        A prompt dict may also hold vLLM's ``cache_salt`` (the prefix cache shares its pages
+        only with prompts of the same salt) and its multimodal keys (``multi_modal_data``,
+        ``mm_processor_kwargs``, ``multi_modal_uuids``) when they are None or empty.
+
         ``SamplingParams(structured_outputs=StructuredOutputsParams(json=schema))`` (or
         ``regex``, ``choice``, ``grammar``, ``json_object``) constrains the output.
         ``lora_request`` (one for all prompts, or one per prompt; None: the base model) runs
@@ -75,12 +108,13 @@ class LLM:
         Raises:
           ValidationError: a prompt that is empty, holds an id outside the vocabulary or does not
             fit max_model_len (a text too long to fit is refused before it is tokenized:
-            ``InputProcessor.check_text_size``), a SamplingParams field out of range (checked again here, as it
-            may have been changed since it was made) or token id outside the vocabulary, or
-            structured outputs that do not compile (before any work; the message names the
-            prompt's index).
+            ``InputProcessor.check_text_size``), carries multimodal data, a SamplingParams field
+            out of range (checked again here, as it may have been changed since it was made)
+            or token id outside the vocabulary, or structured outputs that do not compile
+            (before any work; the message names the prompt's index).
           ValueError: a LoRA adapter that is missing or refused, before any work.
-          TypeError: ``prompts`` or ``sampling_params`` of another type than these.
+          TypeError: ``prompts`` or ``sampling_params`` of another type than these, a prompt
+            dict with other keys, a ``cache_salt`` that is no non-empty string.
         """
         if (isinstance(prompts, (str, dict))
                 or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], Integral))):
@@ -90,19 +124,18 @@ class LLM:
                             f"got {type(prompts).__name__}")
         items = []
         for i, p in enumerate(prompts):
-            if isinstance(p, dict):  # vLLM's TextPrompt / TokensPrompt
-                if len(p) != 1 or not {"prompt", "prompt_token_ids"} >= p.keys():
-                    raise TypeError(f"a prompt dict holds one key, 'prompt' or "
-                                    f"'prompt_token_ids'; got {sorted(p)}")
-                (p,) = p.values()
-            if isinstance(p, str):
-                try:  # measured before it is tokenized, as the server does
+            salt = None
+            try:
+                if isinstance(p, dict):  # vLLM's TextPrompt / TokensPrompt
+                    p, salt = _prompt_dict(p)
+                if isinstance(p, str):  # measured before it is tokenized, as the server does
                     self.input_processor.check_text_size(len(p.encode("utf-8")))
-                except ValidationError as e:
-                    raise ValidationError(f"prompt {i}: {e}", parameter=e.parameter) from None
-                items.append((p, self.input_processor.tokenize_prompt(p)))
+            except ValidationError as e:
+                raise ValidationError(f"prompt {i}: {e}", parameter=e.parameter) from None
+            if isinstance(p, str):
+                items.append((p, self.input_processor.tokenize_prompt(p), salt))
             elif isinstance(p, Sequence) and all(isinstance(t, Integral) for t in p):
-                items.append((None, self.input_processor.tokenize_prompt(p)))
+                items.append((None, self.input_processor.tokenize_prompt(p), salt))
             else:
                 raise TypeError(f"a prompt: expected {PROMPT_TYPES}, got {type(p).__name__}")
         return self._run(items, sampling_params, use_tqdm, lora_request)
@@ -152,10 +185,11 @@ class LLM:
                 conv = parse_messages(conv)
                 self.input_processor.check_text_size(
                     chat_text_bytes(conv, tools, chat_template_kwargs), "messages")
-                items.append(self.input_processor.tokenize_chat(
+                text, ids = self.input_processor.tokenize_chat(
                     conv, add_generation_prompt, tools=tools,
                     continue_final_message=continue_final_message,
-                    chat_template_kwargs=chat_template_kwargs))
+                    chat_template_kwargs=chat_template_kwargs)
+                items.append((text, ids, None))
             except ValidationError as e:
                 raise ValidationError(f"prompt {i}: {e}", parameter=e.parameter) from None
         return self._run(items, sampling_params, use_tqdm, lora_request)
@@ -192,7 +226,7 @@ class LLM:
         for lora in {r for r in loras if r is not None}:
             self.engine.add_lora(lora)
         checked = set()  # ids of the SamplingParams checked (one is often every prompt's)
-        for i, ((_, ids), sp) in enumerate(zip(items, sampling_params)):
+        for i, ((_, ids, _), sp) in enumerate(zip(items, sampling_params)):
             try:
                 self.input_processor.check_prompt(ids)
                 if id(sp) in checked:
@@ -208,12 +242,14 @@ class LLM:
         results: list[RequestOutput | None] = [None] * len(items)
         bar = tqdm(total=len(items), desc="generating", disable=not use_tqdm, unit="req")
         try:
-            for i, ((prompt, ids), sp, lora) in enumerate(zip(items, sampling_params, loras)):
+            for i, ((prompt, ids, salt), sp, lora) in enumerate(
+                    zip(items, sampling_params, loras)):
                 rid = str(self._next_id)
                 self._next_id += 1
                 index[rid] = i
                 self.output_processor.add_request(rid, prompt, ids, sp)
-                self.engine.add_request(EngineCoreRequest(rid, ids, sp, lora_request=lora))
+                self.engine.add_request(EngineCoreRequest(rid, ids, sp, lora_request=lora,
+                                                          cache_salt=salt))
             while index:
                 processed = self.output_processor.process_outputs(self.engine.step())
                 if processed.reqs_to_abort:

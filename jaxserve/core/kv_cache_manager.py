@@ -5,7 +5,9 @@ Block hashes. Page i of a request (tokens ``[i*page_size, (i+1)*page_size)``) is
 ``sha256(hash of page i-1 || token ids of page i as little-endian int32)``; page 0 chains from a
 fixed root, or under a LoRA adapter from a root of that adapter's (``root_hash``): K/V computed
 under one adapter differ from the base model's and another adapter's. The chain makes a page's
-key name its whole prefix and adapter, so equal keys mean equal K/V.
+key name its whole prefix and adapter, so equal keys mean equal K/V. A request's ``cache_salt``
+(vLLM's) is mixed into its root too: only requests with the same salt share pages, so a tenant
+cannot learn from cache hits (time to first token) what another tenant's prompts hold.
 Why SHA-256 rather than Python's ``hash`` of a tuple: ``hash`` is 64 bits and not collision
 resistant, and a collision here silently serves another prompt's K/V (a wrong answer, or a way to
 read across tenants with crafted prompts); SHA-256 costs about 1.4 us per page here (a
@@ -26,12 +28,16 @@ from jaxserve.core.request import Request
 _ROOT_HASH = hashlib.sha256(b"jaxserve-prefix-cache-v1").digest()
 
 
-def root_hash(lora_int_id: int) -> bytes:
+def root_hash(lora_int_id: int, cache_salt: str | None = None) -> bytes:
     """The key page 0 chains from: the fixed root, or for LoRA adapter ``lora_int_id`` (> 0;
-    ids are never reused) the root's hash with the id."""
-    if lora_int_id == 0:
+    ids are never reused) and / or a ``cache_salt`` the root's hash with them (the id has a
+    fixed width, so the salt after it is unambiguous)."""
+    if lora_int_id == 0 and cache_salt is None:
         return _ROOT_HASH
-    return hashlib.sha256(_ROOT_HASH + b"lora" + lora_int_id.to_bytes(8, "little")).digest()
+    key = _ROOT_HASH + b"lora" + lora_int_id.to_bytes(8, "little")
+    if cache_salt is not None:
+        key += b"salt" + cache_salt.encode("utf-8", "surrogatepass")
+    return hashlib.sha256(key).digest()
 
 
 def hash_page(parent: bytes, token_ids) -> bytes:
@@ -56,7 +62,7 @@ class KVCacheManager:
         hashes = request.block_hashes
         ps = self.page_size
         tokens = request.all_token_ids
-        parent = hashes[-1] if hashes else root_hash(request.lora_int_id)
+        parent = hashes[-1] if hashes else root_hash(request.lora_int_id, request.cache_salt)
         for i in range(len(hashes), num_pages):
             parent = hash_page(parent, tokens[i * ps : (i + 1) * ps])
             hashes.append(parent)

@@ -51,6 +51,7 @@ class Request:
       allowed_bitmask: [ceil(V / 32)] int32, the tokens ``allowed_token_ids`` lets it draw
         (shared by a request's choices), or None.
       lora_request: its LoRA adapter (EngineCoreRequest's); lora_int_id: its id, 0 for none.
+      cache_salt: EngineCoreRequest's: its pages are shared only with requests of the same salt.
     """
 
     def __init__(self, req: EngineCoreRequest, seed: int, index: int = 0, grammar=None,
@@ -83,6 +84,7 @@ class Request:
         self.allowed_bitmask = allowed_bitmask
         self.lora_request = req.lora_request
         self.lora_int_id = req.lora_request.lora_int_id if req.lora_request else 0
+        self.cache_salt = req.cache_salt
 
     @property
     def constrained(self) -> bool:

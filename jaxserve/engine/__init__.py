@@ -53,6 +53,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True):
         (``--reasoning-parser``), the token that ends it: its structured outputs constrain
         only the tokens after that one (vLLM's rule); None: from the first token.
       lora_request: the LoRA adapter the request runs with (docs/lora.md); None: the base model.
+      cache_salt: vLLM's: the prefix cache shares its pages only with requests of the same
+        salt (``KVCacheManager``); None: with every request without one.
     """
 
     request_id: str
@@ -60,6 +62,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True):
     sampling_params: SamplingParams
     reasoning_end_token_id: int | None = None
     lora_request: LoRARequest | None = None
+    cache_salt: str | None = None
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -173,3 +173,35 @@ def test_text_too_long_to_fit_is_refused_before_it_is_tokenized(smollm_llm, monk
     with pytest.raises(ValidationError, match=r"^prompt 0: messages: \d+ bytes of text") as e:
         smollm_llm.chat([{"role": "user", "content": text}], GREEDY, use_tqdm=False)
     assert e.value.parameter == "messages"
+
+
+def test_vllm_prompt_dict_keys_that_carry_nothing_are_taken(smollm_llm):
+    ids = smollm_llm.get_tokenizer().encode("The capital of France is")
+    outs = smollm_llm.generate(
+        [{"prompt_token_ids": ids},
+         {"prompt_token_ids": ids, "multi_modal_data": None, "mm_processor_kwargs": {}},
+         {"prompt_token_ids": ids, "multi_modal_uuids": {}, "cache_salt": "tenant-1"}],
+        GREEDY, use_tqdm=False)
+    assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 1
+    with pytest.raises(ValidationError, match="^prompt 1: multi_modal_data: multimodal") as e:
+        smollm_llm.generate(["Hi", {"prompt": "Hi", "multi_modal_data": {"image": b"png"}}],
+                            GREEDY, use_tqdm=False)
+    assert e.value.parameter == "multi_modal_data"
+    for salt in (5, ""):
+        with pytest.raises(TypeError, match="cache_salt: expected a non-empty string"):
+            smollm_llm.generate({"prompt": "Hi", "cache_salt": salt}, GREEDY, use_tqdm=False)
+
+
+def test_cache_salt_shares_prefix_pages_only_within_the_salt(smollm_llm):
+    """vLLM's cache_salt: a prompt is served from the prefix cache only after one with the
+    same salt (the salt roots the pages' hash chain)."""
+    text = "Count with me: " + " ".join(str(i) for i in range(100, 120))
+    one = SamplingParams(temperature=0, max_tokens=1)
+
+    def cached(**salt):
+        (out,) = smollm_llm.generate({"prompt": text, **salt}, one, use_tqdm=False)
+        return out.num_cached_tokens
+
+    assert cached(cache_salt="a") == 0
+    assert cached(cache_salt="b") == 0 and cached() == 0
+    assert cached(cache_salt="a") > 0 and cached() > 0

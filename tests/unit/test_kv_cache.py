@@ -3,7 +3,7 @@
 import pytest
 
 from jaxserve.core.block_pool import BlockPool
-from jaxserve.core.kv_cache_manager import KVCacheManager
+from jaxserve.core.kv_cache_manager import KVCacheManager, root_hash
 from tests.unit.kv_fakes import make_request
 
 PS = 4
@@ -80,6 +80,13 @@ def test_hash_chain_names_the_whole_prefix():
     r4 = make_request(4, [5, 6, 7, 8, 1, 2, 3, 4])
     assert kv._block_hashes(r4, 2)[1] != h1[0]  # same page tokens, different position
     assert len(set(h1)) == 2
+
+
+def test_adapters_and_cache_salts_root_chains_of_their_own():
+    roots = [root_hash(0), root_hash(1), root_hash(2), root_hash(0, "a"), root_hash(0, "b"),
+             root_hash(1, "a"), root_hash(0, "\x01")]
+    assert len(set(roots)) == len(roots)
+    assert root_hash(1, "a") == root_hash(1, "a")
 
 
 def test_prefix_hit_reuses_full_pages_and_never_the_last_token():

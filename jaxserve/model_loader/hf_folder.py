@@ -44,8 +44,13 @@ def load_hf_folder(folder: str | pathlib.Path, *, with_tokenizer: bool = True,
                    lazy: bool = False) -> Checkpoint:
     """Load config.json, all safetensors weights and (unless ``with_tokenizer`` is False) the
     tokenizer of an HF folder. ``lazy``: weights are :class:`LazyTensor` objects that read only the
-    slice asked for from their file (a tensor-parallel device's part), nothing up front."""
-    from safetensors import safe_open
+    slice asked for from their file (a tensor-parallel device's part), nothing up front.
+
+    Raises:
+      ValueError: no weight files, a shard of the index missing, a file that is no valid
+        safetensors file (truncated, a bad header: naming it), a dtype jaxserve does not read.
+    """
+    from safetensors import SafetensorError, safe_open
 
     folder = pathlib.Path(folder)
     cfg = json.loads((folder / "config.json").read_text())
@@ -59,14 +64,17 @@ def load_hf_folder(folder: str | pathlib.Path, *, with_tokenizer: bool = True,
     log(f"{'indexing' if lazy else 'reading'} {len(files)} safetensors file(s) from {folder}")
     weights: dict[str, np.ndarray | LazyTensor] = {}
     for f in files:
-        with safe_open(str(f), framework="np") as sf:
-            for k in sf.keys():
-                sl = sf.get_slice(k)
-                dtype = _dtype_of(sl.get_dtype(), f, k)
-                # safetensors' numpy reader has no float8 dtypes: those read from the bytes.
-                read = (_read_slice if not sl.get_dtype().startswith("F8_") else
-                        partial(_read_raw_slice, dtype, sl.get_shape()))
-                weights[k] = LazyTensor(sl.get_shape(), dtype, partial(read, str(f), k))
+        try:  # opening checks the header and that the file holds every tensor's bytes
+            with safe_open(str(f), framework="np") as sf:
+                for k in sf.keys():
+                    sl = sf.get_slice(k)
+                    dtype = _dtype_of(sl.get_dtype(), f, k)
+                    # safetensors' numpy reader has no float8 dtypes: those read from the bytes.
+                    read = (_read_slice if not sl.get_dtype().startswith("F8_") else
+                            partial(_read_raw_slice, dtype, sl.get_shape()))
+                    weights[k] = LazyTensor(sl.get_shape(), dtype, partial(read, str(f), k))
+        except SafetensorError as e:
+            raise ValueError(f"{f}: not a valid safetensors file ({e})") from None
     if not lazy:
         weights = {k: np.asarray(w) for k, w in weights.items()}
     return Checkpoint(name=folder.resolve().name, hf_config=cfg, weights=weights,

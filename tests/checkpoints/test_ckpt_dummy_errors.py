@@ -67,3 +67,31 @@ def test_bad_paths_are_one_line_value_errors(tmp_path, make, fmt, match):
     assert "\n" not in str(e.value)
     if fmt != "pytorch":
         assert str(target) in str(e.value)
+
+
+def test_damaged_checkpoints_are_value_errors_naming_the_file_or_key(tmp_path):
+    """What ``LLM`` and ``serve`` report for a truncated safetensors file and a config.json
+    without a key the architecture needs (one loading path: load_checkpoint, then
+    ModelConfig.from_hf_config in EngineCore)."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from jaxserve import LLM
+
+    cfg = dict(DUMMY_PRESETS["smollm2-135m"], num_hidden_layers=1)
+    folder = tmp_path / "truncated"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(cfg))
+    save_file({"a": np.zeros((64, 64), np.float32)}, str(folder / "model.safetensors"))
+    data = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(data[: len(data) // 2])
+    match = r"model\.safetensors: not a valid safetensors file \(.*incomplete metadata"
+    with pytest.raises(ValueError, match=match):
+        load_checkpoint(str(folder))
+    del cfg["hidden_size"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=match):
+        LLM(str(folder), log=lambda s: None)
+    with pytest.raises(ValueError) as e:
+        LLM(str(tmp_path / "config.json"), load_format="dummy", log=lambda s: None)
+    assert str(e.value) == "config.json: missing required key 'hidden_size'"

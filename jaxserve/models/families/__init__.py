@@ -37,9 +37,17 @@ def model_config_fields(cfg: dict, max_model_len: int | None = None) -> dict:
     family's own (``Family.fields``); ``max_model_len`` as ``family.rope_fields``.
 
     Raises:
-      ValueError: an unsupported architecture, or a config option of a supported one that is
-        not implemented (naming it).
+      ValueError: an unsupported architecture, a config option of a supported one that is
+        not implemented (naming it), or a key the architecture needs that the config lacks
+        (``config.json: missing required key 'hidden_size'``).
     """
+    try:
+        return _fields(cfg, max_model_len)
+    except KeyError as e:  # the config's keys are read where they are used, in every family
+        raise ValueError(f"config.json: missing required key {e.args[0]!r}") from None
+
+
+def _fields(cfg: dict, max_model_len: int | None) -> dict:
     arch = architecture(cfg)
     family = ARCHITECTURES[arch]
     cfg = {**family.defaults, **cfg}

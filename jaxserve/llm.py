@@ -247,7 +247,7 @@ class LLM:
                 rid = str(self._next_id)
                 self._next_id += 1
                 index[rid] = i
-                self.output_processor.add_request(rid, prompt, ids, sp)
+                self.output_processor.add_request(rid, prompt, ids, sp, lora_request=lora)
                 self.engine.add_request(EngineCoreRequest(rid, ids, sp, lora_request=lora,
                                                           cache_salt=salt))
             while index:

@@ -2,6 +2,8 @@
 
 from dataclasses import dataclass, field
 
+from jaxserve.lora.request import LoRARequest
+
 
 @dataclass
 class Logprob:
@@ -39,6 +41,10 @@ class CompletionOutput:
         at EOS, as vLLM).
       logprobs: one PositionLogprobs per token of token_ids when the request asked for
         logprobs, else None.
+      cumulative_logprob: when the request asked for logprobs, the sum of the log-probabilities
+        of the choice's tokens so far (in a delta too: all of them, not the delta's, as vLLM);
+        else None.
+      lora_request: the LoRA adapter that generated it, None for the base model.
     """
 
     index: int
@@ -47,6 +53,8 @@ class CompletionOutput:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     logprobs: list[PositionLogprobs] | None = None
+    cumulative_logprob: float | None = None
+    lora_request: LoRARequest | None = None
 
     @property
     def finished(self) -> bool:
@@ -66,6 +74,10 @@ class RequestOutput:
       finished: every choice has finished.
       prompt_logprobs: with SamplingParams.prompt_logprobs, one entry per prompt token: None
         for the first, then its PositionLogprobs (in the first delta that has them).
+      lora_request: the LoRA adapter it ran with, None for the base model.
+      metrics, encoder_prompt, encoder_prompt_token_ids: vLLM V1's fields, always None here:
+        no per-request stats are kept (vLLM's ``LLM`` keeps none either by default), and the
+        models are decoder-only.
     """
 
     request_id: str
@@ -75,3 +87,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     finished: bool = True
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    lora_request: LoRARequest | None = None
+    metrics: None = None
+    encoder_prompt: None = None
+    encoder_prompt_token_ids: None = None

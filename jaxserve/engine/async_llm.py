@@ -228,7 +228,7 @@ class AsyncLLM:
         queue: asyncio.Queue = asyncio.Queue()
         try:
             self.output_processor.add_request(request_id, None, prompt_token_ids,
-                                              sampling_params, queue)
+                                              sampling_params, queue, lora_request)
         except BaseException:
             self.engine_core.abort_requests(
                 [child_request_id(request_id, i, sampling_params.n)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from jaxserve.engine import EngineCoreOutput, LogprobsLists, child_request_id
 from jaxserve.engine.detokenizer import IncrementalDetokenizer, TokenPieces
+from jaxserve.lora.request import LoRARequest
 from jaxserve.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
@@ -53,6 +54,7 @@ def merge_outputs(earlier: RequestOutput, later: RequestOutput) -> RequestOutput
         a.token_ids = a.token_ids + b.token_ids
         if b.logprobs is not None:
             a.logprobs = (a.logprobs or []) + b.logprobs
+        a.cumulative_logprob = b.cumulative_logprob  # the later delta's covers every token
         a.finish_reason, a.stop_reason = b.finish_reason, b.stop_reason
     earlier.outputs.sort(key=lambda c: c.index)
     earlier.finished = later.finished
@@ -68,6 +70,7 @@ class ChoiceState:
 
     detokenizer: IncrementalDetokenizer
     num_output_tokens: int = 0
+    cumulative_logprob: float = 0.0  # of its tokens so far (when logprobs are asked for)
     finished: bool = False
     last_output_time: float | None = None  # time.monotonic() of its latest tokens
     # The engine's time.monotonic() (EngineCoreOutput.queued_ts / scheduled_ts, and the step's
@@ -86,6 +89,7 @@ class RequestState:
     choices: list[ChoiceState]
     queue: asyncio.Queue | None
     arrival_time: float
+    lora_request: LoRARequest | None = None
     first_token_time: float | None = None
     num_cached_tokens: int = 0
     engine_ids: list[str] = field(default_factory=list)
@@ -125,16 +129,18 @@ class OutputProcessor:
         self._choice_of: dict[str, tuple[RequestState, int]] = {}  # engine id -> choice
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    sampling_params: SamplingParams, queue: asyncio.Queue | None = None) -> None:
+                    sampling_params: SamplingParams, queue: asyncio.Queue | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
         """Track a request. With a ``queue`` its deltas (and errors) go there; without one
-        ``process_outputs`` returns them."""
+        ``process_outputs`` returns them. ``lora_request``: the adapter it runs with, named in
+        its outputs."""
         sp = sampling_params
         choices = [ChoiceState(IncrementalDetokenizer(
             self.tokenizer, skip_special_tokens=sp.skip_special_tokens, stop=sp.stop,
             include_stop_str_in_output=sp.include_stop_str_in_output, min_tokens=sp.min_tokens,
             prompt_token_ids=prompt_token_ids)) for _ in range(sp.n)]
         st = RequestState(request_id, prompt, prompt_token_ids, sp, choices, queue,
-                          time.monotonic())
+                          time.monotonic(), lora_request)
         st.engine_ids = [child_request_id(request_id, i, sp.n) for i in range(sp.n)]
         self.requests[request_id] = st
         for i, eid in enumerate(st.engine_ids):
@@ -244,15 +250,21 @@ class OutputProcessor:
             self.metrics.record_phases(choice.scheduled_ts - choice.queued_ts,
                                        choice.first_token_ts - choice.scheduled_ts,
                                        engine_time - choice.first_token_ts)
-        logprobs = None if o.new_logprobs is None else self._logprobs(o.new_logprobs)
+        logprobs = cumulative = None
+        if o.new_logprobs is not None:
+            logprobs = self._logprobs(o.new_logprobs)
+            choice.cumulative_logprob += sum(lps[0] for lps in o.new_logprobs.logprobs)
+        if sp.logprobs is not None:
+            cumulative = choice.cumulative_logprob
         prompt_logprobs = None
         if o.new_prompt_logprobs is not None:
             prompt_logprobs = [None] + self._logprobs(o.new_prompt_logprobs)
         out = RequestOutput(
             st.request_id, st.prompt, st.prompt_token_ids,
-            [CompletionOutput(index, text, ids, finish_reason, stop_reason, logprobs)],
+            [CompletionOutput(index, text, ids, finish_reason, stop_reason, logprobs,
+                              cumulative, st.lora_request)],
             num_cached_tokens=st.num_cached_tokens, finished=st.finished,
-            prompt_logprobs=prompt_logprobs)
+            prompt_logprobs=prompt_logprobs, lora_request=st.lora_request)
         if out.finished:
             self._forget(st)
             if self.metrics is not None:

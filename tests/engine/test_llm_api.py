@@ -205,3 +205,19 @@ def test_cache_salt_shares_prefix_pages_only_within_the_salt(smollm_llm):
     assert cached(cache_salt="a") == 0
     assert cached(cache_salt="b") == 0 and cached() == 0
     assert cached(cache_salt="a") > 0 and cached() > 0
+
+
+def test_outputs_carry_vllm_s_fields(smollm_llm):
+    """cumulative_logprob (the sampled tokens' log-probabilities summed, None without
+    logprobs), lora_request (None: the base model), and vLLM V1's metrics / encoder prompt
+    fields (None)."""
+    sp = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=5, logprobs=0)
+    (out,) = smollm_llm.generate("Tell me a story.", sp, use_tqdm=False)
+    for c in out.outputs:
+        expected = sum(pos[t].logprob for t, pos in zip(c.token_ids, c.logprobs))
+        assert c.cumulative_logprob == pytest.approx(expected) and c.cumulative_logprob < 0
+        assert c.lora_request is None
+    assert (out.lora_request, out.metrics, out.encoder_prompt,
+            out.encoder_prompt_token_ids) == (None,) * 4
+    (plain,) = smollm_llm.generate("Tell me a story.", GREEDY, use_tqdm=False)
+    assert plain.outputs[0].cumulative_logprob is None

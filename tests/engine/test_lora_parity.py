@@ -87,6 +87,8 @@ def test_offline_adapters_with_ngram_drafts_match_hf_peft_greedy(tmp_path, smoll
                         lora_request=[requests.get(n) for n in names], use_tqdm=False)
     stats = llm.engine.get_stats().spec_decoding
     assert stats.num_accepted_tokens > 0
+    loras = [requests.get(n) for n in names]  # vLLM's: each output names its adapter
+    assert [(o.lora_request, o.outputs[0].lora_request) for o in outs] == list(zip(loras, loras))
     compared = []
     for name, prompt, out in zip(names, prompts * 2, outs):
         ours = out.outputs[0].token_ids

@@ -210,3 +210,28 @@ def test_choices_of_one_request_and_their_logprobs(tokenizer):
     last = op.process_outputs([EngineCoreOutput("0_r", [2], "stop", 2, new_logprobs=lp)])
     assert last.request_outputs[0].finished and not op.requests
     assert op.abort_request("r") == []
+
+
+def test_cumulative_logprob_and_lora_request(tokenizer):
+    """vLLM's CompletionOutput.cumulative_logprob: the sum of the choice's tokens'
+    log-probabilities so far (every delta, and their merge), None without logprobs; the LoRA
+    request on the RequestOutput and each CompletionOutput."""
+    from jaxserve.engine import LogprobsLists
+    from jaxserve.lora.request import LoRARequest
+
+    lora = LoRARequest("adapter", 1, "/adapters/a")
+    op = OutputProcessor(tokenizer, eos_token_ids=[2])
+    op.add_request("r", None, [1], SamplingParams(logprobs=1), lora_request=lora)
+    op.add_request("plain", None, [1], SamplingParams())
+    lp = LogprobsLists([[5, 6], [7, 5]], [[-0.5, -0.25], [-1.0, -0.75]], [2, 2])
+    first = op.process_outputs([EngineCoreOutput("r", [5, 7], new_logprobs=lp),
+                                EngineCoreOutput("plain", [5])]).request_outputs
+    assert first[0].outputs[0].cumulative_logprob == -1.5
+    assert first[1].outputs[0].cumulative_logprob is None and first[1].lora_request is None
+    lp = LogprobsLists([[2, 5]], [[-0.25, -2.0]], [1])
+    (last,) = op.process_outputs([EngineCoreOutput("r", [2], "stop", new_logprobs=lp)]
+                                 ).request_outputs
+    assert last.outputs[0].cumulative_logprob == -1.75
+    merged = merge_outputs(first[0], last)
+    assert merged.outputs[0].cumulative_logprob == -1.75
+    assert merged.lora_request == merged.outputs[0].lora_request == lora

@@ -208,12 +208,13 @@ class AsyncLLM:
 
     def add_request(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
                     request_id: str, reasoning_end_token_id: int | None = None,
-                    lora_request: LoRARequest | None = None) -> asyncio.Queue:
+                    lora_request: LoRARequest | None = None,
+                    cache_salt: str | None = None) -> asyncio.Queue:
         """Submit a request: it is on its way to the engine when this returns, so the engine
         starts on it while the caller sets up its response. Its RequestOutput deltas, then the
         exception that ends it if one does, arrive on the returned queue (read it with
-        ``outputs``); ``abort`` ends it early. ``reasoning_end_token_id``, ``lora_request``:
-        EngineCoreRequest's.
+        ``outputs``); ``abort`` ends it early. ``reasoning_end_token_id``, ``lora_request``,
+        ``cache_salt``: EngineCoreRequest's.
 
         Raises:
           EngineDeadError: the engine is gone (or the server is shutting down).
@@ -222,7 +223,7 @@ class AsyncLLM:
             raise EngineDeadError("the engine is not available")
         self.engine_core.add_request(EngineCoreRequest(request_id, prompt_token_ids,
                                                        sampling_params, reasoning_end_token_id,
-                                                       lora_request))
+                                                       lora_request, cache_salt))
         # Tracked after the send, so that the detokenizers' set-up overlaps the engine's work:
         # outputs are read on this event loop, so none can arrive before this returns.
         queue: asyncio.Queue = asyncio.Queue()

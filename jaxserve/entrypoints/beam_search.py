@@ -50,12 +50,13 @@ def beam_score(beam: Beam, num_prompt: int, length_penalty: float) -> float:
 
 
 async def _next_tokens(llm: AsyncLLM, ids: list[int], width: int,
-                       lora_request: LoRARequest | None) -> dict[int, float]:
+                       lora_request: LoRARequest | None,
+                       cache_salt: str | None) -> dict[int, float]:
     """The ``2 * width`` most likely tokens after ``ids`` and their log-probabilities (one
-    engine request, with ``lora_request``'s adapter if given)."""
+    engine request, with ``lora_request``'s adapter if given, under ``cache_salt``)."""
     sp = SamplingParams(max_tokens=1, temperature=0.0, logprobs=2 * width, ignore_eos=True)
     rid = f"beam-{uuid.uuid4().hex}"
-    queue = llm.add_request(ids, sp, rid, lora_request=lora_request)
+    queue = llm.add_request(ids, sp, rid, lora_request=lora_request, cache_salt=cache_salt)
     options = {}
     async with contextlib.aclosing(llm.outputs(rid, queue)) as gen:
         async for delta in gen:
@@ -66,7 +67,8 @@ async def _next_tokens(llm: AsyncLLM, ids: list[int], width: int,
 
 
 async def beam_search(llm: AsyncLLM, prompt: list[int], sp: SamplingParams, request_id: str,
-                      length_penalty: float, lora_request: LoRARequest | None) -> RequestOutput:
+                      length_penalty: float, lora_request: LoRARequest | None,
+                      cache_salt: str | None) -> RequestOutput:
     """The ``sp.n`` best beams after ``prompt``, as a finished RequestOutput (its choices in
     score order, their text decoded as ``sp.skip_special_tokens`` says)."""
     width, num_prompt = sp.n, len(prompt)
@@ -74,8 +76,8 @@ async def beam_search(llm: AsyncLLM, prompt: list[int], sp: SamplingParams, requ
     steps = min(sp.max_tokens, llm.config.max_model_len - num_prompt)
     live, complete = [Beam()], []
     for _ in range(steps):
-        nexts = await asyncio.gather(*(_next_tokens(llm, prompt + b.tokens, width, lora_request)
-                                       for b in live))
+        nexts = await asyncio.gather(*(_next_tokens(llm, prompt + b.tokens, width, lora_request,
+                                                    cache_salt) for b in live))
         grown = []
         for beam, options in zip(live, nexts):
             for token, logprob in options.items():
@@ -102,12 +104,14 @@ async def beam_search(llm: AsyncLLM, prompt: list[int], sp: SamplingParams, requ
 async def beam_search_outputs(llm: AsyncLLM, prompts: list[list[int]], sp: SamplingParams,
                               request_id: str, length_penalty: float,
                               lora_request: LoRARequest | None = None,
+                              cache_salt: str | None = None,
                               ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(prompt index, its finished RequestOutput) of each prompt's beam search, run at once,
     in prompt order: what serving_stream.run_request reads. Closing it cancels the searches
-    (their engine requests are aborted). ``lora_request``: the adapter they run with."""
+    (their engine requests are aborted). ``lora_request``: the adapter they run with;
+    ``cache_salt``: the prefix cache's salt of their engine requests."""
     tasks = [asyncio.ensure_future(beam_search(llm, p, sp, f"{request_id}-{i}", length_penalty,
-                                               lora_request))
+                                               lora_request, cache_salt))
              for i, p in enumerate(prompts)]
     try:
         for i, task in enumerate(tasks):

@@ -52,6 +52,8 @@ Text = Annotated[str, AfterValidator(_utf8)]
 Int32 = Annotated[int, Field(ge=-INT32_MAX - 1, le=INT32_MAX)]
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]  # the vocabulary check comes later
+# vLLM's cache_salt: the prefix cache shares pages only among requests of the same salt
+CacheSalt = Annotated[Text, Field(min_length=1)]
 
 
 def Items(item: Any) -> Any:
@@ -155,6 +157,7 @@ class _SamplingFields(_Base):
     allowed_token_ids: Items(TokenId) | None = None
     prompt_logprobs: Int32 | None = None
     return_token_ids: bool = False  # vLLM's extension: token ids in each choice
+    cache_salt: CacheSalt | None = None
     # vLLM's: log-probability tokens as "token_id:{id}"; None: the server's
     # --return-tokens-as-token-ids
     return_tokens_as_token_ids: bool | None = None

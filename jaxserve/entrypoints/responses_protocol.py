@@ -29,7 +29,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field
 
 from jaxserve.entrypoints.protocol import (
-    FUNCTION_NAME_PATTERN, ChatCompletionMessageParam, ChatCompletionNamedToolChoiceParam,
+    FUNCTION_NAME_PATTERN, CacheSalt, ChatCompletionMessageParam, ChatCompletionNamedToolChoiceParam,
     ChatCompletionRequest, ChatCompletionToolsParam, ErrorInfo, FunctionCallParam,
     FunctionDefinition, Int32, Items, JsonSchemaFormat, NamedFunction, OpenAIBaseModel,
     ResponseFormat, Text, ToolCallParam, _Base)
@@ -177,6 +177,7 @@ class ResponsesRequest(_Base):
     user: Text | None = None  # identifiers, repeated in the response; not used
     safety_identifier: Text | None = None
     prompt_cache_key: Text | None = None
+    cache_salt: CacheSalt | None = None  # vLLM's
     # Refused unless neutral (``check``).
     top_logprobs: Int32 | None = None
     include: Items(Text) | None = None

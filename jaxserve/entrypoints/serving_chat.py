@@ -118,7 +118,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
         beams = req.use_beam_search  # its own engine requests (beam_search.py)
         lora = lora_request_of(request, model)
         with submitting(llm, [] if beams else [ids], sp, request_id,
-                        inputs.reasoning_end_id, lora) as submitted:
+                        inputs.reasoning_end_id, lora, req.cache_salt) as submitted:
             bodies = make_bodies(
                 ChatBodies, request_id, model, llm, sp, req,
                 request.app[STATE_KEY]["return_tokens_as_token_ids"],
@@ -126,7 +126,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
                 in_reasoning=inputs.in_reasoning, include_reasoning=req.include_reasoning,
                 role=req.response_role(), echo_text=req.echo_text())
             outputs = (beam_search_outputs(llm, [ids], sp, request_id, req.length_penalty,
-                                           lora) if beams else None)
+                                           lora, req.cache_salt) if beams else None)
             return await run_request(request, llm, [ids], submitted, sp, bodies,
                                      stream=bool(req.stream), echo_texts=None,
                                      deadline=deadline, outputs=outputs)

@@ -48,7 +48,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
         beams = req.use_beam_search  # its own engine requests (beam_search.py)
         lora = lora_request_of(request, model)
         with submitting(llm, [] if beams else ids_list, sp, request_id,
-                        lora_request=lora) as submitted:
+                        lora_request=lora, cache_salt=req.cache_salt) as submitted:
             echo_texts = None
             if req.echo:
                 echo_texts = [p if isinstance(p, str) else await llm.detokenize(p)
@@ -56,7 +56,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
             bodies = make_bodies(CompletionBodies, request_id, model, llm, sp, req,
                                  request.app[STATE_KEY]["return_tokens_as_token_ids"])
             outputs = (beam_search_outputs(llm, ids_list, sp, request_id, req.length_penalty,
-                                           lora) if beams else None)
+                                           lora, req.cache_salt) if beams else None)
             return await run_request(request, llm, ids_list, submitted, sp, bodies,
                                      stream=bool(req.stream), echo_texts=echo_texts,
                                      deadline=deadline, outputs=outputs)

@@ -78,7 +78,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     async with chat_inputs(request, chat, CHAT_NAMES) as inputs:
         request_id = f"resp_{uuid.uuid4().hex}"
         with submitting(llm, [inputs.ids], inputs.sp, request_id, inputs.reasoning_end_id,
-                        lora_request_of(request, model)) as submitted:
+                        lora_request_of(request, model), req.cache_salt) as submitted:
             bodies = ResponsesBodies(request_id, model, req.echo(inputs.sp, store is not None),
                                      inputs.tool_parser, on_done=None if store is None else keep,
                                      reasoning_parser=inputs.reasoning_parser,

@@ -66,12 +66,12 @@ Submitted = list[tuple[str, asyncio.Queue]]  # (engine request id, its AsyncLLM.
 @contextlib.contextmanager
 def submitting(llm: AsyncLLM, prompts: list[list[int]], sp: SamplingParams, request_id: str,
                reasoning_end_token_id: int | None = None,
-               lora_request: LoRARequest | None = None):
+               lora_request: LoRARequest | None = None, cache_salt: str | None = None):
     """Submits each prompt's engine request (``request_id``, or ``{request_id}-{i}`` for
     prompt i of several) and yields them as ``Submitted``; the requests still running are
     aborted when the block ends. Requests go to the engine before the response is set up, so
-    that the engine starts on them meanwhile. ``reasoning_end_token_id``, ``lora_request``:
-    AsyncLLM.add_request's.
+    that the engine starts on them meanwhile. ``reasoning_end_token_id``, ``lora_request``,
+    ``cache_salt``: AsyncLLM.add_request's.
 
     Raises:
       APIError: 503 when the engine is gone.
@@ -82,7 +82,7 @@ def submitting(llm: AsyncLLM, prompts: list[list[int]], sp: SamplingParams, requ
         try:
             for rid, prompt in zip(ids, prompts):
                 submitted.append((rid, llm.add_request(prompt, sp, rid, reasoning_end_token_id,
-                                                       lora_request)))
+                                                       lora_request, cache_salt)))
         except EngineDeadError as e:
             _raise_for(e)
         yield submitted

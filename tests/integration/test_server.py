@@ -131,6 +131,26 @@ def test_completion_and_stop_string(client):
     assert r.choices[0].stop_reason is None
 
 
+def test_cache_salt_parts_the_prefix_cache(client):
+    """vLLM's ``cache_salt``: a prompt is served from the prefix cache only to requests of the
+    same salt (none counts as one more salt); an empty salt is a 400."""
+    prompt = f"Request {time.time_ns()}: " + "tell me about rivers, lakes and seas. " * 8
+
+    def cached(**extra) -> int:
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0,
+                                      extra_body=extra)
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    assert cached(cache_salt="tenant-a") == 0
+    assert cached(cache_salt="tenant-a") > 0
+    assert cached(cache_salt="tenant-b") == 0
+    assert cached() == 0
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=1, extra_body={"cache_salt": ""})
+    assert e.value.body["param"] == "cache_salt"
+
+
 @pytest.mark.parametrize("kind", ["chat", "completion"])
 def test_stream_equals_non_stream(client, kind):
     q = "Name three colours of the rainbow and describe each one briefly."

@@ -44,7 +44,8 @@ class FakeLLM:
     def check_request(self, ids, sp):
         pass
 
-    def add_request(self, ids, sp, request_id, reasoning_end_token_id=None, lora_request=None):
+    def add_request(self, ids, sp, request_id, reasoning_end_token_id=None, lora_request=None,
+                    cache_salt=None):
         self.last_sampling_params = sp
         return ids  # the "queue" that outputs gets back
 

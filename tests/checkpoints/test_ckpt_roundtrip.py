@@ -1,6 +1,8 @@
 """GGUF -> HF folder -> load, HF shards, orbax save/restore, and the convert CLI."""
 
 import json
+import pathlib
+import shutil
 
 import ml_dtypes
 import numpy as np
@@ -73,6 +75,12 @@ def test_orbax_round_trip(smollm, tmp_path):
         save_orbax(tmp_path / "ob", small)
 
 
+def _tiny_hf_folder(tmp_path) -> pathlib.Path:
+    """A tiny Llama HF folder (from a tiny GGUF, tokenizer included)."""
+    make_tiny_gguf(tmp_path / "tiny.gguf", "llama")
+    return save_hf_folder(tmp_path / "tiny", load_checkpoint(str(tmp_path / "tiny.gguf")))
+
+
 def test_convert_cli_gguf_to_hf(tmp_path, capsys):
     hf = make_tiny_gguf(tmp_path / "tiny-llama.Q8_0.gguf", "llama")
     out = tmp_path / "hf"
@@ -117,6 +125,12 @@ def test_convert_cli_errors_name_the_flag(args, flag, smollm_hf_folder, default_
 def test_convert_cli_damaged_input_is_one_line(smollm_hf_folder, default_gguf, tmp_path, capsys):
     """A checkpoint that does not load, or an output that cannot be written: exit 1 with one
     line naming the flag, no traceback."""
+    tiny = _tiny_hf_folder(tmp_path)
+    for name, cut in (("cut-safetensors", lambda b: b[:len(b) // 2]),
+                      ("random-safetensors", lambda b: np.random.default_rng(0).bytes(len(b)))):
+        shutil.copytree(tiny, tmp_path / name)
+        weights = tmp_path / name / "model.safetensors"
+        weights.write_bytes(cut(weights.read_bytes()))
     (tmp_path / "text.gguf").write_text("not a GGUF\n")
     (tmp_path / "cut.gguf").write_bytes(default_gguf.read_bytes()[:5_000_000])
     (tmp_path / "bad-json").mkdir()
@@ -130,12 +144,16 @@ def test_convert_cli_damaged_input_is_one_line(smollm_hf_folder, default_gguf, t
              (tmp_path / "cut.gguf", tmp_path / "o2", "--input"),
              (tmp_path / "bad-json", tmp_path / "o3", "--input"),
              (tmp_path / "no-tokenizer", tmp_path / "o4", "--input"),
+             (tmp_path / "cut-safetensors", tmp_path / "o5", "--input"),
+             (tmp_path / "random-safetensors", tmp_path / "o6", "--input"),
              (smollm_hf_folder, tmp_path / "a-file" / "out", "--output")]
     for src, out, flag in cases:
         assert convert(["--input", str(src), "--output", str(out)]) == 1, src
         err = capsys.readouterr().err
         assert "Traceback" not in err
         assert err.strip().splitlines()[-1].startswith(f"error: {flag} "), err
+        if src.name.endswith("-safetensors"):  # safetensors' reason, naming the file
+            assert f"{src / 'model.safetensors'}: not a valid safetensors file" in err, err
 
 
 def test_convert_keeps_the_default_models_sampling_defaults(default_gguf, tmp_path):

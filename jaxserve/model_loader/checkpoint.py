@@ -71,8 +71,10 @@ class Checkpoint:
     tokenizer: object | None  # transformers.PreTrainedTokenizerFast
 
     @property
-    def architecture(self) -> str:
-        return (self.hf_config.get("architectures") or ["LlamaForCausalLM"])[0]
+    def architecture(self) -> str | None:
+        """``architectures[0]``; None where the config names none (the engine then reads its
+        ``model_type``: ``jaxserve.models.families.architecture``)."""
+        return (self.hf_config.get("architectures") or [None])[0]
 
 
 def log(msg: str) -> None:

@@ -72,11 +72,23 @@ def test_engine_start_error_one_line_exit_2():
 
 
 @pytest.mark.slow
-def test_real_engine_unusable_model_one_line_exit_2(tmp_path):
-    bogus = tmp_path / "model.gguf"
-    bogus.write_bytes(b"this is not a gguf file" * 10)
+@pytest.mark.parametrize("kind", ["not-gguf", "no-architecture"])
+def test_real_engine_unusable_model_one_line_exit_2(kind, tmp_path):
+    needles = []
+    if kind == "not-gguf":
+        bogus = tmp_path / "model.gguf"
+        bogus.write_bytes(b"this is not a gguf file" * 10)
+    else:  # an HF folder whose config.json says no model: refused as HF transformers does
+        import numpy as np
+        from safetensors.numpy import save_file
+
+        bogus = tmp_path / "folder"
+        bogus.mkdir()
+        (bogus / "config.json").write_text(json.dumps({"hidden_size": 8}))
+        save_file({"x": np.zeros(1, np.float32)}, str(bogus / "model.safetensors"))
+        needles = ["neither 'architectures' nor 'model_type'"]
     proc = _run_cli("--port", str(free_port()), "--model", str(bogus), timeout=300)
-    _one_error_line(proc, "--model", str(bogus))
+    _one_error_line(proc, "--model", str(bogus), *needles)
 
 
 def test_ctrl_c_during_start_up_leaves_no_process_or_folder(tmp_path):

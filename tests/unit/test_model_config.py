@@ -111,3 +111,22 @@ def test_gemma3_bidirectional_attention_and_a_scaled_local_rope_are_refused():
                                                              "rope_theta": 10000.0}}
     with pytest.raises(ValueError, match="sliding_attention rope_type 'linear'"):
         ModelConfig.from_hf_config({**cfg, "rope_parameters": local})
+
+
+def test_the_architecture_is_named_or_read_from_model_type():
+    """As HF's auto classes: a config without ``architectures`` is the model its ``model_type``
+    names (each family's as transformers maps it); one with neither key is refused."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from jaxserve.models.families import ARCHITECTURES
+
+    for arch, family in ARCHITECTURES.items():
+        assert MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[family.model_type] == arch
+    qwen2 = {k: v for k, v in PRESETS["qwen2.5-0.5b"].items() if k != "architectures"}
+    c = ModelConfig.from_hf_config(qwen2)
+    assert c.architecture == "Qwen2ForCausalLM" and c.attention_bias
+    with pytest.raises(ValueError, match="unsupported model_type 'falcon'"):
+        ModelConfig.from_hf_config({**qwen2, "model_type": "falcon"})
+    del qwen2["model_type"]
+    with pytest.raises(ValueError, match="neither 'architectures' nor 'model_type'"):
+        ModelConfig.from_hf_config(qwen2)

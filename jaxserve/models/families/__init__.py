@@ -17,15 +17,28 @@ ARCHITECTURES: dict[str, Family] = (llama.ARCHITECTURES | qwen.ARCHITECTURES
                                     | gemma.ARCHITECTURES | phi3.ARCHITECTURES)
 # The HF names (block, gate, up, down) of every MoE family's experts.
 EXPERT_NAMES = tuple(f.expert_names for f in ARCHITECTURES.values() if f.expert_names)
+# HF's model_type -> architecture, for a config that names no ``architectures`` (HF's auto
+# classes pick the model by model_type).
+MODEL_TYPES = {f.model_type: arch for arch, f in ARCHITECTURES.items()}
 
 
 def architecture(cfg: dict) -> str:
-    """The config's architecture (Llama where it names none).
+    """The config's architecture: its ``architectures[0]``, else its ``model_type``'s.
 
     Raises:
-      ValueError: one outside the table.
+      ValueError: a config with neither key (naming them), or an architecture or model_type
+        outside the table.
     """
-    arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
+    if cfg.get("architectures"):
+        arch = cfg["architectures"][0]
+    elif "model_type" in cfg:
+        arch = MODEL_TYPES.get(cfg["model_type"])
+        if arch is None:
+            raise ValueError(f"unsupported model_type {cfg['model_type']!r} (config.json names "
+                             f"no architectures); supported: {', '.join(MODEL_TYPES)}")
+    else:
+        raise ValueError("config.json has neither 'architectures' nor 'model_type': it does not "
+                         "say which model it is")
     if arch not in ARCHITECTURES:
         raise ValueError(f"unsupported architecture {arch!r}; supported: "
                          f"{', '.join(ARCHITECTURES)}")

@@ -18,6 +18,7 @@ class Family:
     """What one HF architecture adds to the shared decoder (``jaxserve.models.llama``).
 
     Attributes:
+      model_type: HF's ``model_type`` of the architecture's config (``llama``, ``qwen2``, ...).
       fields: the HF config (with ``defaults`` filled in) -> the ``ModelConfig`` fields the
         family sets beyond the common shapes (windows, biases, norms, experts, ...); raises
         ValueError naming a config option it does not implement.
@@ -30,6 +31,7 @@ class Family:
         family whose checkpoints store them otherwise (views, nothing read).
     """
 
+    model_type: str
     fields: Callable[[dict], dict]
     defaults: Mapping = field(default_factory=dict)
     activation_key: str = "hidden_act"

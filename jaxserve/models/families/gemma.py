@@ -47,6 +47,6 @@ def _gemma3(cfg: dict) -> dict:
 
 
 ARCHITECTURES = {
-    "Gemma2ForCausalLM": Family(_gemma2, _GEMMA2, activation_key="hidden_activation"),
-    "Gemma3ForCausalLM": Family(_gemma3, _GEMMA3, activation_key="hidden_activation"),
+    "Gemma2ForCausalLM": Family("gemma2", _gemma2, _GEMMA2, activation_key="hidden_activation"),
+    "Gemma3ForCausalLM": Family("gemma3_text", _gemma3, _GEMMA3, activation_key="hidden_activation"),
 }

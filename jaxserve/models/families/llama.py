@@ -21,7 +21,7 @@ def _mixtral(cfg: dict) -> dict:
 
 
 ARCHITECTURES = {
-    "LlamaForCausalLM": Family(_llama),
-    "MistralForCausalLM": Family(_mistral),
-    "MixtralForCausalLM": Family(_mixtral, expert_names=("block_sparse_moe", "w1", "w3", "w2")),
+    "LlamaForCausalLM": Family("llama", _llama),
+    "MistralForCausalLM": Family("mistral", _mistral),
+    "MixtralForCausalLM": Family("mixtral", _mixtral, expert_names=("block_sparse_moe", "w1", "w3", "w2")),
 }

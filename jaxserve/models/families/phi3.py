@@ -45,4 +45,4 @@ def _phi3(cfg: dict) -> dict:
     return every_layer(cfg, cfg.get("sliding_window"))
 
 
-ARCHITECTURES = {"Phi3ForCausalLM": Family(_phi3, checkpoint_names=split_fused)}
+ARCHITECTURES = {"Phi3ForCausalLM": Family("phi3", _phi3, checkpoint_names=split_fused)}

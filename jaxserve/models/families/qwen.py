@@ -60,8 +60,8 @@ def _qwen3_moe(cfg: dict) -> dict:
 
 _EXPERTS = ("mlp", "gate_proj", "up_proj", "down_proj")
 ARCHITECTURES = {
-    "Qwen2ForCausalLM": Family(_qwen2),
-    "Qwen3ForCausalLM": Family(_qwen3),
-    "Qwen2MoeForCausalLM": Family(_qwen2_moe, expert_names=_EXPERTS),
-    "Qwen3MoeForCausalLM": Family(_qwen3_moe, expert_names=_EXPERTS),
+    "Qwen2ForCausalLM": Family("qwen2", _qwen2),
+    "Qwen3ForCausalLM": Family("qwen3", _qwen3),
+    "Qwen2MoeForCausalLM": Family("qwen2_moe", _qwen2_moe, expert_names=_EXPERTS),
+    "Qwen3MoeForCausalLM": Family("qwen3_moe", _qwen3_moe, expert_names=_EXPERTS),
 }

@@ -14,8 +14,9 @@ un-permuted, tokenizer.json/tokenizer_config.json with the chat template) loads 
 sampling defaults as a ``generation_config.json`` (the default model's chat defaults for its GGUF;
 an HF folder's own file) where it has any.
 
-Exit status: 0 done; 1 an input that does not load or an output that cannot be written (one
-line on stderr); 2 a usage error.
+Exit status: 0 done; 1 an input that does not load (the engine's own checks,
+``jaxserve.models.registry.check_checkpoint``, run on it first, so what is written serves) or an
+output that cannot be written (one line on stderr); 2 a usage error.
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     from jaxserve.model_loader.generation_config import (GENERATION_CONFIG_FILE,
                                                          hf_generation_config,
                                                          load_generation_config)
+    from jaxserve.models.fp8_checkpoint import resolve_method
+    from jaxserve.models.registry import check_checkpoint
 
     src, out = pathlib.Path(args.input).expanduser(), pathlib.Path(args.output).expanduser()
     try:
@@ -79,7 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         ckpt = load_checkpoint(str(src), fmt)
         defaults = load_generation_config(str(src), fmt)
-    except (ValueError, OSError) as e:  # a damaged or incomplete checkpoint
+        # The engine's own checks (architecture, config, tensors), so that the output loads.
+        check_checkpoint(ckpt.hf_config, ckpt.weights, resolve_method(ckpt.hf_config, None))
+    except (ValueError, OSError) as e:  # a damaged, incomplete or unsupported checkpoint
         print(f"error: --input {src}: {e}", file=sys.stderr)
         return 1
     if args.num_layers is not None:

@@ -610,6 +610,33 @@ def _layer_from_hf(t: dict, dtype, layout: sharding.Layout, mesh: Mesh | None,
     return _constrain(p, mesh)
 
 
+def checked_weights(config: ModelConfig, weights: dict,
+                    quantization: "str | fp8_checkpoint.Fp8Checkpoint | None" = None) -> dict:
+    """``weights`` under Llama's names (the family's ``checkpoint_names``), checked against what
+    ``config`` reads before any tensor is read (shapes and dtypes only): every tensor of
+    ``hf_tensor_shapes`` there in its shape, and FP8 data as ``quantization`` says.
+
+    Raises:
+      ValueError: naming the first missing tensor or the first one of the wrong shape (or, of
+        FP8 data, dtype: ``fp8_checkpoint.check_tensors``).
+    """
+    rename = ARCHITECTURES[config.architecture].checkpoint_names
+    if rename is not None:
+        weights = rename(config, weights)
+    outer, layer = hf_tensor_shapes(config)
+    fp8_checkpoint.check_tensors(weights, quantization, layer, config.num_layers)
+    expected = [("", outer), *((f"model.layers.{i}.", hf_tensor_shapes(config, i)[1])
+                               for i in range(config.num_layers))]
+    for prefix, shapes in expected:
+        for name, shape in shapes.items():
+            w = weights.get(prefix + name)
+            if w is None:
+                raise ValueError(f"checkpoint lacks tensor {prefix + name!r}")
+            if tuple(w.shape) != shape:
+                raise ValueError(f"tensor {prefix + name} has shape {tuple(w.shape)}, expected {shape}")
+    return weights
+
+
 def params_from_hf(config: ModelConfig, weights: dict, dtype, mesh: Mesh | None = None,
                    quantization: "str | fp8_checkpoint.Fp8Checkpoint | None" = None) -> dict:
     """HF-named tensors (torch layouts; host arrays, or device arrays as orbax restores them) ->
@@ -624,34 +651,22 @@ def params_from_hf(config: ModelConfig, weights: dict, dtype, mesh: Mesh | None 
     are exact); FP8 checkpoint values as stored.
 
     Raises:
-      ValueError: naming the first missing tensor or the first one of the wrong shape (or, of
-        FP8 data, dtype: ``fp8_checkpoint.check_tensors``), or a mesh size the model does not
-        split into (``sharding.check_tensor_parallel``).
+      ValueError: as ``checked_weights`` (before anything is built), or a mesh size the model
+        does not split into (``sharding.check_tensor_parallel``).
     """
-
-    def read(shapes: dict, prefix: str = "", extra: tuple = ()) -> dict:
-        out = {}
-        for name, shape in shapes.items():
-            w = weights.get(prefix + name)
-            if w is None:
-                raise ValueError(f"checkpoint lacks tensor {prefix + name!r}")
-            if tuple(w.shape) != shape:
-                raise ValueError(f"tensor {prefix + name} has shape {tuple(w.shape)}, expected {shape}")
-            out[name] = w
-        return _place(out | {name: weights[prefix + name] for name in extra}, mesh)
-
     layout = sharding.Layout.of(config, sharding.mesh_size(mesh))
-    rename = ARCHITECTURES[config.architecture].checkpoint_names
-    if rename is not None:
-        weights = rename(config, weights)
+    weights = checked_weights(config, weights, quantization)
+
+    def read(names, prefix: str = "") -> dict:
+        return _place({name: weights[prefix + name] for name in names}, mesh)
+
     outer, layer = hf_tensor_shapes(config)
-    fp8_checkpoint.check_tensors(weights, quantization, layer, config.num_layers)
     scales = (tuple(fp8_checkpoint.scale_tensors(quantization, layer))
               if isinstance(quantization, fp8_checkpoint.Fp8Checkpoint) else ())
     # The embedding first: its two copies (as read, as built) then meet no layer on the device.
     params = _outer_from_hf(read(outer), dtype, layout, mesh)
-    params["layers"] = [_layer_from_hf(read(hf_tensor_shapes(config, i)[1], f"model.layers.{i}.",
-                                            scales), dtype, layout, mesh, quantization)
+    params["layers"] = [_layer_from_hf(read((*hf_tensor_shapes(config, i)[1], *scales),
+                                            f"model.layers.{i}."), dtype, layout, mesh, quantization)
                         for i in range(config.num_layers)]
     return params
 

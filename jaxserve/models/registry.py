@@ -6,8 +6,38 @@ from jax.sharding import Mesh
 
 from jaxserve.config import ModelConfig
 from jaxserve.models import fp8_checkpoint
-from jaxserve.models.llama import params_from_hf, random_params
+from jaxserve.models.llama import checked_weights, params_from_hf, random_params
 from pallas_kernels import kv_quant
+
+
+def check_checkpoint(hf_config: dict, weights: dict | None, quantization: str | None = None,
+                     max_model_len: int | None = None):
+    """What ``build_params`` checks before it builds anything, with nothing built: the model
+    config, the weight format, and (``weights`` given) every tensor's presence, shape and FP8
+    dtype (``llama.checked_weights``). ``checkpoints_tools.convert`` runs it so that what it
+    writes loads.
+
+    Returns:
+      (``ModelConfig``, the weight format: ``fp8_checkpoint.weight_format``'s).
+    Raises:
+      ValueError: as ``build_params``, but for the mesh size.
+    """
+    if quantization not in (None, "fp8", *fp8_checkpoint.METHODS):
+        raise ValueError(f"unsupported {fp8_checkpoint.FLAG} {quantization!r} "
+                         f"(fp8, {', '.join(fp8_checkpoint.METHODS)})")
+    fmt = fp8_checkpoint.weight_format(hf_config, quantization)
+    config = ModelConfig.from_hf_config(hf_config, max_model_len)
+    if fmt is not None and config.num_experts:
+        raise ValueError(f"{fp8_checkpoint.FLAG} {quantization or fmt.method}: FP8 weights of "
+                         f"mixture-of-experts models ({config.architecture}) are not supported")
+    if (isinstance(fmt, fp8_checkpoint.Fp8Checkpoint)
+            and config.architecture == "Phi3ForCausalLM"):
+        raise ValueError(f"quantization_config {fmt.method}: FP8 checkpoints of "
+                         f"{config.architecture} are not supported (--quantization fp8 "
+                         f"quantizes its bf16 checkpoint at load)")
+    if weights is not None:
+        checked_weights(config, weights, fmt)
+    return config, fmt
 
 
 def build_params(hf_config: dict, weights: dict | None, dtype, seed: int = 0,
@@ -28,22 +58,12 @@ def build_params(hf_config: dict, weights: dict | None, dtype, seed: int = 0,
       ValueError: unsupported architecture or quantization (naming --quantization or the
         ``quantization_config`` field; FP8 weights of an MoE model; an FP8 checkpoint of
         Phi-3, whose scales belong to its fused projections), a missing tensor, a tensor of
-        the wrong shape or dtype, or a mesh size that does not divide the model (naming
-        --tensor-parallel-size).
+        the wrong shape or dtype (``check_checkpoint``'s checks, the tensors' in
+        ``params_from_hf``, all before anything is built), or a mesh size that does not divide
+        the model (naming --tensor-parallel-size).
     """
-    if quantization not in (None, "fp8", *fp8_checkpoint.METHODS):
-        raise ValueError(f"unsupported {fp8_checkpoint.FLAG} {quantization!r} "
-                         f"(fp8, {', '.join(fp8_checkpoint.METHODS)})")
-    fmt = fp8_checkpoint.weight_format(hf_config, quantization)
-    config = ModelConfig.from_hf_config(hf_config, max_model_len)
-    if fmt is not None and config.num_experts:
-        raise ValueError(f"{fp8_checkpoint.FLAG} {quantization or fmt.method}: FP8 weights of "
-                         f"mixture-of-experts models ({config.architecture}) are not supported")
-    if (isinstance(fmt, fp8_checkpoint.Fp8Checkpoint)
-            and config.architecture == "Phi3ForCausalLM"):
-        raise ValueError(f"quantization_config {fmt.method}: FP8 checkpoints of "
-                         f"{config.architecture} are not supported (--quantization fp8 "
-                         f"quantizes its bf16 checkpoint at load)")
+    # The tensors are checked by params_from_hf, before it builds the first.
+    config, fmt = check_checkpoint(hf_config, None, quantization, max_model_len)
     if weights is None:
         params = random_params(config, dtype, seed, mesh, None if fmt is None else "fp8")
     else:

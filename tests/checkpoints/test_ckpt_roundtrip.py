@@ -92,8 +92,10 @@ def test_convert_cli_gguf_to_hf(tmp_path, capsys):
         np.testing.assert_array_equal(ck.weights[k], hf[k], err_msg=k)
 
 
-def test_convert_cli_hf_to_orbax(smollm, tmp_path, capsys):
-    small = _small(smollm)
+def test_convert_cli_hf_to_orbax(tmp_path, capsys):
+    small = load_checkpoint(str(_tiny_hf_folder(tmp_path)))
+    k_proj = "model.layers.0.self_attn.k_proj.weight"
+    small.weights[k_proj] = small.weights[k_proj].astype(ml_dtypes.bfloat16)
     save_hf_folder(tmp_path / "small-hf", small)
     out = tmp_path / "orbax"
     assert convert(["--input", str(tmp_path / "small-hf"), "--output", str(out)]) == 0
@@ -154,6 +156,41 @@ def test_convert_cli_damaged_input_is_one_line(smollm_hf_folder, default_gguf, t
         assert err.strip().splitlines()[-1].startswith(f"error: {flag} "), err
         if src.name.endswith("-safetensors"):  # safetensors' reason, naming the file
             assert f"{src / 'model.safetensors'}: not a valid safetensors file" in err, err
+
+
+UP = "model.layers.0.mlp.up_proj.weight"
+
+
+@pytest.mark.parametrize("config,weights", [
+    ({"architectures": ["FalconForCausalLM"]}, {}),
+    ({}, {UP: None}),
+    ({}, {UP: lambda w: w[:-1]}),
+    ({"hidden_size": None}, {}),
+], ids=["architecture", "missing-tensor", "tensor-shape", "no-hidden_size"])
+def test_convert_cli_refuses_what_the_engine_does_not_load(config, weights, tmp_path, capsys):
+    """An input the engine would refuse is refused by convert, with the engine's own message
+    (exit 1, one line), and nothing is written. ``config``: keys to set (None: to remove);
+    ``weights``: tensors to change (None: to remove)."""
+    from safetensors.numpy import load_file, save_file
+
+    from jaxserve.models.registry import build_params
+
+    src = _tiny_hf_folder(tmp_path)
+    cfg = json.loads((src / "config.json").read_text()) | config
+    (src / "config.json").write_text(json.dumps(
+        {k: v for k, v in cfg.items() if k not in config or v is not None}))
+    tensors = load_file(src / "model.safetensors")
+    tensors |= {k: change and change(tensors[k]) for k, change in weights.items()}
+    save_file({k: w for k, w in tensors.items() if w is not None}, src / "model.safetensors")
+    ckpt = load_checkpoint(str(src))
+    with pytest.raises(ValueError) as refused:  # what serve and LLM say at start-up
+        build_params(ckpt.hf_config, ckpt.weights, "float32")
+    out = tmp_path / "out"
+    assert convert(["--input", str(src), "--output", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1] == f"error: --input {src}: {refused.value}"
+    assert not out.exists()
 
 
 def test_convert_keeps_the_default_models_sampling_defaults(default_gguf, tmp_path):

@@ -31,7 +31,7 @@ def split_fused(config: ModelConfig, weights: dict) -> dict:
         for name, parts in fused.items():
             w = out.pop(f"model.layers.{i}.{name}.weight", None)
             if w is None:
-                continue  # params_from_hf names what is missing
+                continue  # llama.checked_weights names what is missing
             rows = max(stop for _, stop in parts.values())
             if tuple(w.shape) != (rows, c.hidden_size):
                 raise ValueError(f"tensor model.layers.{i}.{name}.weight has shape "

@@ -80,7 +80,8 @@ def read_header(path: pathlib.Path) -> GGUFHeader:
     the cache folder, or parsed (and then cached).
 
     Raises:
-      ValueError: an unsupported architecture or tokenizer (as ``build_hf_config`` /
+      ValueError: a file cut short (``gguf_reader.BoundedReader``, naming the tensor past its
+        end), or an unsupported architecture or tokenizer (as ``build_hf_config`` /
         ``build_tokenizer``).
     """
     path = pathlib.Path(path).resolve()
@@ -128,19 +129,19 @@ def _mapped(path: pathlib.Path, saved: dict, tokenizer_dir: pathlib.Path) -> GGU
 
 
 def _parse_and_save(path: pathlib.Path, folder: pathlib.Path) -> tuple[dict, pathlib.Path]:
-    """Parse the file (``GGUFReader``), save its header.json and tokenizer in ``folder`` (or a
+    """Parse the file (``gguf_reader.BoundedReader``), save its header.json and tokenizer in ``folder`` (or a
     temporary folder where the cache cannot be written); (header.json's content, the tokenizer
     folder)."""
-    from gguf import GGUFReader
     from gguf.quants import dequantize
 
     from jaxserve.tokenizer_io import save_tokenizer
 
     from .gguf_loader import build_hf_config, model_name, read_metadata
+    from .gguf_reader import BoundedReader
     from .gguf_tokenizer import build_tokenizer
 
     log(f"parsing GGUF header of {path}")
-    reader = GGUFReader(str(path))
+    reader = BoundedReader(path)
     meta = read_metadata(reader)
     by_name = {t.name: t for t in reader.tensors}
     raw = {}

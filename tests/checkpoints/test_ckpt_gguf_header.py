@@ -1,12 +1,13 @@
 """The GGUF header cache: a later process reads no GGUF field and gets the same checkpoint and
-tokenizer; a rewritten file is parsed again."""
+tokenizer; a rewritten file is parsed again; a file cut short fails naming what lies past its
+end."""
 
 import numpy as np
 import pytest
 from test_ckpt_tokenizer import TEXTS
 from tiny_gguf import make_tiny_gguf
 
-from jaxserve.model_loader import gguf_header, load_gguf
+from jaxserve.model_loader import gguf_header, gguf_reader, load_gguf
 
 
 @pytest.fixture
@@ -20,13 +21,12 @@ def fresh_cache(tmp_path, monkeypatch):
 def _new_process(monkeypatch):
     """Forget this process's headers and make any GGUF field parse fail, as a later process that
     must find everything in the cache folder."""
-    import gguf
 
     def no_parse(*a, **k):
         raise AssertionError("the GGUF was parsed again")
 
     monkeypatch.setattr(gguf_header, "_parsed", {})
-    monkeypatch.setattr(gguf, "GGUFReader", no_parse)
+    monkeypatch.setattr(gguf_reader, "BoundedReader", no_parse)
 
 
 def test_cached_header_gives_the_same_checkpoint(fresh_cache, tmp_path, monkeypatch):
@@ -78,21 +78,41 @@ def test_threads_share_one_parse(fresh_cache, tmp_path, monkeypatch):
     """The engine's tokenizer thread and its checkpoint load ask for the file at once: one parse."""
     import threading
 
-    import gguf
-
     path = tmp_path / "tiny.gguf"
     make_tiny_gguf(path, "llama")
     parses = []
-    real = gguf.GGUFReader
+    real = gguf_reader.BoundedReader
 
     def counted(*a, **k):
         parses.append(1)
         return real(*a, **k)
 
-    monkeypatch.setattr(gguf, "GGUFReader", counted)
+    monkeypatch.setattr(gguf_reader, "BoundedReader", counted)
     threads = [threading.Thread(target=gguf_header.read_header, args=(path,)) for _ in range(2)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     assert len(parses) == 1
+
+
+def test_truncated_file_names_what_lies_past_its_end(fresh_cache, tmp_path):
+    """gguf's own reader fails on a cut file with numpy's reshape or view errors; the loader
+    names the tensor (or the header) that the file no longer holds, and the bytes it needs."""
+    from gguf import GGUFReader
+
+    whole = tmp_path / "tiny-llama.gguf"
+    make_tiny_gguf(whole, "llama")
+    last = max(GGUFReader(str(whole)).tensors, key=lambda t: t.data_offset)
+    end = last.data_offset + last.n_bytes
+    data = whole.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[:end - 1])  # the last tensor's last byte gone
+    with pytest.raises(ValueError) as e:
+        load_gguf(cut)
+    assert str(e.value) == (f"GGUF file {cut} is truncated: tensor {last.name!r} needs bytes "
+                            f"{last.data_offset}..{end}, the file has {end - 1}")
+    cut.write_bytes(data[:100])  # inside the header's key/value metadata
+    with pytest.raises(ValueError, match=r"is truncated: its header needs bytes \d+\.\.\d+, "
+                                         r"the file has 100$"):
+        load_gguf(cut)

@@ -86,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=_port, default=8000, help="port to listen on (0: any free port)")
     p.add_argument("--served-model-name", default=None,
-                   help="the name clients send as `model` (None: the model's own name)")
+                   help=("the name clients send as `model` (None: --model as given; without "
+                         "--model, the default model's name SmolLM2-135M-Instruct)"))
     p.add_argument("--api-key", default=None, help=(
         "require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize (/health, "
         "/version and /metrics stay open); prefer the environment variable JAXSERVE_API_KEY, "
@@ -179,10 +180,9 @@ def parse_args(argv=None):
     """Parse and sanity-check the flags. Raises UsageError with a one-line message."""
     args = build_parser().parse_args(argv)
     if args.model is not None and args.load_format != "dummy":
-        path = os.path.expanduser(args.model)
-        if not os.path.exists(path):
+        # Kept as given: it is the served model name (the loader expands ~ itself).
+        if not os.path.exists(os.path.expanduser(args.model)):
             raise UsageError(f"argument --model: no such file or directory: {args.model}")
-        args.model = path
     if args.api_key is None:
         args.api_key = os.environ.get("JAXSERVE_API_KEY") or None
     if args.lora_modules and not args.enable_lora:

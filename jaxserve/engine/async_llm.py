@@ -59,7 +59,7 @@ class AsyncLLM:
 
     Attributes (valid after ``start()``):
       tokenizer: transformers fast tokenizer with the model's chat template.
-      model_name: the model's own name.
+      model_name: the model's name (``messages.Ready``'s).
       config: the configuration the engine runs with (``config.max_model_len``: the longest
         sequence, prompt + output, tokens).
       metrics: the Metrics behind ``GET /metrics``.

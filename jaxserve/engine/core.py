@@ -204,7 +204,8 @@ class EngineCore:
             f"{'' if platform.device_memory else ', where it has no effect'})")
         t0 = time.perf_counter()
         ckpt = load_checkpoint(source, fmt, with_tokenizer=False, mesh=mesh)
-        self.model_name = ckpt.name
+        # vLLM's name for a model: --model as given; the default model's is its own.
+        self.model_name = config.model or ckpt.name
         max_position_embeddings = ModelConfig.from_hf_config(ckpt.hf_config).max_position_embeddings
         config = self.config = resolve_config(config, platform, max_position_embeddings)
         dtype = jnp.dtype(config.dtype)

@@ -46,7 +46,8 @@ class Ready(msgspec.Struct, tag="ready"):
     """The engine finished start-up.
 
     Attributes:
-      model_name: the model's own name (served name default).
+      model_name: the model's name, the served name unless --served-model-name: ``--model``
+        as given, or the default model's own name (``SmolLM2-135M-Instruct``).
       config: the configuration the engine runs with (``max_model_len``: the longest
         sequence, prompt + output, tokens; ``max_num_seqs``: the most sequences in one step).
       tokenizer_dir: a folder with the tokenizer (``tokenizer_io.save_tokenizer``'s layout;

@@ -121,7 +121,8 @@ def build_app(llm: AsyncLLM, *, served_model_name: str | None = None,
 
     Args:
       llm: an AsyncLLM (it may still be starting: endpoints answer 503 until it is ready).
-      served_model_name: the name clients use in ``model``; None = the model's own name.
+      served_model_name: the name clients use in ``model``; None = the model's name
+        (``AsyncLLM.model_name``: ``--model`` as given).
       api_key: if set, /v1/*, /tokenize and /detokenize require ``Authorization: Bearer
         <api_key>`` (else 401).
       limits: the server's bounds (ServerLimits' defaults if None).

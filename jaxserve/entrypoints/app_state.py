@@ -12,7 +12,7 @@ from aiohttp import web
 from jaxserve.engine.async_llm import AsyncLLM
 
 LLM_KEY = web.AppKey("llm", AsyncLLM)
-# {"served_model_name": str | None (None: the model's own name), "created": int (unix time),
+# {"served_model_name": str | None (None: AsyncLLM.model_name), "created": int (unix time),
 #  "limits": ServerLimits, "in_flight": int (generation requests admitted and not yet answered),
 #  "tool_parser": the ToolParser class of --tool-call-parser,
 #  "reasoning_parser": the ReasoningParser class of --reasoning-parser, or None,

@@ -874,7 +874,7 @@ class ModelCard(OpenAIBaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "jaxserve"
-    root: str  # the model's own name, or a LoRA adapter's folder
+    root: str  # the model's name (--model as given), or a LoRA adapter's folder
     parent: str | None = None  # a LoRA adapter's base: the served model name
     max_model_len: int
 

@@ -49,7 +49,9 @@ class Checkpoint:
 
     Attributes:
       name: the model's own name, e.g. ``"SmolLM2-135M-Instruct"`` (GGUF file stem without the
-        quantization suffix, HF/orbax folder name, or dummy preset name).
+        quantization suffix, HF folder name, an orbax folder's source's name as converted, or
+        dummy preset name). The engine serves a model under ``--model`` as given, and under
+        this name only without one (the default model).
       hf_config: the content of a Hugging Face ``config.json`` (``architectures``, ``hidden_size``,
         ``num_attention_heads``, ``num_key_value_heads``, ``head_dim``, ``intermediate_size``,
         ``num_hidden_layers``, ``rms_norm_eps``, ``rope_theta``, ``rope_scaling``, ``vocab_size``,

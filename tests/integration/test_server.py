@@ -2,7 +2,8 @@
 
 One server per module (started once, ~30 s with a warm executable cache, a few minutes cold),
 with ``--api-key`` so the 401 path is covered too. The tests run in file order; the last one
-shuts the server down and checks that no process is left.
+shuts the server down and checks that no process is left. The served-name test runs a tiny
+checkpoint's server of its own.
 """
 
 from __future__ import annotations
@@ -332,6 +333,31 @@ def test_metrics_names(server):
                  "jaxserve:kv_cache_usage_perc", "jaxserve:num_preemptions_total"):
         assert name in m
     assert m.get("jaxserve:request_success_total", 1) >= 1
+
+
+# -- the served name ---------------------------------------------------------------------------
+
+
+def test_a_checkpoint_is_served_under_model_as_given(tmp_path):
+    """As in vLLM, ``--model PATH`` is served (and labelled in the metrics) as PATH, whatever
+    the format: here an orbax folder, which records its source's name ("tiny-llama")."""
+    from jaxserve.model_loader import load_checkpoint, save_orbax
+    from tests.checkpoints.tiny_gguf import make_tiny_gguf
+
+    make_tiny_gguf(tmp_path / "tiny-llama.gguf", "llama")
+    path = str(save_orbax(tmp_path / "o1", load_checkpoint(str(tmp_path / "tiny-llama.gguf"))))
+    srv = Server("--model", path, "--max-model-len", "128", "--max-num-seqs", "2",
+                 "--max-num-batched-tokens", "16", "--kv-cache-gib", "0.01")
+    try:
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0)
+        assert [m.id for m in client.models.list().data] == [path]
+        assert client.completions.create(model=path, prompt="ab", max_tokens=1).model == path
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="tiny-llama", prompt="ab", max_tokens=1)
+        metrics = get(f"{srv.url}/metrics")[1]
+        assert f'jaxserve:num_requests_running{{model_name="{path}"}}' in metrics
+    finally:
+        srv.stop()
 
 
 # -- errors -----------------------------------------------------------------------------------

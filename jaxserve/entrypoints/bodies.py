@@ -263,7 +263,7 @@ class CompletionBodies(ChoiceBodies):
     def _stream_choice(self, ch, text, logprobs, **ids) -> CompletionResponseStreamChoice:
         return CompletionResponseStreamChoice(index=ch.index, text=text, logprobs=logprobs,
                                               finish_reason=ch.finish_reason,
-                                              stop_reason=ch.stop_reason, **ids)
+                                              **_stop_reason(ch.finish_reason, ch), **ids)
 
     def _logprobs(self, ch: ChoiceState, entries: list[Entry]) -> CompletionLogProbs:
         out = CompletionLogProbs()
@@ -291,6 +291,7 @@ class ChatBodies(ChoiceBodies):
       tool_parser: the ToolParser class that reads tool calls out of the choices' content
         (docs/tool_calling.md), or None when the request has no tools (or ``tool_choice:
         none``). A choice that returned calls and stopped has ``finish_reason: tool_calls``.
+      tool_calls_only: the parsers drop what is not a call (ToolParser's ``calls_only``).
       reasoning_parser: the ``--reasoning-parser``'s ReasoningParser class, or None.
       in_reasoning: the output starts in the reasoning (ReasoningParser.starts_in_reasoning).
       include_reasoning: send the reasoning (False: it is dropped, the request's
@@ -303,11 +304,13 @@ class ChatBodies(ChoiceBodies):
     stream_cls = ChatCompletionStreamResponse
 
     def __init__(self, *args, tool_parser: type[ToolParser] | None = None,
+                 tool_calls_only: bool = False,
                  reasoning_parser: type[ReasoningParser] | None = None,
                  in_reasoning: bool = False, include_reasoning: bool = True,
                  role: str = "assistant", echo_text: str | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.tool_parser = tool_parser
+        self.tool_calls_only = tool_calls_only
         self.reasoning_parser = reasoning_parser
         self.in_reasoning = in_reasoning
         self.include_reasoning = include_reasoning
@@ -327,7 +330,7 @@ class ChatBodies(ChoiceBodies):
             reasoning, content = self.reasoning_parser(self.in_reasoning).extract_reasoning(content)
         finish_reason = ch.finish_reason
         if self.tool_parser is not None and content is not None:
-            parsed = self.tool_parser().extract_tool_calls(content)
+            parsed = self.tool_parser(self.tool_calls_only).extract_tool_calls(content)
             calls = [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
                      for c in parsed.tool_calls]
             content = parsed.content
@@ -362,7 +365,7 @@ class ChatBodies(ChoiceBodies):
         tool_calls = None
         if self.tool_parser is not None:
             if ch.tool_parser is None:
-                ch.tool_parser = self.tool_parser()
+                ch.tool_parser = self.tool_parser(self.tool_calls_only)
             parsed = ch.tool_parser.feed(content)
             if finish_reason is not None:
                 end = ch.tool_parser.finish()
@@ -380,7 +383,7 @@ class ChatBodies(ChoiceBodies):
             return None  # a parser holds the text back
         return ChatCompletionResponseStreamChoice(
             index=ch.index, delta=delta, logprobs=logprobs, finish_reason=finish_reason,
-            stop_reason=ch.stop_reason, **ids)
+            **_stop_reason(finish_reason, ch), **ids)
 
     def _entry(self, token: int, logprob: float) -> ChatCompletionLogProb:
         text, data = self.piece(token)
@@ -407,6 +410,11 @@ class ChatBodies(ChoiceBodies):
                 index=i, delta=DeltaMessage(content=self.echo_text))], usage_info)
                 for i in range(num_choices)]
         return out
+
+
+def _stop_reason(finish_reason: str | None, ch: ChoiceState) -> dict:
+    """A streamed choice's ``stop_reason`` field: on its finishing chunk only (null at EOS)."""
+    return {} if finish_reason is None else {"stop_reason": ch.stop_reason}
 
 
 def _finish_reason(finish_reason: str | None, num_calls: int) -> str | None:

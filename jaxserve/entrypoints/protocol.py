@@ -660,6 +660,20 @@ def _omitted_if_none():
     return Field(default=None, exclude_if=_is_none)
 
 
+class _NotGiven:
+    def __repr__(self):
+        return "NOT_GIVEN"
+
+
+NOT_GIVEN = _NotGiven()
+
+
+def _omitted_unless_given():
+    """A field absent from the JSON unless given, None included (vLLM's chunks set
+    ``stop_reason`` on a choice's finishing chunk only, null at EOS)."""
+    return Field(default=NOT_GIVEN, exclude_if=lambda value: value is NOT_GIVEN)
+
+
 class ErrorInfo(OpenAIBaseModel):
     message: str
     type: str
@@ -738,7 +752,7 @@ class CompletionResponseStreamChoice(OpenAIBaseModel):
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
-    stop_reason: int | str | None = _omitted_if_none()
+    stop_reason: int | str | None = _omitted_unless_given()
     token_ids: list[int] | None = _omitted_if_none()
     prompt_token_ids: list[int] | None = _omitted_if_none()
 
@@ -851,7 +865,7 @@ class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
     delta: DeltaMessage
     logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None
-    stop_reason: int | str | None = _omitted_if_none()
+    stop_reason: int | str | None = _omitted_unless_given()
     token_ids: list[int] | None = _omitted_if_none()
 
 

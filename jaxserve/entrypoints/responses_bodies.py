@@ -65,6 +65,7 @@ class ResponsesBodies(Bodies):
       model: the served model name.
       echo: the response object's fields that repeat the request (ResponsesRequest.echo).
       tool_parser: the ToolParser class that reads the reply's tool calls, or None.
+      tool_calls_only: it drops what is not a call (ToolParser's ``calls_only``).
       on_done: called with the finished response before it is sent (the store keeps it).
       reasoning_parser: the ReasoningParser class of ``--reasoning-parser``, or None.
       in_reasoning: the reply starts in the reasoning (ReasoningParser.starts_in_reasoning).
@@ -77,12 +78,12 @@ class ResponsesBodies(Bodies):
                  tool_parser: type[ToolParser] | None,
                  on_done: Callable[[Response], None] | None = None,
                  reasoning_parser: type[ReasoningParser] | None = None,
-                 in_reasoning: bool = False):
+                 in_reasoning: bool = False, tool_calls_only: bool = False):
         super().__init__(request_id, model)
         self.echo = echo
         self.on_done = on_done
         self.output: list[OutputItem] = []
-        self._parser = None if tool_parser is None else tool_parser()
+        self._parser = None if tool_parser is None else tool_parser(tool_calls_only)
         self._thinking = (reasoning_parser(in_reasoning)
                           if reasoning_parser is not None and in_reasoning else None)
         self._reasoning: ReasoningItem | None = None  # open until the content starts

@@ -45,6 +45,8 @@ class ChatInputs:
       sp: its SamplingParams, ``max_tokens`` set.
       tool_parser: the ToolParser class that reads the reply's tool calls; None when the
         request has no tools, or ``tool_choice: none``.
+      tool_calls_only: its ``tool_choice`` is enforced (``required`` or a named function): the
+        reply is calls only (ToolParser's ``calls_only``).
       reasoning_parser: the ReasoningParser class of ``--reasoning-parser``, or None.
       in_reasoning: the reply starts in the reasoning (ReasoningParser.starts_in_reasoning).
       reasoning_end_id: the token that ends the reasoning, for the engine to start the
@@ -55,6 +57,7 @@ class ChatInputs:
     ids: list[int]
     sp: SamplingParams
     tool_parser: type[ToolParser] | None
+    tool_calls_only: bool = False
     reasoning_parser: type[ReasoningParser] | None = None
     in_reasoning: bool = False
     reasoning_end_id: int | None = None
@@ -107,7 +110,8 @@ async def chat_inputs(request: web.Request, req: ChatCompletionRequest,
         # that ends it (an end tag that is no single token cannot be seen: it starts at once).
         end_id = (llm.vocabulary_id(reasoning_parser.end_tag)
                   if in_reasoning and sp.structured_outputs is not None else None)
-        yield ChatInputs(ids, sp, tool_parser, reasoning_parser, in_reasoning, end_id)
+        yield ChatInputs(ids, sp, tool_parser, tool_choice not in (None, "auto"),
+                         reasoning_parser, in_reasoning, end_id)
 
 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
@@ -122,7 +126,8 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
             bodies = make_bodies(
                 ChatBodies, request_id, model, llm, sp, req,
                 request.app[STATE_KEY]["return_tokens_as_token_ids"],
-                tool_parser=inputs.tool_parser, reasoning_parser=inputs.reasoning_parser,
+                tool_parser=inputs.tool_parser, tool_calls_only=inputs.tool_calls_only,
+                reasoning_parser=inputs.reasoning_parser,
                 in_reasoning=inputs.in_reasoning, include_reasoning=req.include_reasoning,
                 role=req.response_role(), echo_text=req.echo_text())
             outputs = (beam_search_outputs(llm, [ids], sp, request_id, req.length_penalty,

@@ -82,7 +82,8 @@ async def create_response(request: web.Request) -> web.StreamResponse:
             bodies = ResponsesBodies(request_id, model, req.echo(inputs.sp, store is not None),
                                      inputs.tool_parser, on_done=None if store is None else keep,
                                      reasoning_parser=inputs.reasoning_parser,
-                                     in_reasoning=inputs.in_reasoning)
+                                     in_reasoning=inputs.in_reasoning,
+                                     tool_calls_only=inputs.tool_calls_only)
             return await run_request(request, llm, [inputs.ids], submitted, inputs.sp, bodies,
                                      stream=bool(req.stream), echo_texts=None,
                                      deadline=deadline)

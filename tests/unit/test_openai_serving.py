@@ -126,14 +126,15 @@ def test_completion_stream():
     status, ctype, text = _call("/v1/completions", {"prompt": "hi", "stream": True})
     assert status == 200 and ctype == "text/event-stream"
     head = {"object": "text_completion", "model": "fake-model"}
-    # No chunk for the EOS alone until the output finishes; no usage key without include_usage.
+    # No chunk for the EOS alone until the output finishes; no usage key without include_usage;
+    # stop_reason on the finishing chunk only (vLLM's).
     assert _events(text) == [
         {**head, "choices": [{"index": 0, "text": "Hel", "logprobs": None,
                               "finish_reason": None}]},
         {**head, "choices": [{"index": 0, "text": "lo é", "logprobs": None,
                               "finish_reason": None}]},
         {**head, "choices": [{"index": 0, "text": "", "logprobs": None,
-                              "finish_reason": "stop"}]},
+                              "finish_reason": "stop", "stop_reason": None}]},
         "[DONE]"]
 
 
@@ -144,8 +145,9 @@ def test_chat_stream_with_usage_and_token_ids():
     head = {"object": "chat.completion.chunk", "model": "fake-model"}
 
     def choice(delta, finish_reason=None, **ids):
+        stop_reason = {} if finish_reason is None else {"stop_reason": None}
         return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason,
-                **ids}
+                **stop_reason, **ids}
 
     assert _events(text) == [
         {**head, "choices": [choice({"role": "assistant", "content": ""})],

@@ -163,6 +163,9 @@ def test_enforced_tool_choice_runs_under_its_grammar(validator, tool_choice, str
     assert grammar == expected
     if tool_choice != "none":
         assert body["choices"][0]["finish_reason"] == "tool_calls"
+        # An enforced choice's reply is calls only: text around them is no content.
+        calls_only = enforced not in (None, "auto")
+        assert body["choices"][0]["message"]["content"] == (None if calls_only else "Checking.")
 
 
 @pytest.mark.parametrize("constraint", [{"response_format": {"type": "json_object"}},

@@ -32,10 +32,10 @@ LLAMA31_CALL = ('{"name": "get_current_conditions", "parameters": {"location": "
                 'CA", "unit": "Fahrenheit"}}')
 
 
-def _stream(name: str, text: str, cuts: list[int]):
+def _stream(name: str, text: str, cuts: list[int], calls_only: bool = False):
     """(content or None, [(id, name, arguments)]) from streaming ``text`` cut at ``cuts``; checks
     the fragments' shape on the way."""
-    parser = TOOL_PARSERS[name]()
+    parser = TOOL_PARSERS[name](calls_only)
     content, calls = "", []
     pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
     for delta in [parser.feed(p) for p in pieces] + [parser.finish()]:
@@ -50,15 +50,15 @@ def _stream(name: str, text: str, cuts: list[int]):
     return content or (None if calls else ""), [tuple(c) for c in calls]
 
 
-def parse(name: str, text: str):
+def parse(name: str, text: str, calls_only: bool = False):
     """The whole result, after checking that streaming in any chunks gives the same."""
-    whole = TOOL_PARSERS[name]().extract_tool_calls(text)
+    whole = TOOL_PARSERS[name](calls_only).extract_tool_calls(text)
     result = (whole.content, [(c.name, c.arguments) for c in whole.tool_calls])
     rng = random.Random(text)
     for cuts in [list(range(1, len(text)))] + [
             sorted(rng.sample(range(1, len(text)), min(k, max(len(text) - 1, 0))))
             for k in (2, 5, 9)]:
-        content, calls = _stream(name, text, cuts)
+        content, calls = _stream(name, text, cuts, calls_only)
         assert (content, [c[1:] for c in calls]) == result, cuts
         assert all(c[0].startswith("call_") and len(c[0]) == 29 for c in calls)
     ids = [c.id for c in whole.tool_calls]
@@ -114,6 +114,16 @@ def test_hermes_call_cut_short_keeps_partial_arguments():
     # Cut before its arguments: "" (not "{}", which would pass for a complete call)
     assert parse("hermes", '<tool_call>\n{"name": "f", "') == (None, [("f", "")])
     assert parse("llama3_json", '{"name": "f", "parameters": ') == (None, [("f", "")])
+
+
+def test_calls_only_drops_what_is_no_call():
+    """Under an enforced tool_choice the reply is calls only: a call cut before its name is
+    complete, and the markup around calls, are no content."""
+    cut = QWEN25_PARALLEL[:QWEN25_PARALLEL.index("get_temperature_date") + 8]
+    assert parse("hermes", cut, calls_only=True) == (None, [
+        ("get_current_temperature", '{"location": "San Francisco, CA, USA"}')])
+    assert parse("hermes", '<tool_call>\n{"name": "', calls_only=True) == ("", [])
+    assert parse("hermes", '<tool_call>\n{"name": "') == ('<tool_call>\n{"name": "', [])
 
 
 def test_hermes_keeps_special_tokens():

@@ -68,7 +68,12 @@ class ExtractedToolCalls:
 
 
 class ToolParser(abc.ABC):
-    """Attributes:
+    """Args:
+      calls_only: the reply holds calls only (an enforced ``tool_choice``: ``required`` or a
+        named function): what is not a call is the format's markup, or a call cut before its
+        name was complete, and is dropped instead of sent as content.
+
+    Attributes:
       arguments_keys: the call object's keys for its arguments (CallObject).
       call_start, call_end, call_separator: the format's text around and between calls.
       num_calls: calls started so far (their name sent).
@@ -82,7 +87,8 @@ class ToolParser(abc.ABC):
     call_end: str = ""
     call_separator: str = ""
 
-    def __init__(self):
+    def __init__(self, calls_only: bool = False):
+        self.calls_only = calls_only
         self.num_calls = 0
         self._buf = ""  # text received and not consumed yet
         self._call: CallObject | None = None
@@ -98,11 +104,16 @@ class ToolParser(abc.ABC):
         out = ParsedDelta()
         self._buf += text
         self._consume(out)
-        return out
+        return self._sent(out)
 
     def finish(self) -> ParsedDelta:
         out = ParsedDelta()
         self._finish(out)
+        return self._sent(out)
+
+    def _sent(self, out: ParsedDelta) -> ParsedDelta:
+        if self.calls_only:
+            out.content = ""
         return out
 
     def extract_tool_calls(self, text: str) -> ExtractedToolCalls:

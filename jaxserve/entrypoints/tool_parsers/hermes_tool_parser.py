@@ -40,8 +40,8 @@ class Hermes2ProToolParser(ToolParser):
     call_end = "\n" + TOOL_CALL_END
     call_separator = "\n"
 
-    def __init__(self):
-        super().__init__()
+    def __init__(self, calls_only: bool = False):
+        super().__init__(calls_only)
         self._state = "content"  # content | open (after the start tag) | call | close
         self._held = ""  # content held back: whitespace, or a block's opening
         self._has_content = False  # some content was sent

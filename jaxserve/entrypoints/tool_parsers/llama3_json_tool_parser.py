@@ -23,8 +23,8 @@ class Llama3JsonToolParser(ToolParser):
     arguments_keys = ("parameters", "arguments")
     call_separator = "; "
 
-    def __init__(self):
-        super().__init__()
+    def __init__(self, calls_only: bool = False):
+        super().__init__(calls_only)
         self._state = "start"  # start | between (calls) | call | content
 
     def _consume(self, out: ParsedDelta) -> None:

@@ -68,7 +68,7 @@ def _json_list(text: str) -> list[str]:
         value = None
     if not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
         raise argparse.ArgumentTypeError(f"expected a JSON list of strings such as "
-                                         f"'[\"https://app.example\"]', got {text!r}")
+                                         f"'[\"*\"]', got {text!r}")
     return value
 
 

@@ -31,7 +31,7 @@ import json
 from typing import Annotated, Any, Literal
 
 import pydantic
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 
 from jaxserve.entrypoints.tool_parsers.call_object import json_as
 from jaxserve.exceptions import ValidationError
@@ -53,7 +53,7 @@ Int32 = Annotated[int, Field(ge=-INT32_MAX - 1, le=INT32_MAX)]
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]  # the vocabulary check comes later
 # vLLM's cache_salt: the prefix cache shares pages only among requests of the same salt
-CacheSalt = Annotated[Text, Field(min_length=1)]
+CacheSalt = Annotated[str, StringConstraints(min_length=1), AfterValidator(_utf8)]
 
 
 def Items(item: Any) -> Any:

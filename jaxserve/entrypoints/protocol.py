@@ -194,10 +194,10 @@ class _SamplingFields(_Base):
             raise ValidationError("prompt_logprobs: prompt log-probabilities are not "
                                   "available when stream is true", parameter="prompt_logprobs")
         if self.use_beam_search:
-            given = [f for f in ("stop", "logit_bias", "allowed_token_ids", "logprobs",
-                                 "prompt_logprobs", "response_format", "structured_outputs",
-                                 "guided_json", "guided_regex", "guided_choice",
-                                 "guided_grammar", "tools")
+            given = [f for f in ("stop", "stop_token_ids", "logit_bias", "allowed_token_ids",
+                                 "logprobs", "prompt_logprobs", "response_format",
+                                 "structured_outputs", "guided_json", "guided_regex",
+                                 "guided_choice", "guided_grammar", "tools")
                      if getattr(self, f, None)]
             if given:
                 raise ValidationError(f"{given[0]}: not supported with use_beam_search",

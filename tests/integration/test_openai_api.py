@@ -607,7 +607,7 @@ def test_beam_search(server, client, hf_smollm):
             texts[ch.index] = texts.get(ch.index, "") + (ch.delta.content or "")
     assert [texts[0], texts[1]] == [ch.message.content for ch in whole.choices]
     for extra, param in (({"n": 11}, "n"), ({"logprobs": 1}, "logprobs"),
-                         ({"stop": ["x"]}, "stop")):
+                         ({"stop": ["x"]}, "stop"), ({"stop_token_ids": [30]}, "stop_token_ids")):
         status, err = _post(server, "/v1/completions", {
             "model": MODEL, "prompt": prompt, "use_beam_search": True, **extra})
         assert status == 400 and err["error"]["param"] == param, err

@@ -29,7 +29,7 @@ The other scenarios print one JSON line with their measurements and ``ok``:
 - ``poison``: a body that would overflow int32 in the engine step (``top_k`` 2**31) is sent
   while 8 streams run: it must get a 400 and all 8 streams must complete.
 - ``big-prompt``: a ``--big-prompt-mb`` MB prompt: rejected within 1 s, ``/health`` (probed every
-  10 ms from another thread) answering within 100 ms meanwhile, the server's RSS growing by less
+  10 ms from a process of its own) answering within 100 ms meanwhile, the server's RSS growing by less
   than 200 MB (sampled every 10 ms).
 - ``overload``: ``--num-streams`` requests at once against a server whose
   ``--max-waiting-requests`` they exceed: the refused ones get 503 with ``Retry-After`` (or, past
@@ -47,6 +47,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import multiprocessing
 import os
 import random
 import signal
@@ -293,6 +294,41 @@ def _health_ms(url: str):
     return probe
 
 
+def _probe_health(url: str, period_s: float, done, conn) -> None:
+    """A _HealthSampler's process: probe until ``done`` is set, then send the latencies."""
+    probe, values = _health_ms(url), []
+    values.append(probe())
+    conn.send(None)  # started
+    while not done.is_set():
+        time.sleep(period_s)
+        values.append(probe())
+    conn.send(values)
+
+
+class _HealthSampler:
+    """``/health`` latencies in ms, probed every ``period_s`` s from a process of its own: a
+    thread of this process would time this process's GIL too, which sending a 50 MB body holds
+    for tens of ms at a time while the server answers in a few."""
+
+    def __init__(self, url: str, period_s: float = 0.01):
+        ctx = multiprocessing.get_context("spawn")
+        self._done = ctx.Event()
+        self._recv, send = ctx.Pipe(duplex=False)
+        self._proc = ctx.Process(target=_probe_health, args=(url, period_s, self._done, send),
+                                 daemon=True)
+
+    def start(self) -> None:
+        """Returns once the first probe has been answered."""
+        self._proc.start()
+        self._recv.recv()
+
+    def stop(self) -> list:
+        self._done.set()
+        values = self._recv.recv()
+        self._proc.join()
+        return values
+
+
 def _server_rss(args):
     return lambda: rss_mb(args.server_pid).get(args.server_pid, 0.0)
 
@@ -300,7 +336,7 @@ def _server_rss(args):
 async def scenario_big_prompt(session, args) -> dict:
     body = json.dumps({"prompt": "a" * int(args.big_prompt_mb * 1e6), "max_tokens": 2}).encode()
     rss0 = _server_rss(args)()
-    health, rss = _Sampler(_health_ms(args.url)), _Sampler(_server_rss(args))
+    health, rss = _HealthSampler(args.url), _Sampler(_server_rss(args))
     health.start(), rss.start()
     await asyncio.sleep(0.2)
     t0 = time.monotonic()

@@ -35,8 +35,10 @@ class CompletionOutput:
       text: generated text, special tokens and a matched stop string left out (unless
         include_stop_str_in_output / skip_special_tokens say otherwise).
       token_ids: generated token ids (an EOS or stop token id that ended it included).
-      finish_reason: "stop" (EOS, stop token id or stop string) or "length"
-        (max_tokens or max_model_len).
+      finish_reason: "stop" (EOS, stop token id or stop string), "length"
+        (max_tokens or max_model_len), or "error" (``jaxserve.LLM``: its structured-outputs
+        constraint failed while it generated; the engine's logger has the message; the
+        server answers such a request with an error instead).
       stop_reason: the stop string or ``stop_token_ids`` entry that ended it, if any (None
         at EOS, as vLLM).
       logprobs: one PositionLogprobs per token of token_ids when the request asked for

@@ -1,7 +1,8 @@
 """Structured-output specs whose depth is the attack: chains of Lark rules and of JSON-schema
 ``$ref`` definitions, as deep as the spec-size limit (MAX_STRUCTURED_OUTPUT_CHARS) lets them be.
 llguidance compiles them by native recursion: on a thread's default 8 MiB stack a chain of
-~3,000 rules, or ~1,500 definitions, overflowed it (a segfault of the whole process)."""
+~3,000 rules, or ~1,500 definitions, overflowed it (a segfault of the whole process). And one whose breadth is: a grammar that
+compiles and fails only while it generates."""
 
 from __future__ import annotations
 
@@ -24,6 +25,12 @@ def rule_chain(n: int, terminal: str = "") -> str:
     """``start: a0``, ``a0: a1 <terminal>``, ..., ``a<n>: "x"``: a Lark chain n rules deep."""
     return (f"start: {_name(0)}\n" + "".join(f"{_name(i)}: {_name(i + 1)}{terminal}\n"
                                              for i in range(n)) + f'{_name(n)}: "x"\n')
+
+
+def wide_choice_grammar(alternatives: int = 2100) -> str:
+    """A valid Lark grammar whose second token meets a limit of llguidance's (at most 2,000
+    Earley items in a row): the first mask is fine, the one after "[" fails."""
+    return 'start: "[" x "]"\nx: ' + " | ".join(f'"v{i}"' for i in range(alternatives))
 
 
 def ref_chain(n: int, wrap=lambda ref: {"items": ref}) -> dict:

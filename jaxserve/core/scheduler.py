@@ -28,7 +28,10 @@ earlier token: under async scheduling, after the previous step's (EngineCore.ste
 docs/structured_outputs.md). A sequence still in the model's reasoning (``--reasoning-parser``)
 gets an all-allowed row, and its matcher starts after the token that ends the reasoning. A
 sequence with ``allowed_token_ids`` is constrained too: its fixed row is ANDed into its grammar's
-(or an all-allowed) row.
+(or an all-allowed) row. A matcher that fails while its sequence generates (a limit of
+llguidance's, met only by some grammars and only deep into an output) allows only EOS: that
+token is dropped and the sequence ends with finish_reason "error" and the matcher's message
+(``EngineCoreOutput.error``), not as a "stop" whose text breaks the constraint.
 
 With speculative decoding (``spec_config``, docs/spec_decode.md) a running sequence that decodes
 gets up to k draft tokens: with the n-gram method k draft slots whose tokens the step makes
@@ -437,8 +440,15 @@ class Scheduler:
                 if req.status == running:  # rejected drafts' positions are computed again
                     req.num_computed_tokens -= len(drafts) + 1 - len(tokens)
             first_output = req.num_output_tokens == 0
-            reason = stop_reason = None
-            for n, token in enumerate(tokens, 1):
+            reason = stop_reason = error = None
+            n = 0  # tokens emitted
+            for token in tokens:
+                if req.grammar is not None and req.grammar.is_error():
+                    # llguidance failed a mask (one of its LIMITS, past which a valid spec's
+                    # lexer or parser grows): the token drawn under it (EOS) is not the grammar's.
+                    reason, error = "error", _grammar_error(req.grammar)
+                    break
+                n += 1
                 req.all_token_ids.append(token)
                 if req.reasoning_end_token_id is not None:
                     if token == req.reasoning_end_token_id:  # the grammar starts with the next
@@ -449,7 +459,7 @@ class Scheduler:
                 reason, stop_reason = self._check_stop(req, token)
                 if reason is not None:  # accepted drafts after a stop are dropped
                     break
-            if req.status == running:
+            if req.status == running and error is None:
                 self.kv.cache_full_pages(req)
                 if rid in output.draft_token_ids and reason is None:
                     self._model_drafts[rid] = (req.num_tokens, output.draft_token_ids[rid])
@@ -465,6 +475,7 @@ class Scheduler:
                 EngineCoreOutput(
                     req.request_id, tokens[:n], reason, stop_reason,
                     req.num_prompt_tokens, req.num_cached_tokens, logprobs, prompt_lp, *times,
+                    error=error,
                 )
             )
             if reason is not None:
@@ -516,6 +527,13 @@ class Scheduler:
         if not self.max_loras:
             return []
         return sorted({r.lora_request.lora_name for r in requests if r.lora_request})
+
+
+def _grammar_error(matcher) -> str:
+    """The message of a request whose matcher failed while it generated."""
+    why = matcher.get_error().replace("<non-verbose/>", "").strip()
+    return (f"structured_outputs: the constraint failed during generation: {why} (a limit of "
+            "the grammar engine, llguidance; a simpler constraint avoids it)")
 
 
 def _valid_prefix(drafts, vocab_size: int) -> list[int]:

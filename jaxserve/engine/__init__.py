@@ -73,7 +73,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
       new_token_ids: tokens emitted this step: one, or with speculative decoding the accepted
         drafts and the sampled token.
       finish_reason: None while running; "stop" (EOS or a stop token id), "length"
-        (max_tokens or max_model_len) or "abort".
+        (max_tokens or max_model_len), "abort", or "error" (its structured-outputs grammar
+        failed while it generated; ``error`` says why).
       stop_reason: the ``stop_token_ids`` entry that ended it, if any (None at EOS, as vLLM).
       num_prompt_tokens: prompt length, tokens.
       num_cached_tokens: prompt tokens served from the prefix cache, tokens.
@@ -85,6 +86,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
         scheduled before its first token (a preemption during its prefill schedules it again):
         the start of its queue and prefill phases (vLLM's QUEUED and SCHEDULED events). The API
         process compares them only with the engine's own times (``messages.Outputs.timestamp``).
+      error: with finish_reason "error", the message for the client.
     """
 
     request_id: str
@@ -97,6 +99,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     new_prompt_logprobs: LogprobsLists | None = None
     queued_ts: float = 0.0
     scheduled_ts: float = 0.0
+    error: str | None = None
 
     @property
     def finished(self) -> bool:

@@ -19,6 +19,7 @@ tokens it generated (EOS / stop token included; their text is not).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -27,6 +28,8 @@ from jaxserve.engine.detokenizer import IncrementalDetokenizer, TokenPieces
 from jaxserve.lora.request import LoRARequest
 from jaxserve.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from jaxserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("jaxserve.engine")
 
 
 class RequestError(RuntimeError):
@@ -174,7 +177,9 @@ class OutputProcessor:
 
         An error while handling one request's output (a queued request: the server) fails that
         request alone with a RequestError, and it is aborted in the engine; the others go on.
-        Without a queue (offline) the error is raised.
+        Without a queue (offline) the error is raised. A choice the engine ended with
+        finish_reason "error" fails its request the same way (kind "invalid_request");
+        offline, the choice ends with that finish_reason and its message is logged.
         """
         to_abort, returned = [], []
         now = time.monotonic()
@@ -187,6 +192,13 @@ class OutputProcessor:
             st, index = hit
             if st.choices[index].finished:
                 continue  # a stop string ended it; tokens already in flight are dropped
+            if o.finish_reason == "error":
+                if st.queue is not None:  # served: the request fails (400: its constraint)
+                    st.choices[index].finished = True
+                    to_abort += self.abort_request(st.request_id)
+                    st.queue.put_nowait(RequestError(o.error, "invalid_request"))
+                    continue
+                logger.warning("request %s, choice %d: %s", st.request_id, index, o.error)
             try:
                 out, abort = self._process_one(st, index, o, now, engine_time)
             except Exception as e:

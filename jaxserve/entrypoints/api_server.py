@@ -3,13 +3,14 @@
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses, GET and DELETE
 /v1/responses/{id}, POST /v1/responses/{id}/cancel, GET /v1/models, GET /v1/models/{model}, POST
 /v1/load_lora_adapter and /v1/unload_lora_adapter (with runtime LoRA updating), POST /tokenize,
-POST /detokenize (handled in the serving_*.py modules), GET /health, GET /version, GET /metrics,
+POST /detokenize (handled in the serving_*.py modules), GET /health, GET and POST /ping (vLLM's,
+for SageMaker: /health's answer), GET /version, GET /metrics,
 GET /metrics/summary (metrics_summary.py), and the playground's GET / and GET /static/{name}
 (playground.py). Every error, including unknown routes and unexpected exceptions, is an OpenAI
 error body ``{"error": {"message", "type", "param", "code"}}``; tracebacks go to the server log
 only.
 
-``/health``, ``/version``, ``/metrics`` and ``/metrics/summary`` need no API key, as in vLLM:
+``/health``, ``/ping``, ``/version``, ``/metrics`` and ``/metrics/summary`` need no API key, as in vLLM:
 Prometheus scrapers seldom send one, and the metrics hold counts, no request content
 (docs/reliability.md: restrict them at a reverse proxy if that matters). Nor do the playground's
 files, which hold no data. ``/tokenize`` and ``/detokenize`` need it (vLLM leaves them open).
@@ -162,6 +163,8 @@ def build_app(llm: AsyncLLM, *, served_model_name: str | None = None,
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/health", _health)
+    app.router.add_get("/ping", _health)
+    app.router.add_post("/ping", _health)
     app.router.add_get("/version", _version_route)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/metrics/summary", metrics_summary)

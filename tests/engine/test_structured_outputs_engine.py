@@ -136,3 +136,21 @@ def test_grammar_bombs_in_the_offline_engine(smollm_llm):
                                                          grammar=rule_chain(3000, ' "0"'))),
                               use_tqdm=False)[0].outputs[0]
     assert out.text.startswith("x") and set(out.text) <= {"x", "0"}, out.text
+
+
+def test_a_grammar_that_fails_while_generating_ends_with_error(smollm_llm, caplog):
+    """The matcher fails after the first token: the choice ends with finish_reason "error"
+    (not a "stop" whose text breaks the grammar), the message is logged, and the request
+    beside it is unaffected."""
+    from tests.grammar_bombs import wide_choice_grammar
+
+    sps = [SamplingParams(max_tokens=8, temperature=0, structured_outputs=
+                          StructuredOutputsParams(grammar=wide_choice_grammar())),
+           SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)]
+    with caplog.at_level("WARNING", logger="jaxserve.engine"):
+        failed, other = smollm_llm.generate(["Pick one.", "Count: 1, 2,"], sps, use_tqdm=False)
+    c = failed.outputs[0]
+    assert c.finish_reason == "error" and c.text == "[", c
+    assert "max is 2000" in caplog.text and "failed during generation" in caplog.text
+    assert other.outputs[0].finish_reason == "length" and len(other.outputs[0].token_ids) == 8
+    assert not smollm_llm.engine.scheduler.has_unfinished_requests()

@@ -441,6 +441,8 @@ def test_api_key_401(server):
     assert _post(server, "/v1/completions", body,
                  headers={"Authorization": f"bearer {API_KEY}"})[0] == 200
     assert get(f"{server.url}/health")[0] == 200  # health and metrics need no key
+    assert json.loads(get(f"{server.url}/ping")[1]) == {"status": "ok"}  # vLLM's, GET and POST
+    assert _post(server, "/ping", "", headers={})[0] == 200
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{server.url}/v1", api_key="nope").models.list()
 

@@ -203,3 +203,23 @@ def test_grammar_bombs_get_a_400_or_an_answer_and_the_server_serves_on(small_ser
             assert "levels deep" in r.json()["error"]["message"]
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert _chat(client, "Say hi.", max_tokens=4)[0]
+
+
+def test_a_grammar_that_fails_while_generating_is_an_error(small_server, client):
+    """A valid grammar whose matcher fails after "[" (a limit of llguidance's): a 400 naming
+    the failure, and in a stream an error event after the "[" (the openai client raises it),
+    never a "stop" whose text breaks the grammar; the server serves on."""
+    from tests.grammar_bombs import wide_choice_grammar
+
+    body = {"structured_outputs": {"grammar": wide_choice_grammar()}, "max_tokens": 8,
+            "temperature": 0}
+    with pytest.raises(openai.BadRequestError, match="failed during generation"):
+        _chat(client, "Pick one.", extra_body=body)
+    streamed = ""
+    with pytest.raises(openai.APIError, match="max is 2000"):
+        for chunk in client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "Pick one."}], stream=True,
+                extra_body=body):
+            streamed += "".join(c.delta.content or "" for c in chunk.choices)
+    assert streamed == "["
+    assert _chat(client, "Say hi.", max_tokens=4)[0]

@@ -66,9 +66,24 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True):
       grammar: a Lark grammar as llguidance takes it (a GBNF grammar is converted); Lark
         rules may embed a JSON schema with ``%json { ... }``.
       json_object: True: the output is one JSON object (OpenAI's ``json_object`` mode).
+      structural_tag: vLLM's structural tag, as JSON text: ``{"structures": [{"begin",
+        "schema", "end"}, ...], "triggers": [...]}``: free text in which each ``begin`` (it
+        starts with one of the triggers) is followed by JSON of its ``schema``, then ``end``.
 
-    The engine compiles it with llguidance (``jaxserve.structured_output``); here only its
-    shape and size are checked.
+    and vLLM's options of a JSON constraint (json or json_object; the others ignore them):
+      disable_any_whitespace: None or True: JSON is written compactly (no whitespace between
+        tokens; this server's default, where vLLM's is False); False: any JSON whitespace.
+      whitespace_pattern: a regex of the whitespace allowed between JSON tokens.
+      disable_additional_properties: True: an object schema with ``properties`` (or
+        ``patternProperties``) and no ``additionalProperties`` gets ``"additionalProperties":
+        false`` (vLLM's walk of the schema).
+      disable_fallback: accepted and without effect: there is one grammar backend.
+
+    The options are folded into the schema when it is made (``additionalProperties``, and
+    llguidance's ``x-guidance`` whitespace settings where the schema has none of its own), so
+    ``json`` holds the constraint as compiled; json_object with an option becomes that schema
+    of ``{"type": "object"}``. The engine compiles it with llguidance
+    (``jaxserve.structured_output``); here only its shape and size are checked.
 
     Raises:
       ValidationError: from ``__post_init__``, on ``structured_outputs``, for none or
@@ -80,20 +95,55 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True):
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_any_whitespace: bool | None = None
+    whitespace_pattern: str | None = None
+    disable_additional_properties: bool = False
+    disable_fallback: bool = False
 
     def __post_init__(self):
-        given = [k for k in self.__struct_fields__ if getattr(self, k) not in (None, False)]
+        given = [k for k in _CONSTRAINTS if getattr(self, k) not in (None, False)]
         if len(given) != 1:
-            raise ValidationError("structured_outputs: give exactly one of json, regex, choice, "
-                                  f"grammar and json_object, got {given or 'none'}",
-                                  parameter="structured_outputs")
+            raise ValidationError("structured_outputs: give exactly one of "
+                                  f"{', '.join(_CONSTRAINTS[:-1])} and {_CONSTRAINTS[-1]}, got "
+                                  f"{given or 'none'}", parameter="structured_outputs")
         if self.choice is not None and not 0 < len(self.choice) <= 1024:
             raise ValidationError("structured_outputs: choice needs 1 to 1024 strings",
                                   parameter="structured_outputs")
+        self._fold_json_options()
         if len(self.key[1]) > MAX_STRUCTURED_OUTPUT_CHARS:
             raise ValidationError(f"structured_outputs: the {given[0]} spec exceeds "
                                   f"{MAX_STRUCTURED_OUTPUT_CHARS} characters",
                                   parameter="structured_outputs")
+
+    def _fold_json_options(self) -> None:
+        """Write the JSON options into the schema (idempotent: a decoded copy folds again)."""
+        guidance = {}
+        if self.disable_any_whitespace is False:
+            guidance["whitespace_flexible"] = True
+        if self.whitespace_pattern is not None:
+            guidance["whitespace_pattern"] = self.whitespace_pattern
+        if not (guidance or self.disable_additional_properties):
+            return
+        if self.json_object:
+            self.json, self.json_object = {"type": "object"}, None
+        if self.json is None:
+            return
+        schema = self.json
+        try:  # a copy (JSON text round trip: as deep as the key's own dumps allows)
+            schema = _json.loads(schema if isinstance(schema, str) else _json.dumps(schema))
+        except ValueError:
+            return  # not JSON: the compiler's error names it
+        if not isinstance(schema, dict):
+            return
+        if self.disable_additional_properties:
+            _close_objects(schema)
+        if guidance:
+            own = schema.setdefault("x-guidance", {})
+            if isinstance(own, dict):
+                for k, v in guidance.items():
+                    own.setdefault(k, v)
+        self.json = schema
 
     @property
     def key(self) -> tuple[str, str]:
@@ -109,7 +159,28 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True):
             return "choice", _json.dumps(self.choice)
         if self.grammar is not None:
             return "grammar", self.grammar
+        if self.structural_tag is not None:
+            return "structural_tag", self.structural_tag
         return "json_object", ""
+
+
+_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+def _close_objects(schema: dict) -> None:
+    """vLLM's ``disable_additional_properties``: every dict in ``schema`` with ``properties``
+    or ``patternProperties`` and no ``additionalProperties`` gets it false. In place, without
+    recursion (a schema may nest as deep as JSON parsing allows)."""
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if "additionalProperties" not in node and (
+                    "properties" in node or "patternProperties" in node):
+                node["additionalProperties"] = False
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True):

@@ -105,22 +105,39 @@ class JsonSchemaFormat(_Base):
     strict: bool | None = None
 
 
-class ResponseFormat(_Base):
-    """OpenAI's ``response_format``, on both endpoints."""
+class StructuralTagItem(_Base):
+    """One structure of vLLM's structural tag: ``begin``, JSON of ``schema``, ``end``."""
 
-    type: Literal["text", "json_object", "json_schema"]
+    begin: Text
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    end: Text
+
+
+class ResponseFormat(_Base):
+    """OpenAI's ``response_format``, on both endpoints, and vLLM's ``structural_tag`` type
+    (``structures`` and ``triggers``)."""
+
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+    structures: Items(StructuralTagItem) | None = None
+    triggers: Items(Text) | None = None
 
 
 class StructuredOutputsField(_Base):
     """vLLM's ``structured_outputs`` request field: one of json (a schema), regex, choice,
-    grammar, json_object (StructuredOutputsParams)."""
+    grammar, json_object, structural_tag, and the options of a JSON constraint
+    (StructuredOutputsParams has them all)."""
 
     json_: dict[str, Any] | Text | None = Field(default=None, alias="json")
     regex: Text | None = None
     choice: Items(Text) | None = None
     grammar: Text | None = None
     json_object: bool | None = None
+    structural_tag: Text | None = None
+    disable_any_whitespace: bool | None = None
+    whitespace_pattern: Text | None = None
+    disable_additional_properties: bool = False
+    disable_fallback: bool = False
 
 
 # Request fields that the model's generation config fills in when a request leaves them out
@@ -169,6 +186,7 @@ class _SamplingFields(_Base):
     guided_regex: Text | None = None
     guided_choice: Items(Text) | None = None
     guided_grammar: Text | None = None
+    guided_whitespace_pattern: Text | None = None  # of a JSON constraint
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: Text | None = None  # accepted, as OpenAI's end-user id; not used
@@ -229,11 +247,19 @@ class _SamplingFields(_Base):
                                       "json_schema", parameter="response_format")
             schema = rf.json_schema.schema_
             given.append(("response_format", {"json": {} if schema is None else schema}))
+        elif rf is not None and rf.type == "structural_tag":
+            if rf.structures is None or rf.triggers is None:
+                raise ValidationError("response_format: a structural_tag takes structures and "
+                                      "triggers (xgrammar's newer form, with format, is not "
+                                      "supported)", parameter="response_format")
+            given.append(("response_format", {"structural_tag": json.dumps({
+                "structures": [s.model_dump(by_alias=True) for s in rf.structures],
+                "triggers": rf.triggers})}))
         if self.structured_outputs is not None:
             so = self.structured_outputs
-            given.append(("structured_outputs", {
-                "json": so.json_, "regex": so.regex, "choice": so.choice,
-                "grammar": so.grammar, "json_object": so.json_object}))
+            given.append(("structured_outputs", {  # its own fields: unknown keys are logged
+                StructuredOutputsField.model_fields[k].alias or k: getattr(so, k)
+                for k in so.model_fields_set if k in StructuredOutputsField.model_fields}))
         for kind in ("json", "regex", "choice", "grammar"):
             if getattr(self, f"guided_{kind}") is not None:
                 given.append((f"guided_{kind}", {kind: getattr(self, f"guided_{kind}")}))
@@ -244,6 +270,8 @@ class _SamplingFields(_Base):
                                   f"{' and '.join(field for field, _ in given)}",
                                   parameter=given[1][0])
         field, kw = given[0]
+        if self.guided_whitespace_pattern is not None:
+            kw.setdefault("whitespace_pattern", self.guided_whitespace_pattern)
         try:
             return StructuredOutputsParams(**kw), field
         except ValidationError as e:

@@ -144,9 +144,12 @@ async def parse_request(request: web.Request, model_cls):
     except pydantic.ValidationError as e:
         err = field_error(e)
         raise APIError(400, str(err), param=err.parameter) from None
-    if req.model_extra:
-        names = itertools.islice(req.model_extra, _MAX_LOGGED_FIELDS)  # in body order
-        more = len(req.model_extra) - _MAX_LOGGED_FIELDS
+    so = getattr(req, "structured_outputs", None)
+    unknown = [*(req.model_extra or ()),
+               *(f"structured_outputs.{k}" for k in (so.model_extra if so else None) or ())]
+    if unknown:
+        names = itertools.islice(unknown, _MAX_LOGGED_FIELDS)  # in body order
+        more = len(unknown) - _MAX_LOGGED_FIELDS
         logger.warning("ignoring unknown fields in %s request: %s%s", request.path,
                        ", ".join(clip(n) for n in names), f" and {more} more" if more > 0 else "")
     bad = req.unsupported_field() if hasattr(req, "unsupported_field") else None

@@ -167,15 +167,10 @@ def grammar_text(params: StructuredOutputsParams) -> str:
     kind, _ = params.key
     try:
         if kind == "json":
-            schema = params.json
-            if isinstance(schema, str):
-                schema = json.loads(schema)
-            if not isinstance(schema, dict):
-                raise ValueError("a JSON schema is a JSON object")
-            if schema_depth(schema) > MAX_SCHEMA_DEPTH:
-                raise ValueError(f"the schema nests more than {MAX_SCHEMA_DEPTH} levels deep "
-                                 "(objects and arrays, through local $refs)")
+            schema = _checked_schema(params.json)
             return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
+        if kind == "structural_tag":
+            return _structural_tag_grammar(params.structural_tag)
         if kind == "json_object":
             return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"},
                                                                  defaults=_JSON_OPTIONS)
@@ -186,6 +181,52 @@ def grammar_text(params: StructuredOutputsParams) -> str:
         return llguidance.grammar_from("grammar", params.grammar)
     except (ValueError, TypeError, RecursionError) as e:
         raise ValidationError(f"{kind}: {e}", parameter="structured_outputs") from None
+
+
+def _checked_schema(schema) -> dict:
+    """A JSON schema (a dict or its text) as a dict, within MAX_SCHEMA_DEPTH. Raises
+    ValueError."""
+    if isinstance(schema, str):
+        schema = json.loads(schema)
+    if not isinstance(schema, dict):
+        raise ValueError("a JSON schema is a JSON object")
+    if schema_depth(schema) > MAX_SCHEMA_DEPTH:
+        raise ValueError(f"the schema nests more than {MAX_SCHEMA_DEPTH} levels deep "
+                         "(objects and arrays, through local $refs)")
+    return schema
+
+
+def _structural_tag_grammar(text: str) -> str:
+    """The Lark grammar of vLLM's structural tag (its JSON text: ``{"structures": [{"begin",
+    "schema", "end"}], "triggers": [...]}``), as vLLM's llguidance backend builds it: one
+    ``llguidance.StructTag`` per structure, under the trigger its ``begin`` starts with; the
+    text around the tags is free. Its JSON is compact, as every JSON constraint's here.
+    Raises ValueError naming what is malformed."""
+    tag = json.loads(text)
+    if not isinstance(tag, dict) or "format" in tag:
+        raise ValueError('a structural tag is a JSON object {"structures": [...], "triggers": '
+                         "[...]} (xgrammar's newer form, with \"format\", is not supported)")
+    triggers, structures = tag.get("triggers"), tag.get("structures")
+    if not (isinstance(triggers, list) and triggers
+            and all(isinstance(t, str) and t for t in triggers)):
+        raise ValueError("triggers: a list of one or more non-empty strings")
+    if not (isinstance(structures, list) and structures):
+        raise ValueError("structures: a list of one or more {begin, schema, end} objects")
+    tags = []
+    for i, st in enumerate(structures):
+        if not (isinstance(st, dict) and isinstance(st.get("begin"), str)
+                and isinstance(st.get("end"), str)):
+            raise ValueError(f"structures[{i}]: an object with begin and end strings and a "
+                             "schema")
+        schema = _checked_schema(st.get("schema") or {})
+        schema = {**schema, "x-guidance": {**_JSON_OPTIONS, **schema.get("x-guidance", {})}}
+        trigger = next((t for t in triggers if st["begin"].startswith(t)), None)
+        if trigger is None:
+            raise ValueError(f"structures[{i}]: begin {st['begin']!r} starts with none of the "
+                             "triggers")
+        tags.append(llguidance.StructTag(trigger=trigger, begin=st["begin"], grammar=schema,
+                                         end=st["end"]))
+    return llguidance.StructTag.to_grammar(tags)
 
 
 def compile_matcher(ll_tokenizer: llguidance.LLTokenizer,

@@ -223,3 +223,25 @@ def test_a_grammar_that_fails_while_generating_is_an_error(small_server, client)
             streamed += "".join(c.delta.content or "" for c in chunk.choices)
     assert streamed == "["
     assert _chat(client, "Say hi.", max_tokens=4)[0]
+
+
+def test_structural_tag_and_json_options_over_the_server(client):
+    """vLLM's structural tag (response_format, completions): after the trigger the text is the
+    tag's begin, JSON of its schema and its end; free text elsewhere. vLLM's JSON options in
+    structured_outputs reach the grammar (disable_additional_properties closes the object)."""
+    tag = {"type": "structural_tag", "triggers": ["The"], "structures": [
+        {"begin": "The answer is ", "schema": {"type": "integer", "minimum": 0,
+                                                "maximum": 99}, "end": "."}]}
+    texts = [c.text for c in client.completions.create(
+        model=MODEL, prompt="Q: What is 2 + 2?\nA:", max_tokens=24, n=4, seed=3,
+        temperature=0.8, extra_body={"response_format": tag}).choices]
+    assert any("The" in t for t in texts), texts  # the tag is exercised
+    for t in texts:
+        for after in t.split("The")[1:]:
+            assert re.match(r" answer is [0-9]{1,2}\.", after), t
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}},
+              "required": ["name"]}
+    text, reason = _chat(client, "Give a name as JSON.", max_tokens=40, temperature=0,
+                         extra_body={"structured_outputs": {
+                             "json": schema, "disable_additional_properties": True}})
+    assert reason == "stop" and list(json.loads(text)) == ["name"], text

@@ -63,6 +63,14 @@ def _chat(**body):
     ({"guided_choice": ["a", "b"]}, "guided_choice", SO(choice=["a", "b"])),
     ({"guided_json": json.dumps(SCHEMA)}, "guided_json", SO(json=json.dumps(SCHEMA))),
     ({"guided_grammar": 'start: "x"'}, "guided_grammar", SO(grammar='start: "x"')),
+    ({"structured_outputs": {"json": SCHEMA, "disable_fallback": True, "unknown": 1}},
+     "structured_outputs", SO(json=SCHEMA, disable_fallback=True)),
+    ({"guided_json": SCHEMA, "guided_whitespace_pattern": "[ ]?"}, "guided_json",
+     SO(json=SCHEMA, whitespace_pattern="[ ]?")),
+    ({"response_format": {"type": "structural_tag", "triggers": ["<f="], "structures": [
+        {"begin": "<f=a>", "schema": SCHEMA, "end": "</f>"}]}}, "response_format",
+     SO(structural_tag=json.dumps({"structures": [{"begin": "<f=a>", "schema": SCHEMA,
+                                                   "end": "</f>"}], "triggers": ["<f="]}))),
 ])
 def test_request_fields_make_one_constraint(body, field, expected):
     for req in (_chat(**body), CompletionRequest.model_validate({"prompt": "x", **body})):
@@ -76,6 +84,8 @@ def test_request_fields_make_one_constraint(body, field, expected):
     ({"structured_outputs": {}}, "structured_outputs"),
     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
     ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
+    ({"structured_outputs": {"disable_any_whitespace": False}}, "structured_outputs"),
+    ({"response_format": {"type": "structural_tag", "format": {}}}, "response_format"),
 ])
 def test_bad_constraint_fields_name_the_field(body, field):
     with pytest.raises(ValueError, match=f"^{field}: "):
@@ -90,6 +100,50 @@ def test_bad_constraint_fields_name_the_field(body, field):
 def test_compile_errors_name_the_kind(tokenizer, manager, so, kind):
     with pytest.raises(ValueError, match=f"^{kind}: "):
         manager.grammar_init(so)
+
+
+def _accepts(tokenizer, manager, so: SO, text: str) -> bool:
+    """Whether the constraint's matcher takes ``text`` whole (tokenized as the model would)."""
+    m = manager.grammar_init(so)
+    return m.consume_tokens(tokenizer.encode(text, add_special_tokens=False)) and not m.is_error()
+
+
+def test_json_options_as_vllm(tokenizer, manager):
+    """vLLM's options of a JSON constraint: compact JSON by default, any whitespace with
+    disable_any_whitespace false, a whitespace_pattern, disable_additional_properties closing
+    the objects that list properties (folded into the schema, idempotently)."""
+    open_schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    cases = [({}, '{"a":1}', True), ({}, '{ "a": 1}', False),
+             ({"disable_any_whitespace": False}, '{\n  "a": 1\n}', True),
+             ({"whitespace_pattern": "[ ]?"}, '{ "a": 1}', True),
+             ({"whitespace_pattern": "[ ]?"}, '{\n"a":1}', False),
+             ({}, '{"a":1,"b":2}', True), ({"disable_additional_properties": True}, '{"a":1,"b":2}', False),
+             ({"disable_any_whitespace": False}, '{ }', False)]
+    for options, text, ok in cases:
+        assert _accepts(tokenizer, manager, SO(json=open_schema, **options), text) == ok, (options, text)
+    assert _accepts(tokenizer, manager, SO(json_object=True, disable_any_whitespace=False), '{ }')
+    folded = SO(json=open_schema, disable_additional_properties=True, whitespace_pattern=" ")
+    assert folded.json["additionalProperties"] is False and "additionalProperties" not in open_schema
+    import msgspec
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(folded), type=SO) == folded
+
+
+def test_structural_tag_as_vllm(tokenizer, manager):
+    """Free text around tags; after a trigger, the tag's begin, JSON of its schema, its end."""
+    tag = json.dumps({"triggers": ["<function="], "structures": [
+        {"begin": "<function=add>", "schema": SCHEMA, "end": "</function>"},
+        {"begin": "<function=now>", "schema": None, "end": "</function>"}]})
+    so = SO(structural_tag=tag)
+    assert _accepts(tokenizer, manager, so, 'Sure. <function=add>{"a":3}</function> Done.')
+    assert _accepts(tokenizer, manager, so, "No call at all.")
+    assert not _accepts(tokenizer, manager, so, '<function=add>{"a":30}</function>')
+    assert not _accepts(tokenizer, manager, so, "<function=sub>")
+    for bad, why in [('{"format": {}}', "format"), ('{"structures": [], "triggers": ["<"]}',
+                                                     "structures"),
+                     ('{"structures": [{"begin": "<x>", "end": ""}], "triggers": ["<f"]}',
+                      "none of the triggers"), ("[1]", "JSON object")]:
+        with pytest.raises(ValueError, match=f"^structural_tag: .*{why}"):
+            manager.grammar_init(SO(structural_tag=bad))
 
 
 def _allowed(row: np.ndarray, vocab: int) -> np.ndarray:

@@ -58,8 +58,10 @@ must be computed), and its prompt chunks are capped so that one step never holds
 
 LoRA (``max_loras`` > 0, docs/lora.md): the running requests use at most ``max_loras`` distinct
 adapters (vLLM's rule, counted over every running request so that any step of them fits the
-device pool); a waiting request whose adapter would be one too many waits, and so do the
-requests behind it (arrival order is kept).
+device pool). A waiting request whose adapter would be one too many keeps its place, and the
+base model's requests behind it are admitted (vLLM's skipped waiting requests); the adapters'
+requests behind it wait too, so that the running adapters drain and it gets its turn (under
+vLLM's rule, a busy adapter's new requests could hold its slot for ever).
 """
 
 import time
@@ -238,12 +240,13 @@ class Scheduler:
         waiting = self.waiting
         kv = self.kv
         loras = {r.lora_int_id for r in running if r.lora_int_id} if self.max_loras else set()
+        skipped: list[Request] = []  # adapters' requests that wait for a slot, in order
         while waiting and budget > 0 and len(running) < self.max_num_seqs and not preempted:
             req = waiting[0]
-            if req.lora_int_id and req.lora_int_id not in loras:
-                if len(loras) == self.max_loras:
-                    break
-                loras.add(req.lora_int_id)
+            if req.lora_int_id and (skipped or (req.lora_int_id not in loras
+                                                and len(loras) == self.max_loras)):
+                skipped.append(waiting.popleft())
+                continue
             plp = req.needs_prompt_logprobs
             computed = kv.get_computed_pages(req) if req.num_computed_tokens == 0 and not plp else []
             num_cached = len(computed) * kv.page_size
@@ -260,10 +263,13 @@ class Scheduler:
             if req.num_output_tokens == 0:
                 req.scheduled_ts = time.monotonic()
             req.status = RequestStatus.RUNNING
+            if req.lora_int_id:
+                loras.add(req.lora_int_id)
             running.append(req)
             out.new_reqs.append(self._new_request_data(req))
             self._schedule(out, req, n, forks)
             budget -= n
+        waiting.extendleft(reversed(skipped))  # they keep their places
         for req in forks:
             self._fork(out, req)
         out.total_num_scheduled_tokens = self.max_num_batched_tokens - budget

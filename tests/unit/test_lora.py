@@ -173,6 +173,27 @@ def test_running_requests_use_at_most_max_loras_adapters():
     assert len(done) == 8
 
 
+def test_a_request_waiting_for_an_adapter_slot_holds_up_only_adapters_requests():
+    """Adapters 1 and 2 run (max_loras 2); adapter 3's request waits for a slot: the base
+    model's requests behind it start at once, adapter 1's behind it wait with it (so adapter 1
+    drains), and it starts once a running adapter's last request has finished."""
+    sched = Scheduler(KVCacheManager(256, 4), max_num_seqs=8, max_num_batched_tokens=64,
+                      max_model_len=128, eos_token_ids=(0,), max_loras=2)
+    for i, lora_id in enumerate([1, 2, 3, 0, 1, 0]):
+        sched.add_request(_request(str(i), [10 + i] * 5, lora_id))
+    steps = []
+
+    def record(out):
+        steps.append([r.req_id for r in out.new_reqs])
+        if len(steps) == 1:
+            assert [r.request_id for r in sched.waiting] == ["2", "4"]  # in order
+
+    done = run_to_completion(sched, FakeRunner(256, 4), on_step=record)
+    assert len(done) == 6 and steps[0] == ["0", "1", "3", "5"]
+    start = {rid: i for i, step in enumerate(steps) for rid in step}
+    assert start["2"] <= start["4"]  # adapter 1's later request never passes adapter 3
+
+
 def test_prefix_cache_pages_are_keyed_by_adapter():
     kv = KVCacheManager(64, 4)
     prompt = list(range(20, 33))

@@ -48,7 +48,8 @@ VLLM_NAMES = frozenset({
     "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos",
     "request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
     "request_inference_time_seconds", "request_params_n", "request_params_max_tokens",
-    "request_max_num_generation_tokens"})
+    "request_max_num_generation_tokens", "time_per_output_token_seconds",
+    "request_time_per_output_token_seconds"})
 # The n parameter's histogram buckets (vLLM's).
 _N_BUCKETS = (1, 2, 5, 10, 20)
 
@@ -177,6 +178,16 @@ class Metrics:
             self.name("inter_token_latency_seconds"), "Time between a choice's successive "
             "outputs of new tokens, seconds.", labels, buckets=_INTER_TOKEN_BUCKETS,
             registry=reg)
+        # vLLM V1 records the same values under its older name, which dashboards built for
+        # vLLM (its Grafana example's TPOT panel) still query.
+        self.time_per_output_token = Histogram(
+            self.name("time_per_output_token_seconds"), "inter_token_latency_seconds under "
+            "vLLM's older name (the same values).", labels, buckets=_INTER_TOKEN_BUCKETS,
+            registry=reg)
+        self.request_tpot = Histogram(
+            self.name("request_time_per_output_token_seconds"), "A choice's decode time over "
+            "its tokens after the first, seconds (choices of two or more tokens).", labels,
+            buckets=_INTER_TOKEN_BUCKETS, registry=reg)
         self.e2e = Histogram(self.name("e2e_request_latency_seconds"),
                              "Time from arrival to the last token, seconds.", labels,
                              buckets=_LATENCY_BUCKETS, registry=reg)
@@ -209,12 +220,14 @@ class Metrics:
         # request finishes: a client diffing the counters sees 0 tokens, not a missing metric.
         for metric in (self.prompt_tokens, self.request_prompt_tokens,
                        self.request_generation_tokens, self.ttft, self.e2e, *self.phases,
+                       self.request_tpot,
                        self.request_params_n, self.request_params_max_tokens,
                        self.request_max_num_generation_tokens):
             metric.labels(*self.label_values)
         # The series recorded once per output, looked up once.
         self._generation_tokens = self.generation_tokens.labels(*self.label_values)
         self._inter_token = self.inter_token.labels(*self.label_values)
+        self._time_per_output_token = self.time_per_output_token.labels(*self.label_values)
         for reason in ("overloaded", "timeout"):
             self.rejected.labels(*self.label_values, reason)
 
@@ -256,12 +269,18 @@ class Metrics:
         self._generation_tokens.inc(num_tokens)
         if gap_s is not None:
             self._inter_token.observe(gap_s)
+            self._time_per_output_token.observe(gap_s)
 
-    def record_phases(self, queue_s: float, prefill_s: float, decode_s: float) -> None:
-        """A choice ended: its queue, prefill and decode phases, seconds (the engine's clock)."""
+    def record_phases(self, queue_s: float, prefill_s: float, decode_s: float,
+                      num_tokens: int) -> None:
+        """A choice of ``num_tokens`` generated tokens ended: its queue, prefill and decode
+        phases, seconds (the engine's clock), and its time per output token after the first
+        (vLLM's mean_time_per_output_token)."""
         v = self.label_values
         for hist, value in zip(self.phases, (queue_s, prefill_s, decode_s, prefill_s + decode_s)):
             hist.labels(*v).observe(value)
+        if num_tokens > 1:
+            self.request_tpot.labels(*v).observe(decode_s / (num_tokens - 1))
 
     def record_finished(self, finish_reason: str, prompt_tokens: int, output_tokens: list[int],
                         e2e_s: float, max_tokens: int | None) -> None:

@@ -261,7 +261,8 @@ class OutputProcessor:
         if choice.finished and choice.scheduled_ts and self.metrics is not None:
             self.metrics.record_phases(choice.scheduled_ts - choice.queued_ts,
                                        choice.first_token_ts - choice.scheduled_ts,
-                                       engine_time - choice.first_token_ts)
+                                       engine_time - choice.first_token_ts,
+                                       choice.num_output_tokens)
         logprobs = cumulative = None
         if o.new_logprobs is not None:
             logprobs = self._logprobs(o.new_logprobs)

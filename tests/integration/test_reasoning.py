@@ -260,6 +260,8 @@ def test_vllm_metric_names_and_labels(server, client, model):
     assert summary["generation_tokens"] == final["vllm:generation_tokens_total"]
     assert summary["inter_token_latency_seconds"]["count"] == \
         final["vllm:inter_token_latency_seconds_count"]
+    assert final["vllm:time_per_output_token_seconds_sum"] == \
+        final["vllm:inter_token_latency_seconds_sum"]  # vLLM's older name, the same values
     assert summary["time_to_first_token_seconds"]["count"] == \
         final["vllm:time_to_first_token_seconds_count"]
 
@@ -289,3 +291,6 @@ def test_vllm_request_phase_metrics(server, client, model):
     assert delta("request_params_n_count") == 1 and delta("request_params_n_sum") == 2
     assert delta("request_params_max_tokens_sum") == 6
     assert delta("request_max_num_generation_tokens_sum") == 6
+    # Each choice's decode time over its 5 tokens after the first.
+    assert delta("request_time_per_output_token_seconds_count") == 2
+    assert delta("request_time_per_output_token_seconds_sum") == pytest.approx(decode / 5)

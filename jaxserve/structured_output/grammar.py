@@ -179,8 +179,11 @@ def grammar_text(params: StructuredOutputsParams) -> str:
         if kind == "choice":
             return llguidance.grammar_from("choice", params.choice)
         return llguidance.grammar_from("grammar", params.grammar)
-    except (ValueError, TypeError, RecursionError) as e:
+    except (ValueError, TypeError) as e:
         raise ValidationError(f"{kind}: {e}", parameter="structured_outputs") from None
+    except RecursionError:  # GBNF's conversion to Lark, a schema's JSON text: recursive parsers
+        raise ValidationError(f"{kind}: the spec nests too deeply to read",
+                              parameter="structured_outputs") from None
 
 
 def _checked_schema(schema) -> dict:

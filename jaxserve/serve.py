@@ -26,6 +26,7 @@ import resource
 import signal
 import socket
 import sys
+from collections.abc import Callable
 
 from jaxserve.distributed import check_hosts
 from jaxserve.engine.arg_utils import HelpFormatter, add_cli_args, bounded, from_cli_args
@@ -46,7 +47,9 @@ class UsageError(Exception):
     """A bad flag value: one line, exit code 2."""
 
 
-class _Parser(argparse.ArgumentParser):
+class UsageParser(argparse.ArgumentParser):
+    """argparse whose errors are UsageError (one line, exit code 2) instead of usage + exit."""
+
     def error(self, message):  # one clear line instead of usage + error
         raise UsageError(message)
 
@@ -81,13 +84,10 @@ def _lora_module(text: str) -> tuple[str, str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=PROG, description="OpenAI-compatible LLM server on JAX/XLA.",
+    p = UsageParser(prog=PROG, description="OpenAI-compatible LLM server on JAX/XLA.",
                 formatter_class=HelpFormatter)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=_port, default=8000, help="port to listen on (0: any free port)")
-    p.add_argument("--served-model-name", default=None,
-                   help=("the name clients send as `model` (None: --model as given; without "
-                         "--model, the default model's name SmolLM2-135M-Instruct)"))
     p.add_argument("--api-key", default=None, help=(
         "require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize (/health, "
         "/version and /metrics stay open); prefer the environment variable JAXSERVE_API_KEY, "
@@ -102,23 +102,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the headers a cross-origin request may send, a JSON list")
     p.add_argument("--allow-credentials", action="store_true",
                    help="cross-origin requests may carry cookies or HTTP authentication")
-    p.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS),
-                   default=DEFAULT_TOOL_PARSER, help=(
-                       "the format of the model's tool calls: hermes (Hermes 2 Pro, Qwen2.5, and "
-                       "the format rendered for chat templates without tools, as the default "
-                       "model's) or llama3_json (Llama 3.1 / 3.2); docs/tool_calling.md"))
-    p.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None, help=(
-        "split a reasoning model's output into `reasoning` (and `reasoning_content`) and "
-        "`content` in chat completions: deepseek_r1 (DeepSeek-R1, QwQ) or qwen3; output "
-        "constraints and tool parsing start after the reasoning; docs/reasoning.md"))
-    p.add_argument("--return-tokens-as-token-ids", action="store_true", help=(
-        "write tokens in log-probabilities as 'token_id:{id}' (a request's "
-        "return_tokens_as_token_ids overrides it)"))
-    p.add_argument("--lora-modules", type=_lora_module, nargs="+", default=[],
-                   metavar="NAME=PATH", help=(
-                       "LoRA adapters (PEFT folders) served from the start under these names, "
-                       "with --enable-lora; POST /v1/load_lora_adapter adds more when "
-                       f"{RUNTIME_LORA_ENV}=1 (docs/lora.md)"))
     p.add_argument("--metrics-prefix", choices=METRICS_PREFIXES, default="jaxserve", help=(
         "vllm: the /metrics that vLLM has too are named vllm:* with vLLM's labels, for vLLM's "
         "dashboards; docs/architecture.md, \"Engine stats\""))
@@ -150,7 +133,42 @@ def build_parser() -> argparse.ArgumentParser:
         "times a dead engine process is started again (in-flight requests fail, new ones get "
         "503 until it is back); after that the server exits with code 3 (0: exit at once, for "
         "a supervisor to restart)"))
+    return add_app_args(p)
+
+
+def add_app_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Adds the flags that shape the API's answers (``--served-model-name``, the tool-call and
+    reasoning parsers, ``--return-tokens-as-token-ids``, ``--lora-modules``) and every engine
+    flag (``arg_utils.add_cli_args``): the server's and ``jaxserve.entrypoints.run_batch``'s.
+    Returns ``p``."""
+    p.add_argument("--served-model-name", default=None,
+                   help=("the name clients send as `model` (None: --model as given; without "
+                         "--model, the default model's name SmolLM2-135M-Instruct)"))
+    p.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS),
+                   default=DEFAULT_TOOL_PARSER, help=(
+                       "the format of the model's tool calls: hermes (Hermes 2 Pro, Qwen2.5, and "
+                       "the format rendered for chat templates without tools, as the default "
+                       "model's) or llama3_json (Llama 3.1 / 3.2); docs/tool_calling.md"))
+    p.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None, help=(
+        "split a reasoning model's output into `reasoning` (and `reasoning_content`) and "
+        "`content` in chat completions: deepseek_r1 (DeepSeek-R1, QwQ) or qwen3; output "
+        "constraints and tool parsing start after the reasoning; docs/reasoning.md"))
+    p.add_argument("--return-tokens-as-token-ids", action="store_true", help=(
+        "write tokens in log-probabilities as 'token_id:{id}' (a request's "
+        "return_tokens_as_token_ids overrides it)"))
+    p.add_argument("--lora-modules", type=_lora_module, nargs="+", default=[],
+                   metavar="NAME=PATH", help=(
+                       "LoRA adapters (PEFT folders) served from the start under these names, "
+                       "with --enable-lora; POST /v1/load_lora_adapter adds more when "
+                       f"{RUNTIME_LORA_ENV}=1 (docs/lora.md)"))
     return add_cli_args(p)
+
+
+def app_options(args) -> dict:
+    """``build_app``'s keyword arguments of the flags ``add_app_args`` adds."""
+    return dict(served_model_name=args.served_model_name, tool_call_parser=args.tool_call_parser,
+                reasoning_parser=args.reasoning_parser,
+                return_tokens_as_token_ids=args.return_tokens_as_token_ids)
 
 
 def server_limits(args) -> ServerLimits:
@@ -179,12 +197,23 @@ def _raise_fd_limit(needed: int) -> int:
 def parse_args(argv=None):
     """Parse and sanity-check the flags. Raises UsageError with a one-line message."""
     args = build_parser().parse_args(argv)
+    if args.api_key is None:
+        args.api_key = os.environ.get("JAXSERVE_API_KEY") or None
+    check_app_args(args)
+    if args.num_hosts > 1 and args.max_engine_restarts:
+        # The other hosts' processes end with host 0's engine: one could not restart alone.
+        _say(f"--num-hosts {args.num_hosts}: no engine restarts (--max-engine-restarts 0)")
+        args.max_engine_restarts = 0
+    return args
+
+
+def check_app_args(args) -> None:
+    """What can be checked of ``add_app_args``' flags before the model is loaded: the model's
+    path, ``--lora-modules``' folders, ``--host-id``. Raises UsageError naming the flag."""
     if args.model is not None and args.load_format != "dummy":
         # Kept as given: it is the served model name (the loader expands ~ itself).
         if not os.path.exists(os.path.expanduser(args.model)):
             raise UsageError(f"argument --model: no such file or directory: {args.model}")
-    if args.api_key is None:
-        args.api_key = os.environ.get("JAXSERVE_API_KEY") or None
     if args.lora_modules and not args.enable_lora:
         raise UsageError("argument --lora-modules: needs --enable-lora")
     for name, path in args.lora_modules:  # what can be checked before the model is loaded
@@ -196,11 +225,6 @@ def parse_args(argv=None):
         check_hosts(from_cli_args(args))
     except ValueError as e:
         raise UsageError(f"argument --host-id: {e}") from None
-    if args.num_hosts > 1 and args.max_engine_restarts:
-        # The other hosts' processes end with host 0's engine: one could not restart alone.
-        _say(f"--num-hosts {args.num_hosts}: no engine restarts (--max-engine-restarts 0)")
-        args.max_engine_restarts = 0
-    return args
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -228,7 +252,7 @@ async def serve(args, sock: socket.socket) -> int:
     """Run the server until a signal; returns the exit code."""
     from aiohttp import web
 
-    from jaxserve.engine.async_llm import AsyncLLM, EngineStartError
+    from jaxserve.engine.async_llm import AsyncLLM
     from jaxserve.entrypoints.api_server import build_app
     from jaxserve.entrypoints.limits import CappedSockSite
     from jaxserve.sampling_params import describe_sampling_defaults
@@ -242,10 +266,7 @@ async def serve(args, sock: socket.socket) -> int:
          f"{max_open} in all, those past --max-connections answered 503 with Retry-After")
     llm = AsyncLLM(from_cli_args(args), max_engine_restarts=args.max_engine_restarts,
                    metrics_prefix=args.metrics_prefix)
-    app = build_app(llm, served_model_name=args.served_model_name, api_key=args.api_key,
-                    limits=limits, tool_call_parser=args.tool_call_parser,
-                    reasoning_parser=args.reasoning_parser,
-                    return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+    app = build_app(llm, **app_options(args), api_key=args.api_key, limits=limits,
                     cors=CorsOptions(args.allowed_origins, args.allowed_methods,
                                      args.allowed_headers, args.allow_credentials),
                     allow_runtime_lora_updating=os.environ.get(
@@ -274,7 +295,7 @@ async def serve(args, sock: socket.socket) -> int:
     _say(f"listening on {url} (503 until the engine is ready); starting the engine process")
 
     code = 0
-    start = asyncio.ensure_future(llm.start(lambda: _serve_lora_modules(app, args.lora_modules)))
+    start = asyncio.ensure_future(llm.start(lambda: serve_lora_modules(app, args.lora_modules)))
     stopper = asyncio.ensure_future(stop.wait())
     failed = asyncio.ensure_future(llm.failed.wait())
     try:
@@ -297,14 +318,9 @@ async def serve(args, sock: socket.socket) -> int:
                       f"(--max-engine-restarts {args.max_engine_restarts})", file=sys.stderr,
                       flush=True)
                 code = EXIT_ENGINE_FAILED
-        elif start.done() and isinstance(start.exception(), UsageError):  # --lora-modules
-            print(f"{PROG}: error: {start.exception()}", file=sys.stderr, flush=True)
-            code = 2
         elif start.done():
-            e = start.exception()
-            msg = str(e) if isinstance(e, EngineStartError) else f"{type(e).__name__}: {e}"
-            print(f"{PROG}: error: cannot start the engine for --model "
-                  f"{args.model or 'default'}: {msg}", file=sys.stderr, flush=True)
+            print(f"{PROG}: error: {start_failure(args, start.exception())}", file=sys.stderr,
+                  flush=True)
             code = 2
         else:
             start.cancel()
@@ -321,7 +337,18 @@ async def serve(args, sock: socket.socket) -> int:
     return code
 
 
-async def _serve_lora_modules(app, modules: list[tuple[str, str]]) -> None:
+def start_failure(args, e: BaseException) -> str:
+    """The one line that says why ``AsyncLLM.start`` (with ``serve_lora_modules``) raised
+    ``e``: a ``--lora-modules`` adapter that does not serve, or an engine that did not start."""
+    from jaxserve.engine.async_llm import EngineStartError
+
+    if isinstance(e, UsageError):
+        return str(e)
+    msg = str(e) if isinstance(e, EngineStartError) else f"{type(e).__name__}: {e}"
+    return f"cannot start the engine for --model {args.model or 'default'}: {msg}"
+
+
+async def serve_lora_modules(app, modules: list[tuple[str, str]]) -> None:
     """Serve ``--lora-modules``' adapters (once the engine is up, before the server is ready).
 
     Raises:
@@ -355,28 +382,40 @@ def follow(args) -> int:
     return 0
 
 
-def main(argv=None) -> int:
+def configure_logging() -> None:
+    """The API's log records, one line each on stderr (``SafeFormatter``: request text is
+    clipped and escaped)."""
     from jaxserve.entrypoints.safe_log import SafeFormatter
 
     handler = logging.StreamHandler()
     handler.setFormatter(SafeFormatter("[jaxserve] %(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=logging.INFO, handlers=[handler])
+
+
+def run_guarded(prog: str, run: Callable[[], int]) -> int:
+    """``run()``'s exit code; 130 on Ctrl-C; 1 for anything unexpected, told in one line on
+    stderr (the traceback only with JAXSERVE_DEBUG set)."""
+    try:
+        return run()
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # noqa: BLE001 - one line, the traceback only with JAXSERVE_DEBUG
+        if os.environ.get("JAXSERVE_DEBUG"):
+            raise
+        print(f"{prog}: error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return 1
+
+
+def main(argv=None) -> int:
+    configure_logging()
     try:
         args = parse_args(argv)
         sock = None if args.host_id else bind_socket(args.host, args.port)
     except UsageError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
         return 2
-    try:
-        return follow(args) if args.host_id else asyncio.run(serve(args, sock))
-    except KeyboardInterrupt:
-        return 130
-    except Exception as e:  # noqa: BLE001 - one line, the traceback only with JAXSERVE_DEBUG
-        if os.environ.get("JAXSERVE_DEBUG"):
-            raise
-        print(f"{PROG}: error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        return 1
-
+    return run_guarded(PROG, lambda: follow(args) if args.host_id
+                       else asyncio.run(serve(args, sock)))
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -61,6 +61,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from jaxserve.engine.arg_utils import HelpFormatter, add_cli_args, from_cli_args
+from jaxserve.entrypoints.batch_protocol import json_object_line
 from jaxserve.sampling_params import SamplingParams
 
 # jaxserve.LLM (and with it JAX) is imported in main(), after the arguments are checked, so that a
@@ -136,13 +137,9 @@ def format_validation_error(err: ValidationError) -> str:
 def parse_line(raw: bytes) -> tuple[Any, BatchLine]:
     """Returns (id, validated line). Raises LineError with (id or None) in ``args[1]``."""
     try:
-        obj = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as e:
-        raise LineError(f"not valid UTF-8: {e}", None) from None
-    except json.JSONDecodeError as e:
-        raise LineError(f"invalid JSON: {e}", None) from None
-    if not isinstance(obj, dict):
-        raise LineError(f"expected a JSON object, got {type(obj).__name__}", None)
+        obj = json_object_line(raw)
+    except ValueError as e:
+        raise LineError(str(e), None) from None
     line_id = obj.get("id")
     if not isinstance(line_id, (str, int)) or isinstance(line_id, bool):
         line_id = None

@@ -1,5 +1,5 @@
-"""EngineConfig's generated CLI flags (jaxserve/engine/arg_utils.py) in the server and the offline
-batch script: every field is a flag of both, --help shows every default, the hand-written flag
+"""EngineConfig's generated CLI flags (jaxserve/engine/arg_utils.py) in the server, the offline
+batch script and the batch runner: every field is a flag of each, --help shows every default, the hand-written flag
 spellings still parse to the same values, and a bad value is a one-line usage
 error naming the flag, exit code 2."""
 
@@ -10,11 +10,14 @@ import pytest
 from jaxserve import serve
 from jaxserve.config import EngineConfig
 from jaxserve.engine.arg_utils import from_cli_args
+from jaxserve.entrypoints import run_batch
 from scripts import offline_batch
 
 BATCH_IO = ["--input", "in.jsonl", "--output", "out.jsonl"]
+RUN_BATCH_IO = ["-i", "in.jsonl", "-o", "out.jsonl"]
 # Each CLI's own required flags, so that its parser accepts an otherwise empty command line.
-PARSERS = {"serve": (serve.build_parser, []), "offline_batch": (offline_batch.build_parser, BATCH_IO)}
+PARSERS = {"serve": (serve.build_parser, []), "offline_batch": (offline_batch.build_parser, BATCH_IO),
+           "run_batch": (run_batch.build_parser, RUN_BATCH_IO)}
 FIELDS = dataclasses.fields(EngineConfig)
 
 
@@ -41,8 +44,10 @@ def test_help_shows_every_default(cli, monkeypatch):
     if cli == "serve":
         assert "listen on (default: 127.0.0.1)" in help_text
         assert "(0: any free port) (default: 8000)" in help_text
-    else:  # a required flag has no default to show
+    elif cli == "offline_batch":  # a required flag has no default to show
         assert "input JSONL file --output" in help_text
+    else:
+        assert "or - for stdin -o" in help_text
 
 
 def test_server_flags_parse_to_their_engine_config():
@@ -60,6 +65,18 @@ def test_server_flags_parse_to_their_engine_config():
         gpu_memory_utilization=0.8, enable_prefix_caching=False, attention_backend="reference",
     )
     assert serve.build_parser().parse_args(["--enable-prefix-caching"]).enable_prefix_caching
+
+
+def test_run_batch_flags_parse_to_their_engine_config_and_app_options():
+    args = run_batch.build_parser().parse_args([
+        "--input-file", "in.jsonl", "--output-file", "-", "--model", "m.gguf",
+        "--served-model-name", "m", "--reasoning-parser", "qwen3", "--max-num-seqs", "32",
+    ])
+    assert (args.input_file, args.output_file) == ("in.jsonl", "-")
+    assert from_cli_args(args) == EngineConfig(model="m.gguf", max_num_seqs=32)
+    assert serve.app_options(args) == dict(
+        served_model_name="m", tool_call_parser="hermes", reasoning_parser="qwen3",
+        return_tokens_as_token_ids=False)
 
 
 def test_batch_flags_parse_to_their_engine_config():
@@ -115,5 +132,12 @@ def test_batch_bad_value_is_one_line_exit_2(argv, flag, capsys):
     with pytest.raises(SystemExit) as e:
         offline_batch.main([*BATCH_IO, *argv])
     assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and flag in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("argv,flag", BAD)
+def test_run_batch_bad_value_is_one_line_exit_2(argv, flag, capsys):
+    assert run_batch.main([*RUN_BATCH_IO, *argv]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and flag in err and "Traceback" not in err, err

@@ -12,20 +12,26 @@ Input: one JSON object per line, either
     {"id": "q1", "prompt": "The capital of France is", "max_tokens": 8}
     {"id": "q2", "messages": [{"role": "user", "content": "Hi!"}], "temperature": 0}
 
-Fields: exactly one of ``prompt`` (a string, or a list of token ids) or ``messages`` (a list of
-``{"role", "content"}`` objects, sent through the model's chat template with the assistant turn
-opened); optional ``id`` (string or integer, copied to the output); optional sampling fields
+Fields: exactly one of ``prompt`` (a string, or a list of token ids) or ``messages`` (chat
+messages as a chat completions request takes them, read by the server's own parser,
+``protocol.parse_messages``: OpenAI's format, text content parts, the ``developer`` role, tool
+calls and tool results; sent through the model's chat template with the assistant turn opened);
+optional ``id`` (string or integer, copied to the output); and six optional sampling fields,
 ``max_tokens``, ``temperature``, ``top_p``, ``top_k`` (0 = off), ``seed``, ``stop`` (a string or a
 list of strings). A field left out (or null) takes the model's sampling default, as on the server
 (``--generation-config``; the start-up log names them), else vLLM's:
-``max_tokens`` 16, ``temperature`` 1.0, ``top_p`` 1.0, ``top_k`` off, no seed, no stop.
+``max_tokens`` 16, ``temperature`` 1.0, ``top_p`` 1.0, ``top_k`` off, no seed, no stop. For whole
+request bodies (every field the server takes, with its responses as output) use
+``python -m jaxserve.entrypoints.run_batch`` (OpenAI's Batch API format) instead.
 
 Validation is strict, as the OpenAI API is for a request body: a field this script does not know
 (a typo such as ``max_token``) makes that line fail instead of being silently ignored (which
 would quietly change the results), and so does a value of the wrong JSON type (``"8"`` for
 ``max_tokens``, ``true`` for ``top_k``) or out of range (``temperature`` < 0, ``top_p`` outside
-(0, 1], ...). A prompt that is empty or has no room left to generate within ``--max-model-len``
-fails too. Blank lines are skipped.
+(0, 1], ...). Messages are checked as the server checks them (a message without ``role``, or
+with an image part, fails its line; keys of a message that the server ignores are ignored). A
+prompt that is empty or has no room left to generate within ``--max-model-len`` fails too. Blank
+lines are skipped.
 
 Output: one JSON object per non-blank input line, in input order:
 
@@ -56,25 +62,18 @@ import os
 import pathlib
 import sys
 import time
-from typing import Annotated, Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
 from jaxserve.engine.arg_utils import HelpFormatter, add_cli_args, from_cli_args
 from jaxserve.entrypoints.batch_protocol import json_object_line
+from jaxserve.entrypoints.protocol import parse_messages
+from jaxserve.exceptions import ValidationError as RequestValidationError
 from jaxserve.sampling_params import SamplingParams
 
 # jaxserve.LLM (and with it JAX) is imported in main(), after the arguments are checked, so that a
 # command-line error is reported at once.
-
-
-class Message(BaseModel):
-    """One chat message."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    role: Literal["system", "user", "assistant", "tool"]
-    content: str
 
 
 class BatchLine(BaseModel):
@@ -84,7 +83,9 @@ class BatchLine(BaseModel):
 
     id: str | int | None = None
     prompt: str | list[int] | None = None
-    messages: Annotated[list[Message], Field(min_length=1)] | None = None
+    # Read by the server's own parser in parse_line (protocol.parse_messages), which names the
+    # message's field at fault; after it, the messages for the chat template.
+    messages: list[Any] | None = None
     # Sampling fields (SAMPLING_FIELDS); None: the model's default (main()).
     max_tokens: int | None = None
     temperature: float | None = None
@@ -145,8 +146,12 @@ def parse_line(raw: bytes) -> tuple[Any, BatchLine]:
         line_id = None
     try:
         line = BatchLine.model_validate(obj)
+        if line.messages is not None:
+            line.messages = parse_messages(line.messages)
     except ValidationError as e:
         raise LineError(format_validation_error(e), line_id) from None
+    except RequestValidationError as e:  # parse_messages': "messages.0.content: ..."
+        raise LineError(str(e), line_id) from None
     try:  # the ranges, before any model is loaded (main() adds the model's defaults)
         SamplingParams(**line.model_dump(include=SAMPLING_FIELDS, exclude_none=True))
     except ValueError as e:
@@ -203,7 +208,7 @@ def run_lines(records: list[dict], args: argparse.Namespace, parser: argparse.Ar
             sp = SamplingParams(**{**llm.engine.generation_config,
                                    **req.model_dump(include=SAMPLING_FIELDS, exclude_none=True)})
             if req.messages is not None:
-                _, ids = processor.tokenize_chat([m.model_dump() for m in req.messages])
+                _, ids = processor.tokenize_chat(req.messages)
             else:
                 ids = processor.tokenize_prompt(req.prompt)
             processor.check_prompt(ids)

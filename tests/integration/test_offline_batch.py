@@ -83,9 +83,38 @@ def test_bad_lines_each_fail_alone_and_all_valid_exits_zero(tmp_path):
     assert "max_model_len" in by_id["long"]["error"]
     assert rows[0]["text"] == rows[-1]["text"] and rows[0]["completion_tokens"] == 4
 
-    proc, rows = run_script(tmp_path, [good])
+    proc, rows = run_script(tmp_path, [good, json.dumps({"id": "chat", **OPENAI_CHAT, "max_tokens": 4})])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert len(rows) == 1 and "error" not in rows[0]
+    assert [r["id"] for r in rows] == ["ok", "chat"] and not any("error" in r for r in rows)
+    assert rows[1]["completion_tokens"] >= 1
+
+
+# OpenAI's chat format beyond {"role", "content": str}: the developer role, text content parts.
+OPENAI_CHAT = {"messages": [
+    {"role": "developer", "content": "Answer in one word."},
+    {"role": "user", "content": [{"type": "text", "text": "The capital of France?"},
+                                 {"type": "text", "text": " One word."}]}]}
+
+
+def test_messages_are_read_as_the_server_reads_them():
+    """A line's messages go through the server's own parser (protocol.parse_messages), so they
+    take what a chat request takes, and fail as it fails, naming the message's field."""
+    from jaxserve.entrypoints.protocol import parse_messages
+    from scripts.offline_batch import LineError, parse_line
+
+    _, line = parse_line(json.dumps(OPENAI_CHAT).encode())
+    assert line.messages == parse_messages(OPENAI_CHAT["messages"])
+    assert line.messages[0]["role"] == "system"  # developer, as the server renders it
+    bad = [({"messages": [{"role": "user", "content": [{"type": "image_url",
+                                                        "image_url": {"url": "x"}}]}]},
+            "messages.0.content.0"),
+           ({"messages": [{"content": "x"}]}, "messages.0.role: field required"),
+           ({"messages": []}, "messages"),
+           ({"messages": "hi"}, "messages")]
+    for obj, says in bad:
+        with pytest.raises(LineError) as e:
+            parse_line(json.dumps({"id": "m", **obj}).encode())
+        assert says in e.value.args[0] and e.value.args[1] == "m", e.value.args
 
 
 def test_cli_errors_are_one_line_exit_2(tmp_path):

@@ -70,20 +70,37 @@ def tiny_llama_with_adapters(folder: pathlib.Path, tokenizer):
 
 def save_bad_adapters(model, folder: pathlib.Path) -> dict[str, pathlib.Path]:
     """Adapters the server refuses, by why: "rank" (above MAX_RANK), "target" (the LM head),
-    "shape" (made for a Llama of another hidden size), "missing" (no folder)."""
+    "shape" (made for a Llama of another hidden size), "missing" (no folder), "ia3" (PEFT's IA3,
+    not LoRA), "peft_type" (LoRA tensors under a config saying IA3), "lora_bias" (PEFT's
+    ``lora_bias``), "r0" (``r: 0`` in its config), "alpha" (no ``lora_alpha`` in its config)."""
+    import json
+
     import transformers
 
     from tests.tiny_models import TINY
 
     other = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         **{**TINY, "hidden_size": 64, "head_dim": 16, "num_attention_heads": 4}))
-    made = {"rank": (model, dict(r=2 * MAX_RANK, lora_alpha=8, target_modules=["q_proj"])),
-            "target": (model, dict(r=2, lora_alpha=8, target_modules=["lm_head"])),
-            "shape": (other, dict(r=2, lora_alpha=8, target_modules=["q_proj"]))}
+    lora = lambda **fields: peft.LoraConfig(init_lora_weights=False, **fields)  # noqa: E731
+    made = {"rank": (model, lora(r=2 * MAX_RANK, lora_alpha=8, target_modules=["q_proj"])),
+            "target": (model, lora(r=2, lora_alpha=8, target_modules=["lm_head"])),
+            "shape": (other, lora(r=2, lora_alpha=8, target_modules=["q_proj"])),
+            "ia3": (model, peft.IA3Config(target_modules=["k_proj", "v_proj", "down_proj"],
+                                          feedforward_modules=["down_proj"])),
+            "lora_bias": (model, lora(r=2, lora_alpha=8, target_modules=["q_proj"],
+                                      lora_bias=True))}
+    # A good adapter's config changed: what the change is, by why.
+    edits = {"peft_type": {"peft_type": "IA3"}, "r0": {"r": 0}, "alpha": {"lora_alpha": None}}
+    for why in edits:
+        made[why] = (model, lora(r=2, lora_alpha=8, target_modules=["q_proj"]))
     out = {"missing": folder / "missing"}
-    for why, (base, fields) in made.items():
-        wrapped = peft.get_peft_model(base, peft.LoraConfig(init_lora_weights=False, **fields))
+    for why, (base, config) in made.items():
+        wrapped = peft.get_peft_model(base, config)
         out[why] = folder / f"bad-{why}"
         wrapped.save_pretrained(out[why])
         wrapped.unload()
+        if why in edits:
+            path = out[why] / "adapter_config.json"
+            fields = {**json.loads(path.read_text()), **edits[why]}
+            path.write_text(json.dumps({k: v for k, v in fields.items() if v is not None}))
     return out

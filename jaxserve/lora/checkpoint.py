@@ -8,11 +8,14 @@ per adapted projection, ``base_model.model.model.layers.{i}.{self_attn|mlp}.{nam
 ``W x + s B A x`` with ``s = lora_alpha / r`` (Hu et al. 2021, "LoRA") or, with rsLoRA,
 ``s = lora_alpha / sqrt(r)`` (Kalajdzievski 2023).
 
-Refused, each with an error naming the adapter and the reason: a missing file, a rank above
-``--max-lora-rank``, target modules other than the decoder layers' q/k/v/o/gate/up/down
-projections (e.g. ``embed_tokens``, ``lm_head``), PEFT options that change the math (DoRA,
-biases, ``modules_to_save``, per-module rank or alpha patterns, ``fan_in_fan_out``), and
-tensors whose shapes or layer numbers do not fit the base model (an adapter for another model).
+Refused, each with an error naming the adapter and the reason: a missing file, an adapter of
+another PEFT method (``peft_type`` other than ``LORA``; a config without ``peft_type`` is read
+as LoRA, as vLLM reads it), an ``adapter_config.json`` whose LoRA fields are missing or invalid
+(one line naming the field), a rank above ``--max-lora-rank``, target modules other than the
+decoder layers' q/k/v/o/gate/up/down projections (e.g. ``embed_tokens``, ``lm_head``), PEFT
+options that change the math (DoRA, biases, ``lora_bias``, ``modules_to_save``, per-module rank
+or alpha patterns, ``fan_in_fan_out``), and tensors whose shapes or layer numbers do not fit the
+base model (an adapter for another model).
 """
 
 import json
@@ -67,10 +70,44 @@ class _AdapterConfig(pydantic.BaseModel):
     target_modules: list[str] | str
     use_dora: bool = False
     bias: str = "none"
+    lora_bias: bool = False
     modules_to_save: list[str] | None = None
     rank_pattern: dict = {}
     alpha_pattern: dict = {}
     fan_in_fan_out: bool = False
+
+
+def _read_config(text: str) -> _AdapterConfig:
+    """``adapter_config.json``'s text as a LoRA config.
+
+    Raises:
+      ValueError: not JSON, not an object, a ``peft_type`` other than ``LORA`` (a config without
+        one is read as LoRA, as vLLM reads it), or a LoRA field missing or invalid; one line
+        naming the field (``r: Input should be greater than 0``).
+    """
+    try:
+        raw = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"not JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"not a JSON object but {type(raw).__name__}")
+    peft_type = raw.get("peft_type", "LORA")
+    if peft_type != "LORA":
+        raise ValueError(f"peft_type {peft_type!r}: only LoRA adapters (peft_type 'LORA') are "
+                         "served")
+    try:
+        return _AdapterConfig.model_validate(raw)
+    except pydantic.ValidationError as e:
+        # Per field, its deepest error (a union reports one per member; the deepest is about
+        # the value, e.g. target_modules' item).
+        errors = {}
+        for err in e.errors(include_url=False, include_input=False):
+            field = str(err["loc"][0])
+            if field not in errors or len(err["loc"]) > len(errors[field]["loc"]):
+                errors[field] = err
+        raise ValueError("; ".join(
+            f"{field}: {'field required' if err['type'] == 'missing' else err['msg']}"
+            for field, err in errors.items())) from None
 
 
 @dataclass
@@ -110,9 +147,13 @@ def read_adapter(path: str, shapes: LoRAShapes | None, max_rank: int,
         if not (folder / name).is_file():
             raise refuse(f"no {name} in the folder")
     try:
-        cfg = _AdapterConfig.model_validate(json.loads((folder / CONFIG_NAME).read_text()))
-    except (OSError, ValueError) as e:  # pydantic's ValidationError and JSON's are ValueErrors
+        text = (folder / CONFIG_NAME).read_text()
+    except (OSError, ValueError) as e:  # ValueError: not UTF-8
         raise refuse(f"unreadable {CONFIG_NAME}: {e}") from None
+    try:
+        cfg = _read_config(text)
+    except ValueError as e:
+        raise refuse(f"{CONFIG_NAME}: {e}") from None
     if cfg.r > max_rank:
         raise refuse(f"rank {cfg.r} exceeds --max-lora-rank {max_rank}")
     if isinstance(cfg.target_modules, str):
@@ -122,7 +163,7 @@ def read_adapter(path: str, shapes: LoRAShapes | None, max_rank: int,
         raise refuse(f"unsupported target modules {unsupported}; supported: "
                      f"{list(TARGET_MODULES)}")
     options = {"use_dora": cfg.use_dora, "bias": cfg.bias != "none",
-               "modules_to_save": bool(cfg.modules_to_save),
+               "lora_bias": cfg.lora_bias, "modules_to_save": bool(cfg.modules_to_save),
                "rank_pattern": bool(cfg.rank_pattern), "alpha_pattern": bool(cfg.alpha_pattern),
                "fan_in_fan_out": cfg.fan_in_fan_out}
     if any(options.values()):

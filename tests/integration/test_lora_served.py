@@ -112,7 +112,13 @@ def test_runtime_load_serves_then_unload_gives_404(lora):
 
 @pytest.mark.parametrize("why, says", [
     ("missing", "no such folder"), ("rank", f"exceeds --max-lora-rank {MAX_RANK}"),
-    ("target", "unsupported target modules ['lm_head']"), ("shape", "another base model")])
+    ("target", "unsupported target modules ['lm_head']"), ("shape", "another base model"),
+    ("ia3", "adapter_config.json: peft_type 'IA3': only LoRA adapters (peft_type 'LORA') are "
+            "served"),
+    ("peft_type", "adapter_config.json: peft_type 'IA3'"),
+    ("lora_bias", "unsupported PEFT options ['lora_bias']"),
+    ("r0", "adapter_config.json: r: Input should be greater than 0"),
+    ("alpha", "adapter_config.json: lora_alpha: field required")])
 def test_bad_adapter_load_is_400_naming_it(lora, why, says):
     server, _, _, bad, ids, _ = lora
     r = httpx.post(f"{server.url}/v1/load_lora_adapter",
@@ -120,13 +126,14 @@ def test_bad_adapter_load_is_400_naming_it(lora, why, says):
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert str(bad[why]) in error["message"] and says in error["message"]
+    assert "\n" not in error["message"] and "pydantic" not in error["message"]
     assert error["param"] == "lora_path"
     _prompt_logprobs(_client(server), "sql", ids)  # the server still serves
 
 
 def test_bad_lora_modules_is_a_usage_error(lora):
     _, base, _, bad, _, _ = lora
-    for why in ("missing", "rank", "target"):
+    for why in ("missing", "rank", "target", "ia3"):
         out = subprocess.run(
             [sys.executable, "-m", "jaxserve.serve", "--model", str(base), "--enable-lora",
              "--max-lora-rank", str(MAX_RANK), "--lora-modules", f"x={bad[why]}"],

@@ -2,7 +2,8 @@
 an adapter's pool rows against its merged weights (fused q/k/v and gate/up, shard by shard,
 KV heads replicated), the same logits at tensor-parallel sizes 1 and 2 (fake CPU devices), the
 scheduler's ``max_loras`` rule, prefix-cache keys per adapter, and vLLM's
-``lora_requests_info`` gauge, and what ``--enable-lora`` refuses."""
+``lora_requests_info`` gauge, what ``--enable-lora`` refuses, and ``adapter_config.json``'s
+checks."""
 
 import dataclasses
 import re
@@ -264,3 +265,32 @@ def test_host_cache_spares_the_adapters_in_use(tmp_path):
     assert list(manager.resident) == [2, 3]
     o_proj = params["layers"][0]["o_proj"]
     assert np.asarray(o_proj.a[0])[:, :2].any() and np.asarray(o_proj.b[1]).any()
+
+
+@pytest.mark.parametrize("edit, says", [
+    ({"peft_type": None}, None),  # read as LoRA, as vLLM reads it
+    ({"peft_type": "IA3"}, "adapter_config.json: peft_type 'IA3': only LoRA adapters "
+                           "(peft_type 'LORA') are served"),
+    ({"r": 0}, "adapter_config.json: r: Input should be greater than 0"),
+    ({"lora_alpha": None}, "adapter_config.json: lora_alpha: field required"),
+    ({"target_modules": [1]}, "adapter_config.json: target_modules: Input should be a valid "
+                              "string"),
+    ({"lora_bias": True}, "unsupported PEFT options ['lora_bias']")])
+def test_adapter_config_is_checked_field_by_field(tmp_path, edit, says):
+    """adapter_config.json (what PEFT writes, ``write_adapter``'s) with one field changed
+    (None: left out): refused in one line naming the field, or read."""
+    import json
+
+    from jaxserve.lora.checkpoint import CONFIG_NAME, read_adapter
+    from scripts.make_lora_adapters import write_adapter
+
+    shapes = LoRAShapes.of(ModelConfig.from_hf_config(CONFIG))
+    write_adapter(tmp_path, shapes, 2, 0.1, np.float32, seed=0)
+    fields = {**json.loads((tmp_path / CONFIG_NAME).read_text()), **edit}
+    (tmp_path / CONFIG_NAME).write_text(json.dumps({k: v for k, v in fields.items()
+                                                    if v is not None}))
+    if says is None:
+        assert read_adapter(str(tmp_path), shapes, 4).rank == 2
+    else:
+        with pytest.raises(ValueError, match=f"^LoRA adapter {tmp_path}: {re.escape(says)}$"):
+            read_adapter(str(tmp_path), shapes, 4)

@@ -30,6 +30,7 @@ from jaxserve.lora.request import LoRARequest
 
 logger = logging.getLogger("jaxserve.api")
 _MAX_LOGGED_FIELDS = 10  # unknown field names quoted in one warning
+_MAX_LISTED_MODELS = 20  # served names a 404 for an unknown model lists
 
 
 def llm_of(request: web.Request) -> AsyncLLM:
@@ -174,14 +175,20 @@ def check_model(request: web.Request, model: str | None) -> str:
     that name) or a LoRA adapter's (``lora_request_of``).
 
     Raises:
-      APIError: 404 for a name this server does not serve (vLLM's message).
+      APIError: 404 for a name this server does not serve: vLLM's message, then the names
+        served (the model's, then its adapters', at most ``_MAX_LISTED_MODELS``).
     """
     name = served_name(request)
-    if model in request.app[STATE_KEY]["lora_requests"]:
+    loras = request.app[STATE_KEY]["lora_requests"]
+    if model in loras:
         return model
     if model is not None and model != name:
-        raise APIError(404, f"The model `{model}` does not exist. This server serves `{name}`.",
-                       param="model", code="model_not_found")
+        served = [name, *loras]
+        listed = ", ".join(f"`{n}`" for n in served[:_MAX_LISTED_MODELS])
+        more = len(served) - _MAX_LISTED_MODELS
+        raise APIError(404, f"The model `{model}` does not exist. Served models: {listed}"
+                       + (f" and {more} more (GET /v1/models lists them all)" if more > 0
+                          else "") + ".", param="model", code="model_not_found")
     return name
 
 

@@ -81,7 +81,7 @@ def test_adapters_and_base_in_flight_together_match_hf_peft(lora):
 
 
 def test_runtime_load_serves_then_unload_gives_404(lora):
-    server, _, adapters, _, ids, ref = lora
+    server, base, adapters, _, ids, ref = lora
     client = _client(server)
     load = httpx.post(f"{server.url}/v1/load_lora_adapter",
                       json={"lora_name": "math", "lora_path": str(adapters["math"])})
@@ -102,12 +102,34 @@ def test_runtime_load_serves_then_unload_gives_404(lora):
                       json={"lora_name": "math"}).status_code == 200
     with pytest.raises(openai.NotFoundError) as e:
         _prompt_logprobs(client, "math", ids)
-    assert "The model `math` does not exist." in e.value.body["message"]
+    assert e.value.body["message"] == (f"The model `math` does not exist. Served models: "
+                                       f"`{base}`, `sql`, `chat`.")
     gone = httpx.post(f"{server.url}/v1/unload_lora_adapter", json={"lora_name": "math"})
     assert gone.status_code == 404 and gone.json()["error"]["type"] == "invalid_request_error"
     assert "math" not in {m.id for m in client.models.list().data}
     status, text = get(f"{server.url}/metrics")
     assert status == 200 and 'jaxserve:lora_requests_info{max_lora="2"' in text
+
+
+def test_unknown_model_404_lists_at_most_20_served_names(lora):
+    server, base, adapters, *_ = lora
+    client = _client(server)
+    extra = [f"extra{i}" for i in range(20)]
+    try:
+        for name in extra:
+            r = httpx.post(f"{server.url}/v1/load_lora_adapter",
+                           json={"lora_name": name, "lora_path": str(adapters["sql"])})
+            assert r.status_code == 200, r.text
+        with pytest.raises(openai.NotFoundError) as e:
+            client.completions.create(model="nope", prompt="hi", max_tokens=1)
+        listed = ", ".join(f"`{n}`" for n in [str(base), "sql", "chat", *extra[:17]])
+        assert e.value.body["message"] == (
+            f"The model `nope` does not exist. Served models: {listed} and 3 more (GET "
+            "/v1/models lists them all).")
+        assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
+    finally:
+        for name in extra:
+            httpx.post(f"{server.url}/v1/unload_lora_adapter", json={"lora_name": name})
 
 
 @pytest.mark.parametrize("why, says", [

@@ -27,6 +27,7 @@ import signal
 import socket
 import sys
 from collections.abc import Callable
+from typing import NamedTuple
 
 from jaxserve.distributed import check_hosts
 from jaxserve.engine.arg_utils import HelpFormatter, add_cli_args, bounded, from_cli_args
@@ -75,12 +76,52 @@ def _json_list(text: str) -> list[str]:
     return value
 
 
-def _lora_module(text: str) -> tuple[str, str]:
-    """``--lora-modules`` item ``name=path`` -> (name, path)."""
-    name, sep, path = text.partition("=")
-    if not (sep and name and path):
-        raise argparse.ArgumentTypeError(f"expected name=path, got {text!r}")
-    return name, os.path.expanduser(path)
+class LoRAModulePath(NamedTuple):
+    """One ``--lora-modules`` item (vLLM's ``LoRAModulePath``).
+
+    Attributes:
+      name: the name requests give as ``model``.
+      path: the PEFT folder, ``~`` expanded.
+      base_model_name: the model the adapter is for, the served model's name (the adapter's
+        ``parent`` in ``GET /v1/models``); None: the served model.
+    """
+
+    name: str
+    path: str
+    base_model_name: str | None = None
+
+
+def _lora_module(text: str) -> LoRAModulePath:
+    """A ``--lora-modules`` item in either of vLLM's forms: ``name=path``, or a JSON object
+    ``{"name": ..., "path": ..., "base_model_name": ...}`` (``base_model_name`` optional).
+
+    Raises:
+      argparse.ArgumentTypeError: neither form, invalid JSON, a field other than those three,
+        or a value that is not a non-empty string (base_model_name may be null; argparse names
+        the flag).
+    """
+    if not text.lstrip().startswith("{"):
+        name, sep, path = text.partition("=")
+        if not (sep and name and path):
+            raise argparse.ArgumentTypeError(
+                f"expected name=path or a JSON object with name, path and optionally "
+                f"base_model_name, got {text!r}")
+        return LoRAModulePath(name, os.path.expanduser(path))
+    try:
+        fields = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"invalid JSON ({e}): {text!r}") from None
+    unknown = sorted(set(fields) - set(LoRAModulePath._fields))
+    missing = [k for k in ("name", "path") if k not in fields]
+    if unknown or missing:
+        raise argparse.ArgumentTypeError(
+            (f"unknown fields {unknown}" if unknown else f"missing fields {missing}")
+            + f" in {text!r}; the fields are name, path and optionally base_model_name")
+    for key, value in fields.items():
+        if not (isinstance(value, str) and value or key == "base_model_name" and value is None):
+            raise argparse.ArgumentTypeError(f"{key} must be a non-empty string in {text!r}")
+    return LoRAModulePath(fields["name"], os.path.expanduser(fields["path"]),
+                          fields.get("base_model_name"))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -159,8 +200,10 @@ def add_app_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--lora-modules", type=_lora_module, nargs="+", default=[],
                    metavar="NAME=PATH", help=(
                        "LoRA adapters (PEFT folders) served from the start under these names, "
-                       "with --enable-lora; POST /v1/load_lora_adapter adds more when "
-                       f"{RUNTIME_LORA_ENV}=1 (docs/lora.md)"))
+                       "with --enable-lora, each name=path or vLLM's JSON object '{\"name\": "
+                       "..., \"path\": ..., \"base_model_name\": ...}' (base_model_name "
+                       "optional, the served model's name); POST /v1/load_lora_adapter adds "
+                       f"more when {RUNTIME_LORA_ENV}=1 (docs/lora.md)"))
     return add_cli_args(p)
 
 
@@ -216,11 +259,11 @@ def check_app_args(args) -> None:
             raise UsageError(f"argument --model: no such file or directory: {args.model}")
     if args.lora_modules and not args.enable_lora:
         raise UsageError("argument --lora-modules: needs --enable-lora")
-    for name, path in args.lora_modules:  # what can be checked before the model is loaded
+    for m in args.lora_modules:  # what can be checked before the model is loaded
         try:
-            read_adapter(path, None, args.max_lora_rank, with_weights=False)
+            read_adapter(m.path, None, args.max_lora_rank, with_weights=False)
         except ValueError as e:
-            raise UsageError(f"argument --lora-modules: {name}={path}: {e}") from None
+            raise UsageError(f"argument --lora-modules: {m.name}={m.path}: {e}") from None
     try:
         check_hosts(from_cli_args(args))
     except ValueError as e:
@@ -348,7 +391,7 @@ def start_failure(args, e: BaseException) -> str:
     return f"cannot start the engine for --model {args.model or 'default'}: {msg}"
 
 
-async def serve_lora_modules(app, modules: list[tuple[str, str]]) -> None:
+async def serve_lora_modules(app, modules: list[LoRAModulePath]) -> None:
     """Serve ``--lora-modules``' adapters (once the engine is up, before the server is ready).
 
     Raises:
@@ -357,12 +400,12 @@ async def serve_lora_modules(app, modules: list[tuple[str, str]]) -> None:
     from jaxserve.entrypoints.errors import APIError
     from jaxserve.entrypoints.serving_models import add_lora
 
-    for name, path in modules:
+    for m in modules:
         try:
-            await add_lora(app, name, path)
+            await add_lora(app, m.name, m.path, base_model_name=m.base_model_name)
         except APIError as e:
-            raise UsageError(f"argument --lora-modules: {name}={path}: {e.message}") from None
-        _say(f"serving LoRA adapter {name!r} from {path}")
+            raise UsageError(f"argument --lora-modules: {m.name}={m.path}: {e.message}") from None
+        _say(f"serving LoRA adapter {m.name!r} from {m.path}")
 
 
 def follow(args) -> int:

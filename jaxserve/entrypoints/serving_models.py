@@ -50,21 +50,29 @@ async def retrieve_model(request: web.Request) -> web.Response:
     return json_response(_model_card(request, check_model(request, request.match_info["model"])))
 
 
-async def add_lora(app: web.Application, name: str, path: str) -> LoRARequest:
-    """Serve the PEFT folder ``path`` as ``name`` once it passes the checks.
+async def add_lora(app: web.Application, name: str, path: str,
+                   base_model_name: str | None = None) -> LoRARequest:
+    """Serve the PEFT folder ``path`` as ``name`` once it passes the checks; the adapter's
+    parent is the served model, which ``base_model_name`` (``--lora-modules``' JSON form, None
+    for none) must name.
 
     Raises:
-      APIError: 400 without --enable-lora, for an empty name or path (vLLM's text), a name
-        already served, or an adapter the checks refuse (the message names it and why).
+      APIError: 400 without --enable-lora, for an empty name or path (vLLM's text), a
+        ``base_model_name`` other than the served model's name, a name already served, or an
+        adapter the checks refuse (the message names it and why).
     """
     llm, state = app[LLM_KEY], app[STATE_KEY]
     loras = state["lora_requests"]
+    served = state["served_model_name"] or llm.model_name
     if llm.lora_shapes is None:
         raise APIError(400, "LoRA adapters need a server started with --enable-lora")
     if not name or not path:
         raise APIError(400, "Both 'lora_name' and 'lora_path' must be provided.",
                        param="lora_path" if name else "lora_name")
-    if name in loras or name == (state["served_model_name"] or llm.model_name):
+    if base_model_name not in (None, served):
+        raise APIError(400, f"base_model_name {base_model_name!r} is not the served model "
+                            f"{served!r}", param="base_model_name")
+    if name in loras or name == served:
         raise APIError(400, f"The lora adapter '{name}' has already been loaded.",
                        param="lora_name")
     try:

@@ -1,10 +1,12 @@
 """LoRA adapters through the real server (docs/lora.md), one server for all: two adapters of
-``--lora-modules`` and the base model in flight together, each request's teacher-forced prompt
-log-probabilities (completions ``echo`` with ``logprobs``) within 2e-3 of HF + PEFT's float32
-ones; ``/v1/models`` lists the adapters; a third adapter loaded at run time serves, then once
-unloaded its requests get vLLM's 404; bad adapters get a 400 on load and a usage error at
-start-up, naming the adapter and why."""
+``--lora-modules`` (one in each of vLLM's forms, ``name=path`` and JSON) and the base model in
+flight together, each request's teacher-forced prompt log-probabilities (completions ``echo``
+with ``logprobs``) within 2e-3 of HF + PEFT's float32 ones; ``/v1/models`` lists the adapters; a
+third adapter loaded at run time serves, then once unloaded its requests get vLLM's 404, which
+lists the names served; bad adapters get a 400 on load and a usage error at start-up, naming the
+adapter and why, and so does a JSON item's base_model_name other than the served model's."""
 
+import json
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +28,8 @@ except ImportError:
 pytestmark = pytest.mark.slow
 
 PROMPT_LEN = 48
+ENGINE_FLAGS = ("--max-num-batched-tokens", "8", "--max-num-seqs", "4", "--max-model-len", "128",
+                "--kv-cache-gib", "0.01")
 
 
 @pytest.fixture(scope="module")
@@ -40,10 +44,10 @@ def lora(tmp_path_factory, smollm):
     # Two slots for three adapters, two on the host: the LRU paths of both caches run.
     server = Server("--model", str(root / "base"), "--dtype", "float32", "--enable-lora",
                     "--max-loras", "2", "--max-cpu-loras", "2", "--max-lora-rank", str(MAX_RANK),
-                    "--lora-modules", f"sql={adapters['sql']}", f"chat={adapters['chat']}",
-                    "--max-num-batched-tokens", "8", "--max-num-seqs", "4",
-                    "--max-model-len", "128", "--kv-cache-gib", "0.01",
-                    env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"})
+                    "--lora-modules", f"sql={adapters['sql']}", json.dumps(
+                        {"name": "chat", "path": str(adapters["chat"]),
+                         "base_model_name": str(root / "base")}),  # vLLM's JSON form
+                    *ENGINE_FLAGS, env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"})
     yield server, root / "base", adapters, bad, ids, ref
     server.stop()
 
@@ -162,3 +166,18 @@ def test_bad_lora_modules_is_a_usage_error(lora):
             capture_output=True, text=True, cwd=REPO, timeout=120)
         assert out.returncode == 2, out.stderr
         assert "argument --lora-modules: x=" in out.stderr and str(bad[why]) in out.stderr
+
+
+def test_lora_modules_base_model_name_must_be_the_served_model(lora):
+    """vLLM's JSON item's base_model_name names the adapter's parent: another name than the
+    served model's is a usage error once the engine is up (the served name is known then)."""
+    _, base, adapters, *_ = lora
+    item = json.dumps({"name": "x", "path": str(adapters["sql"]), "base_model_name": "other"})
+    out = subprocess.run(
+        [sys.executable, "-m", "jaxserve.serve", "--model", str(base), "--dtype", "float32",
+         "--enable-lora", "--max-lora-rank", str(MAX_RANK), "--lora-modules", item,
+         *ENGINE_FLAGS, "--port", "0"], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert out.returncode == 2, out.stderr
+    assert (f"error: argument --lora-modules: x={adapters['sql']}: base_model_name 'other' is "
+            f"not the served model '{base}'") in out.stderr
+    assert "Traceback" not in out.stderr

@@ -1,9 +1,10 @@
 """EngineConfig's generated CLI flags (jaxserve/engine/arg_utils.py) in the server, the offline
 batch script and the batch runner: every field is a flag of each, --help shows every default, the hand-written flag
 spellings still parse to the same values, and a bad value is a one-line usage
-error naming the flag, exit code 2."""
+error naming the flag, exit code 2; the server's --lora-modules in both of vLLM's forms."""
 
 import dataclasses
+import os
 
 import pytest
 
@@ -141,3 +142,26 @@ def test_run_batch_bad_value_is_one_line_exit_2(argv, flag, capsys):
     assert run_batch.main([*RUN_BATCH_IO, *argv]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and flag in err and "Traceback" not in err, err
+
+
+def test_lora_modules_take_both_of_vllms_forms():
+    args = serve.build_parser().parse_args([
+        "--lora-modules", "sql=~/loras/sql",
+        '{"name": "chat", "path": "/loras/c=1", "base_model_name": "m"}',
+        '{"name": "math", "path": "/loras/math", "base_model_name": null}'])
+    assert args.lora_modules == [
+        serve.LoRAModulePath("sql", os.path.expanduser("~/loras/sql")),
+        serve.LoRAModulePath("chat", "/loras/c=1", "m"),
+        serve.LoRAModulePath("math", "/loras/math")]
+
+
+@pytest.mark.parametrize("item, says", [
+    ("sql", "expected name=path or a JSON object with name, path and optionally base_model_name"),
+    ('{"name": "sql"', "invalid JSON"),
+    ('{"name": "sql"}', "missing fields ['path']"),
+    ('{"name": "sql", "path": "/p", "lora_int_id": 1}', "unknown fields ['lora_int_id']"),
+    ('{"name": "sql", "path": 3}', "path must be a non-empty string")])
+def test_bad_lora_modules_item_is_one_line_exit_2(item, says, capsys):
+    assert serve.main(["--enable-lora", "--lora-modules", item]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "error: argument --lora-modules: " in err and says in err, err

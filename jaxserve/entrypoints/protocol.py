@@ -650,10 +650,12 @@ class TokenizeRequest(_Base):
 
 
 class LoadLoRAAdapterRequest(_Base):
-    """POST /v1/load_lora_adapter (vLLM's): a PEFT folder served as ``lora_name``."""
+    """POST /v1/load_lora_adapter (vLLM's): a PEFT folder served as ``lora_name``; with
+    ``load_inplace`` a name already served takes the folder's weights (docs/lora.md)."""
 
     lora_name: Text
     lora_path: Text
+    load_inplace: bool = False
 
 
 class UnloadLoRAAdapterRequest(_Base):

@@ -6,7 +6,8 @@ at start-up, then the two POSTs where runtime updating is on (``VLLM_ALLOW_RUNTI
 vLLM's switch). An adapter is checked against the model here (``lora.checkpoint.read_adapter``
 on a worker thread, shapes only) before its name serves; the engine reads its weights when a
 request first names it. Unloading removes the name: new requests for it get a 404, requests
-already running finish with it, and the engine's copies age out of its LRU caches.
+already running finish with it, and the engine's copies age out of its LRU caches. Loading in
+place (``load_inplace``) is an unload and a load under the same name at once.
 """
 
 from __future__ import annotations
@@ -50,16 +51,25 @@ async def retrieve_model(request: web.Request) -> web.Response:
     return json_response(_model_card(request, check_model(request, request.match_info["model"])))
 
 
+def _already_loaded(name: str) -> APIError:
+    return APIError(400, f"The lora adapter '{name}' has already been loaded. If you want to "
+                         "load the adapter in place, set 'load_inplace' to True.",
+                    param="lora_name")
+
+
 async def add_lora(app: web.Application, name: str, path: str,
-                   base_model_name: str | None = None) -> LoRARequest:
+                   base_model_name: str | None = None, load_inplace: bool = False) -> LoRARequest:
     """Serve the PEFT folder ``path`` as ``name`` once it passes the checks; the adapter's
     parent is the served model, which ``base_model_name`` (``--lora-modules``' JSON form, None
-    for none) must name.
+    for none) must name. With ``load_inplace`` a name already served becomes the new folder's
+    adapter, under a new id: requests that arrive afterwards run with its weights, requests
+    already running finish with the weights they started with (docs/lora.md).
 
     Raises:
       APIError: 400 without --enable-lora, for an empty name or path (vLLM's text), a
-        ``base_model_name`` other than the served model's name, a name already served, or an
-        adapter the checks refuse (the message names it and why).
+        ``base_model_name`` other than the served model's name, the served model's name, a
+        name already served without ``load_inplace`` (vLLM's text), or an adapter the checks
+        refuse (the message names it and why).
     """
     llm, state = app[LLM_KEY], app[STATE_KEY]
     loras = state["lora_requests"]
@@ -72,26 +82,28 @@ async def add_lora(app: web.Application, name: str, path: str,
     if base_model_name not in (None, served):
         raise APIError(400, f"base_model_name {base_model_name!r} is not the served model "
                             f"{served!r}", param="base_model_name")
-    if name in loras or name == served:
-        raise APIError(400, f"The lora adapter '{name}' has already been loaded.",
+    if name == served:
+        raise APIError(400, f"'{name}' is the served model's name, not a LoRA adapter's",
                        param="lora_name")
+    if name in loras and not load_inplace:
+        raise _already_loaded(name)
     try:
         await asyncio.to_thread(read_adapter, path, llm.lora_shapes, llm.config.max_lora_rank,
                                 with_weights=False)
     except ValueError as e:
         raise APIError(400, str(e), param="lora_path") from None
-    if name in loras:  # loaded by another request meanwhile
-        raise APIError(400, f"The lora adapter '{name}' has already been loaded.",
-                       param="lora_name")
+    if name in loras and not load_inplace:  # loaded by another request meanwhile
+        raise _already_loaded(name)
     loras[name] = LoRARequest(name, next(state["lora_ids"]), path)
     return loras[name]
 
 
 async def load_lora_adapter(request: web.Request) -> web.Response:
-    """POST /v1/load_lora_adapter {lora_name, lora_path}: 200 with vLLM's text, or a 400."""
+    """POST /v1/load_lora_adapter {lora_name, lora_path, load_inplace}: 200 with vLLM's text,
+    or a 400."""
     require_ready(llm_of(request))
     body = await parse_request(request, LoadLoRAAdapterRequest)
-    await add_lora(request.app, body.lora_name, body.lora_path)
+    await add_lora(request.app, body.lora_name, body.lora_path, load_inplace=body.load_inplace)
     return web.Response(text=f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
 

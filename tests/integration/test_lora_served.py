@@ -3,7 +3,8 @@
 flight together, each request's teacher-forced prompt log-probabilities (completions ``echo``
 with ``logprobs``) within 2e-3 of HF + PEFT's float32 ones; ``/v1/models`` lists the adapters; a
 third adapter loaded at run time serves, then once unloaded its requests get vLLM's 404, which
-lists the names served; bad adapters get a 400 on load and a usage error at start-up, naming the
+lists the names served; a name loaded again in place (``load_inplace``) serves the new weights
+to new requests while a request running on it finishes with the old ones; bad adapters get a 400 on load and a usage error at start-up, naming the
 adapter and why, and so does a JSON item's base_model_name other than the served model's."""
 
 import json
@@ -28,8 +29,9 @@ except ImportError:
 pytestmark = pytest.mark.slow
 
 PROMPT_LEN = 48
-ENGINE_FLAGS = ("--max-num-batched-tokens", "8", "--max-num-seqs", "4", "--max-model-len", "128",
-                "--kv-cache-gib", "0.01")
+MAX_MODEL_LEN = 512  # room for a request that runs long enough to load an adapter meanwhile
+ENGINE_FLAGS = ("--max-num-batched-tokens", "8", "--max-num-seqs", "4", "--max-model-len",
+                str(MAX_MODEL_LEN), "--kv-cache-gib", "0.01")
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +115,52 @@ def test_runtime_load_serves_then_unload_gives_404(lora):
     assert "math" not in {m.id for m in client.models.list().data}
     status, text = get(f"{server.url}/metrics")
     assert status == 200 and 'jaxserve:lora_requests_info{max_lora="2"' in text
+
+
+def test_load_inplace_serves_the_new_weights_to_new_requests_only(lora):
+    """vLLM's load_inplace: a name already served takes another folder's weights (without it,
+    vLLM's 400); a request running on the name then finishes with the weights it started with,
+    each of its tokens' log-probabilities those of the old adapter, teacher-forced."""
+    server, _, adapters, _, ids, ref = lora
+    client = _client(server)
+
+    def load(name, adapter, **fields):
+        return httpx.post(f"{server.url}/v1/load_lora_adapter",
+                          json={"lora_name": name, "lora_path": str(adapters[adapter]), **fields})
+
+    try:
+        assert load("swap", "math").status_code == 200
+        again = load("swap", "sql")
+        assert again.status_code == 400 and again.json()["error"]["message"] == (
+            "The lora adapter 'swap' has already been loaded. If you want to load the adapter "
+            "in place, set 'load_inplace' to True.")
+        np.testing.assert_allclose(_prompt_logprobs(client, "swap", ids), ref["math"], atol=2e-3,
+                                   rtol=0)
+        # Its prompt and output one token short of MAX_MODEL_LEN: room to teacher-force them.
+        stream = client.completions.create(
+            model="swap", prompt=ids, max_tokens=MAX_MODEL_LEN - len(ids) - 1, temperature=0,
+            logprobs=0, stream=True, extra_body={"ignore_eos": True, "return_token_ids": True})
+        chunks = [next(stream)]
+        assert load("swap", "sql", load_inplace=True).status_code == 200
+        _, metrics = get(f"{server.url}/metrics")
+        assert 'running_lora_adapters="swap"' in metrics  # the stream runs on past the load
+        chunks += list(stream)
+        tokens = [t for c in chunks for t in c.choices[0].token_ids]
+        got = [lp for c in chunks for lp in c.choices[0].logprobs.token_logprobs]
+        assert len(tokens) == len(got) == MAX_MODEL_LEN - len(ids) - 1
+        # New requests: the new weights.
+        np.testing.assert_allclose(_prompt_logprobs(client, "swap", ids), ref["sql"], atol=2e-3,
+                                   rtol=0)
+        assert {m.id: m.root for m in client.models.list().data}["swap"] == str(adapters["sql"])
+        # The running request: the old weights for every token (teacher-forced under them).
+        assert load("swap-old", "math").status_code == 200
+        old = _prompt_logprobs(client, "swap-old", ids + tokens)[len(ids) - 1:]
+        new = _prompt_logprobs(client, "swap", ids + tokens)[len(ids) - 1:]
+        np.testing.assert_allclose(got, old, atol=2e-3, rtol=0)
+        assert np.abs(np.array(got) - new).max() > 0.1
+    finally:
+        for name in ("swap", "swap-old"):
+            httpx.post(f"{server.url}/v1/unload_lora_adapter", json={"lora_name": name})
 
 
 def test_unknown_model_404_lists_at_most_20_served_names(lora):

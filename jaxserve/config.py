@@ -86,6 +86,8 @@ class Valid(NamedTuple):
 
 
 _POSITIVE = Valid(lambda v: v > 0, "positive")
+# vLLM's choices of --max-lora-rank.
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 @dataclass
@@ -181,7 +183,8 @@ class EngineConfig:
                 "distinct adapters among running requests)", "valid": _POSITIVE})
     max_lora_rank: int = field(default=16, metadata={
         "help": "largest LoRA rank served (the device pool's rank; smaller ranks are padded "
-                "with zeros)", "valid": _POSITIVE})
+                "with zeros), one of vLLM's choices",
+        "valid": Valid(lambda v: v in LORA_RANKS, f"one of {', '.join(map(str, LORA_RANKS))}")})
     max_cpu_loras: int | None = field(default=None, metadata={
         "help": "LoRA adapters kept in host memory (least recently used evicted, read again "
                 "from their folder when needed), at least --max-loras; None: --max-loras",
@@ -199,11 +202,12 @@ class EngineConfig:
 
     def __post_init__(self):
         """Checks each field as its flag does (type, choices, ``valid``), for the fields set
-        through ``LLM(**kwargs)``; a path-like ``model`` becomes its text.
+        through ``LLM(**kwargs)``, then the rule between fields that needs no model
+        (``--max-cpu-loras`` at least ``--max-loras``); a path-like ``model`` becomes its text.
 
         Raises:
           ValueError: a field of the wrong type, outside its choices or its valid values
-            (the message names the field).
+            (the message names the field), or the rule broken (naming the flags).
         """
         if isinstance(self.model, os.PathLike):
             self.model = os.fspath(self.model)
@@ -219,6 +223,9 @@ class EngineConfig:
             valid = f.metadata.get("valid")
             if valid is not None and value is not None and not valid.ok(value):
                 raise ValueError(f"{f.name} must be {valid.text}, got {value!r}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"--max-cpu-loras {self.max_cpu_loras} must be at least "
+                             f"--max-loras {self.max_loras}")
 
 
 def _resolved_type(hint):
@@ -265,6 +272,4 @@ def resolve_config(config: EngineConfig, platform: Platform,
                          f"max_position_embeddings {max_position_embeddings}")
     if resolved["max_num_batched_tokens"] < resolved["max_num_seqs"]:
         raise ValueError("--max-num-batched-tokens must be at least --max-num-seqs")
-    if config.max_cpu_loras is not None and config.max_cpu_loras < config.max_loras:
-        raise ValueError("--max-cpu-loras must be at least --max-loras")
     return ResolvedConfig(**{**dataclasses.asdict(config), **resolved})

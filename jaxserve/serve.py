@@ -265,7 +265,11 @@ def check_app_args(args) -> None:
         except ValueError as e:
             raise UsageError(f"argument --lora-modules: {m.name}={m.path}: {e}") from None
     try:
-        check_hosts(from_cli_args(args))
+        config = from_cli_args(args)
+    except ValueError as e:  # a rule between flags (EngineConfig.__post_init__), naming them
+        raise UsageError(str(e)) from None
+    try:
+        check_hosts(config)
     except ValueError as e:
         raise UsageError(f"argument --host-id: {e}") from None
 

@@ -225,8 +225,8 @@ class EngineCore:
                 raise ValueError(f"--speculative-config: {e}") from None
         self.lora_manager = None
         if config.enable_lora:
-            params, self.lora_manager = lora_manager.create(config, mc, params, quantization,
-                                                            mesh, log)
+            params, self.lora_manager = lora_manager.create(
+                config, mc, params, quantization, mesh, log, *self._lora_room(params, mesh))
         t2 = time.perf_counter()
         weights = np.dtype(dtype).name + (f", {quantization} linear layers"
                                           if quantization else "")
@@ -371,10 +371,45 @@ class EngineCore:
                 "admits by the pages requests really use, and preempts when they run out")
         return num_pages
 
-    def _devices(self) -> list:
-        """The devices of this process that hold the model."""
-        mesh = self.runner.mesh
+    @staticmethod
+    def _devices(mesh) -> list:
+        """The devices of this process that hold the model (split over ``mesh``, or None)."""
         return [jax.local_devices()[0]] if mesh is None else list(mesh.local_devices)
+
+    def _device_memory(self, params: dict, mesh) -> list[tuple[int, int]]:
+        """(allocator limit, bytes in use) of each GPU of this process that holds the model:
+        in use, at least its part of ``params``.
+
+        Raises:
+          ValueError: a GPU reports no memory limit.
+        """
+        memory = []
+        for d in self._devices(mesh):
+            stats = d.memory_stats() or {}
+            limit = stats.get("bytes_limit")
+            if not limit:
+                raise ValueError(
+                    f"the GPU {d} reports no memory limit, so --gpu-memory-utilization cannot "
+                    "size the KV cache on this device")
+            weights = sum(s.data.nbytes for x in jax.tree.leaves(params)
+                          for s in x.addressable_shards if s.device == d)
+            memory.append((int(limit), int(max(stats.get("bytes_in_use", 0), weights))))
+        return memory
+
+    def _lora_room(self, params: dict, mesh) -> tuple[int | None, int | None]:
+        """The memory LoRA's pool and host cache may take (``kv_sizing.lora_memory_problem``'s
+        device_room and host_room): on a GPU, what --gpu-memory-utilization leaves after the
+        weights (``params``) on the device with the least, and the host memory available; on
+        the CPU, None (the pool is host memory) and the host memory available less the
+        --kv-cache-gib pool still to come. Host memory None where it cannot be read."""
+        host = host_memory.available_bytes()
+        if not self.platform.device_memory:
+            kv = int(self.config.kv_cache_gib * kv_sizing.GIB) * len(self._devices(mesh))
+            return None, (None if host is None else max(host - kv, 0))
+        b = kv_sizing.smallest_kv_budget(
+            self._device_memory(params, mesh), utilization=self.config.gpu_memory_utilization,
+            allocator_fraction=self.allocator_fraction, peak_bytes=0)
+        return max(b.pool_bytes, 0), host
 
     def _gpu_num_pages(self, per_page: int, peak: int, log: Callable[[str], None]) -> int:
         """Pages for the pool under --gpu-memory-utilization (see kv_sizing), which applies to
@@ -382,17 +417,7 @@ class EngineCore:
         what is resident there now (its part of the weights) minus the programs' peak bytes
         (per device: XLA analyses the partitioned program); the pool gets the smallest."""
         util = self.config.gpu_memory_utilization
-        memory = []  # (allocator limit, bytes in use) of each device
-        for d in self._devices():
-            stats = d.memory_stats() or {}
-            limit = stats.get("bytes_limit")
-            if not limit:
-                raise ValueError(
-                    f"the GPU {d} reports no memory limit, so --gpu-memory-utilization cannot "
-                    "size the KV cache on this device")
-            weights = sum(s.data.nbytes for x in jax.tree.leaves(self.runner.params)
-                          for s in x.addressable_shards if s.device == d)
-            memory.append((int(limit), int(max(stats.get("bytes_in_use", 0), weights))))
+        memory = self._device_memory(self.runner.params, self.runner.mesh)
         b = kv_sizing.smallest_kv_budget(memory, utilization=util,
                                          allocator_fraction=self.allocator_fraction,
                                          peak_bytes=peak)
@@ -406,7 +431,7 @@ class EngineCore:
         Raises:
           ValueError: it does not (naming --gpu-memory-utilization).
         """
-        for d in self._devices():
+        for d in self._devices(self.runner.mesh):
             stats = d.memory_stats() or {}
             problem = kv_sizing.peak_fit_problem(int(stats.get("bytes_in_use", 0)),
                                                  int(stats.get("bytes_limit", 0)), peak)

@@ -24,6 +24,13 @@ where a program's bytes come from XLA's memory analysis (``program_bytes``) and 
 run with; the headroom (2% of the budget, at most 1 GiB) absorbs allocator fragmentation and
 whatever the analysis does not see. The CUDA context itself lives outside the BFC pool and is
 not counted (vLLM counts it; here it is a few hundred MiB on top of F).
+
+LoRA (``--enable-lora``, docs/lora.md): the adapters' device pool is allocated with the weights,
+so on a GPU it is part of the bytes in use above. Before it is allocated,
+``lora_memory_problem`` checks that it fits (on a GPU, what the budget leaves after the weights;
+on the CPU, host memory beside the ``--kv-cache-gib`` pool), and that the host cache of
+``--max-cpu-loras`` adapters fits host memory: flags too large for the machine fail at start-up
+naming the flags, not in an allocation that the kernel answers by killing the process.
 """
 
 from dataclasses import dataclass
@@ -159,3 +166,42 @@ def check_pool_fits(num_pages: int, page_size: int, max_model_len: int, flag_hin
             f"{per_seq} pages: {flag_hint}"
         )
     return usable // per_seq
+
+
+def lora_memory_problem(*, max_loras: int, max_cpu_loras: int, max_lora_rank: int,
+                        slot_bytes: int, device_slot_bytes: int, num_devices: int,
+                        device_room: int | None, host_room: int | None) -> str | None:
+    """What is wrong, if anything, with the memory LoRA's adapters take: the device pool,
+    ``max_loras`` slots of ``device_slot_bytes`` on each of ``num_devices`` devices, and the
+    host cache, up to ``max_cpu_loras`` adapters of ``slot_bytes`` (``layers.slot_bytes``).
+    None when they fit.
+
+    Args:
+      device_room: bytes the pool may take on each device (a GPU's budget left after the
+        weights, on the device with the least); None on the CPU, where the devices' memory is
+        host memory and the pool counts against ``host_room``.
+      host_room: host memory available to the engine, bytes (on the CPU, less the KV pool to
+        come); None where unknown (no check).
+    """
+    g = lambda b: f"{b / GIB:.2f} GiB"  # noqa: E731
+    pool, cache = max_loras * device_slot_bytes, max_cpu_loras * slot_bytes
+    rank = f"with --max-lora-rank {max_lora_rank}"
+    if device_room is None:  # the CPU: the pool is host memory too
+        on_host = pool * num_devices + cache
+        what = (f"--max-loras {max_loras} and --max-cpu-loras {max_cpu_loras} {rank}: the LoRA "
+                f"pool ({g(pool * num_devices)}) and host cache (up to {g(cache)}) can take "
+                f"{g(on_host)}")
+        beside, lower = " beside the --kv-cache-gib KV pool", "them"
+    elif pool > device_room:
+        return (f"--max-loras {max_loras} {rank}: the LoRA pool takes {g(pool)} of each "
+                f"device's memory, where {g(device_room)} is left under "
+                "--gpu-memory-utilization after the weights; lower --max-loras or "
+                "--max-lora-rank")
+    else:
+        on_host = cache
+        what = f"--max-cpu-loras {max_cpu_loras} {rank}: the LoRA host cache can take {g(cache)}"
+        beside, lower = "", "--max-cpu-loras"
+    if host_room is not None and on_host > host_room:
+        return (f"{what} of host memory, where {g(host_room)} is available{beside}; lower "
+                f"{lower} or --max-lora-rank")
+    return None

@@ -24,6 +24,7 @@ gather, no sort, the same program on CPU and GPU. ``jax.lax.ragged_dot`` over to
 slot, or a Pallas SGMV kernel, would skip the masked work (docs/lora.md).
 """
 
+import math
 from dataclasses import dataclass
 
 import jax
@@ -74,6 +75,24 @@ def pool_specs(name: str, mesh) -> tuple:
     columns, the other replicated."""
     spec = sharding.lora_pool_spec(name)
     return tuple(jax.sharding.NamedSharding(mesh, s) for s in spec)
+
+
+def slot_bytes(params: dict, max_rank: int, dtype, mesh=None) -> tuple[int, int]:
+    """Bytes of one slot of the pools ``add_pool`` would add to ``params`` (rank ``max_rank`` in
+    ``dtype``): (the whole slot, which is also what an adapter's ``slot_rows`` take on the
+    host; the part of it on each device of ``mesh``, as ``pool_specs`` splits it)."""
+    itemsize = np.dtype(dtype).itemsize
+    whole = each = 0
+    for p in params["layers"]:
+        for name, modules in FUSED.items():
+            n_in, n_out = p[name].shape
+            k = len(modules) * max_rank
+            shapes = ((1, n_in, k), (1, k, n_out))
+            specs = (None, None) if mesh is None else pool_specs(name, mesh)
+            whole += sum(math.prod(s) for s in shapes) * itemsize
+            each += sum(math.prod(s if spec is None else spec.shard_shape(s))
+                        for s, spec in zip(shapes, specs)) * itemsize
+    return whole, each
 
 
 def add_pool(params: dict, max_loras: int, max_rank: int, dtype, mesh=None) -> dict:

@@ -18,8 +18,9 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
+from jaxserve.engine.kv_sizing import lora_memory_problem
 from jaxserve.lora.checkpoint import LoRAShapes, read_adapter
-from jaxserve.lora.layers import add_pool, pool_of, slot_rows, with_pool
+from jaxserve.lora.layers import add_pool, pool_of, slot_bytes, slot_rows, with_pool
 from jaxserve.lora.request import LoRARequest
 from jaxserve.models import sharding
 
@@ -120,8 +121,8 @@ class LoRAModelManager:
         return with_pool(params, self._write(pool_of(params), np.int32(row), rows))
 
 
-def create(config, model_config, params: dict, quantization: str | None, mesh,
-           log) -> tuple[dict, "LoRAModelManager"]:
+def create(config, model_config, params: dict, quantization: str | None, mesh, log,
+           device_room: int | None, host_room: int | None) -> tuple[dict, "LoRAModelManager"]:
     """``--enable-lora``: the params with their (zeroed) adapter pools (``layers.add_pool``:
     allocated before the KV pool is sized, so the sizing counts them as weights) and the
     manager of their slots.
@@ -131,10 +132,13 @@ def create(config, model_config, params: dict, quantization: str | None, mesh,
         ``num_hosts``).
       model_config: the model's ModelConfig.
       quantization: the params' weight format (``fp8_checkpoint.resolve_method``), or None.
+      device_room, host_room: the memory the pool and the host cache may take, as
+        ``kv_sizing.lora_memory_problem`` takes them.
 
     Raises:
       ValueError: a model or setting LoRA is not served with (mixture-of-experts layers, FP8
-        weights, several hosts), naming the flags.
+        weights, several hosts), or a pool and host cache too large for the memory
+        (``kv_sizing.lora_memory_problem``), naming the flags.
     """
     refused = ("a mixture-of-experts model" if model_config.num_experts else
                f"FP8 weights ({quantization}; --quantization)" if quantization else
@@ -142,13 +146,20 @@ def create(config, model_config, params: dict, quantization: str | None, mesh,
     if refused:
         raise ValueError(f"--enable-lora does not support {refused}")
     dtype = params["embed_tokens"].dtype
+    max_cpu_loras = config.max_cpu_loras or config.max_loras
+    whole, each = slot_bytes(params, config.max_lora_rank, dtype, mesh)
+    problem = lora_memory_problem(
+        max_loras=config.max_loras, max_cpu_loras=max_cpu_loras,
+        max_lora_rank=config.max_lora_rank, slot_bytes=whole, device_slot_bytes=each,
+        num_devices=sharding.mesh_size(mesh), device_room=device_room, host_room=host_room)
+    if problem:
+        raise ValueError(problem)
     params = add_pool(params, config.max_loras, config.max_lora_rank, dtype, mesh)
     layout = sharding.Layout.of(model_config, sharding.mesh_size(mesh))
     manager = LoRAModelManager(params, LoRAShapes.of(model_config), layout, config.max_loras,
-                               config.max_lora_rank, config.max_cpu_loras or config.max_loras,
-                               mesh)
-    size = sum(x.nbytes for x in jax.tree.leaves(pool_of(params)))
+                               config.max_lora_rank, max_cpu_loras, mesh)
     log(f"LoRA: a device pool of {config.max_loras} adapters of rank up to "
-        f"{config.max_lora_rank}, {size / 2**20:.1f} MiB{'' if mesh is None else ' in all'}; "
-        f"up to {manager.max_cpu_loras} adapters kept on the host")
+        f"{config.max_lora_rank}, {config.max_loras * whole / 2**20:.1f} MiB"
+        f"{'' if mesh is None else ' in all'}; up to {max_cpu_loras} adapters kept on the host "
+        f"({max_cpu_loras * whole / 2**20:.1f} MiB)")
     return params, manager

@@ -4,8 +4,10 @@ flight together, each request's teacher-forced prompt log-probabilities (complet
 with ``logprobs``) within 2e-3 of HF + PEFT's float32 ones; ``/v1/models`` lists the adapters; a
 third adapter loaded at run time serves, then once unloaded its requests get vLLM's 404, which
 lists the names served; a name loaded again in place (``load_inplace``) serves the new weights
-to new requests while a request running on it finishes with the old ones; bad adapters get a 400 on load and a usage error at start-up, naming the
-adapter and why, and so does a JSON item's base_model_name other than the served model's."""
+to new requests while a request running on it finishes with the old ones; bad adapters get a
+400 on load and a usage error at start-up, naming the adapter and why, and so does a JSON
+item's base_model_name other than the served model's; a --max-loras too large for the memory
+fails start-up naming the flags and the GiB."""
 
 import json
 import subprocess
@@ -229,3 +231,17 @@ def test_lora_modules_base_model_name_must_be_the_served_model(lora):
     assert (f"error: argument --lora-modules: x={adapters['sql']}: base_model_name 'other' is "
             f"not the served model '{base}'") in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_lora_pool_too_large_for_the_memory_is_refused_at_start_up(lora):
+    """--max-loras far beyond the memory: the engine refuses it before allocating, naming the
+    flags and the GiB (it was killed for memory, exit -9, with no message)."""
+    _, base, *_ = lora
+    out = subprocess.run(
+        [sys.executable, "-m", "jaxserve.serve", "--model", str(base), "--dtype", "float32",
+         "--enable-lora", "--max-loras", str(10**7), *ENGINE_FLAGS, "--port", "0"],
+        capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert out.returncode == 2, out.stderr
+    assert (f"error: cannot start the engine for --model {base}: --max-loras 10000000 and "
+            "--max-cpu-loras 10000000 with --max-lora-rank 16: the LoRA pool (") in out.stderr
+    assert "GiB of host memory, where" in out.stderr and "Traceback" not in out.stderr

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from jaxserve import serve
-from jaxserve.config import EngineConfig
+from jaxserve.config import LORA_RANKS, EngineConfig
 from jaxserve.engine.arg_utils import from_cli_args
 from jaxserve.entrypoints import run_batch
 from scripts import offline_batch
@@ -117,6 +117,10 @@ BAD = [
     (["--dtype", "float8"], "--dtype"),
     (["--load-format", "pickle"], "--load-format"),
     (["--attention-backend", "cuda"], "--attention-backend"),
+    (["--max-lora-rank", "100000"], "--max-lora-rank: must be one of 1, 8, 16, 32, 64, 128, 256, "
+                                    "320, 512, got 100000"),
+    (["--max-lora-rank", "4"], "--max-lora-rank"),
+    (["--max-loras", "0"], "--max-loras"),
     (["--no-such-flag"], "--no-such-flag"),
 ]
 
@@ -165,3 +169,23 @@ def test_bad_lora_modules_item_is_one_line_exit_2(item, says, capsys):
     assert serve.main(["--enable-lora", "--lora-modules", item]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "error: argument --lora-modules: " in err and says in err, err
+
+
+def test_max_cpu_loras_below_max_loras_is_a_usage_error(capsys):
+    """Checked with the flags (EngineConfig's rule between them), before the model loads;
+    LLM(...) raises it as a ValueError."""
+    assert serve.main(["--enable-lora", "--max-cpu-loras", "1", "--max-loras", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("python -m jaxserve.serve: error: --max-cpu-loras 1 must be at least "
+                   "--max-loras 2\n")
+    with pytest.raises(ValueError, match="^--max-cpu-loras 1 must be at least --max-loras 2$"):
+        EngineConfig(max_cpu_loras=1, max_loras=2)
+    assert EngineConfig(max_cpu_loras=2, max_loras=2).max_cpu_loras == 2
+
+
+def test_max_lora_rank_takes_vllms_choices_default_included():
+    assert LORA_RANKS == (1, 8, 16, 32, 64, 128, 256, 320, 512)
+    assert EngineConfig().max_lora_rank in LORA_RANKS
+    for rank in LORA_RANKS:
+        assert from_cli_args(serve.build_parser().parse_args(
+            ["--max-lora-rank", str(rank)])).max_lora_rank == rank

@@ -1,4 +1,5 @@
-"""KV pool sizing arithmetic (jaxserve/engine/kv_sizing.py), CPU and GPU paths."""
+"""KV pool sizing arithmetic (jaxserve/engine/kv_sizing.py), CPU and GPU paths; the LoRA pool and
+host cache checked against the memory, and the host memory available that it reads."""
 
 import pytest
 
@@ -113,3 +114,71 @@ def test_tensor_parallel_pool_is_what_the_fullest_device_can_hold():
     # Its pages, per device: Llama-3.1-70B's 8 KV heads split in two.
     per_page = K.kv_bytes_per_page(80, 8 // 2, 128, 16, 2)
     assert per_page == 2 * 80 * 4 * 16 * 128 * 2 == 2.5 * 2**20
+
+
+# One LoRA slot of rank 16 on SmolLM2-135M in float32 (``lora.layers.slot_bytes``): per layer
+# q/k/v 576 x 48 + 48 x 960, o 576 x 16 + 16 x 576, gate/up 576 x 32 + 32 x 3072, down
+# 1536 x 16 + 16 x 576 values, 30 layers.
+SLOT = 30 * (576 * 48 + 48 * 960 + 2 * 576 * 16 + 576 * 32 + 32 * 3072 + 1536 * 16 + 16 * 576) * 4
+
+
+def test_lora_pool_and_host_cache_must_fit_the_memory():
+    """--max-loras 100000 on the default model (an OOM kill before the check): refused naming
+    the flags and the GiB; on the CPU the pool and the host cache share host memory, on a GPU
+    the pool (a device's part of it) counts against the device's room, the cache the host's."""
+    lora = dict(max_lora_rank=16, slot_bytes=SLOT)
+    assert SLOT == 29_122_560
+    assert K.lora_memory_problem(
+        max_loras=100_000, max_cpu_loras=100_000, device_slot_bytes=SLOT, num_devices=1,
+        device_room=None, host_room=16 * GIB, **lora) == (
+        "--max-loras 100000 and --max-cpu-loras 100000 with --max-lora-rank 16: the LoRA pool "
+        "(2712.25 GiB) and host cache (up to 2712.25 GiB) can take 5424.50 GiB of host memory, "
+        "where 16.00 GiB is available beside the --kv-cache-gib KV pool; lower them or "
+        "--max-lora-rank")
+    assert K.lora_memory_problem(
+        max_loras=100_000, max_cpu_loras=100_000, device_slot_bytes=SLOT // 2, num_devices=2,
+        device_room=60 * GIB, host_room=100 * GIB, **lora) == (
+        "--max-loras 100000 with --max-lora-rank 16: the LoRA pool takes 1356.12 GiB of each "
+        "device's memory, where 60.00 GiB is left under --gpu-memory-utilization after the "
+        "weights; lower --max-loras or --max-lora-rank")
+    assert K.lora_memory_problem(
+        max_loras=8, max_cpu_loras=100_000, device_slot_bytes=SLOT // 2, num_devices=2,
+        device_room=60 * GIB, host_room=100 * GIB, **lora) == (
+        "--max-cpu-loras 100000 with --max-lora-rank 16: the LoRA host cache can take "
+        "2712.25 GiB of host memory, where 100.00 GiB is available; lower --max-cpu-loras or "
+        "--max-lora-rank")
+    # The edge of what fits (8 slots and 8 adapters on the host), and a host memory that
+    # cannot be read (no check).
+    cpu = dict(device_slot_bytes=SLOT, num_devices=1, device_room=None, **lora)
+    assert K.lora_memory_problem(max_loras=8, max_cpu_loras=8, host_room=16 * SLOT, **cpu) is None
+    assert K.lora_memory_problem(max_loras=8, max_cpu_loras=8, host_room=16 * SLOT - 1,
+                                 **cpu) is not None
+    assert K.lora_memory_problem(max_loras=10**6, max_cpu_loras=10**6, host_room=None,
+                                 **cpu) is None
+
+
+def test_host_memory_available_is_the_smaller_of_the_kernels_and_the_cgroups(tmp_path):
+    """``host_memory.available_bytes`` (the host room of the LoRA check): MemAvailable, or a
+    cgroup's limit less its usage (inactive file pages reclaimable) where that is less; v1's
+    "no limit" and v2's "max" are no limit; nothing readable: None."""
+    from jaxserve.host_memory import available_bytes
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       32000000 kB\nMemAvailable:   20000000 kB\n")
+    v2, v1 = tmp_path / "v2", tmp_path / "v1"
+    (v1 / "memory").mkdir(parents=True)
+    v2.mkdir()
+    assert available_bytes(str(v2), str(meminfo)) == 20_000_000 * 1024
+    (v2 / "memory.max").write_text("max\n")
+    (v2 / "memory.current").write_text("1000\n")
+    assert available_bytes(str(v2), str(meminfo)) == 20_000_000 * 1024
+    (v2 / "memory.max").write_text(f"{4 * GIB}\n")
+    (v2 / "memory.current").write_text(f"{3 * GIB}\n")
+    (v2 / "memory.stat").write_text(f"anon 100\ninactive_file {GIB // 2}\n")
+    assert available_bytes(str(v2), str(meminfo)) == GIB + GIB // 2
+    (v1 / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")
+    (v1 / "memory" / "memory.usage_in_bytes").write_text(f"{GIB}\n")
+    assert available_bytes(str(v1), str(meminfo)) == 20_000_000 * 1024
+    (v1 / "memory" / "memory.limit_in_bytes").write_text(f"{2 * GIB}\n")
+    assert available_bytes(str(v1), str(meminfo)) == GIB
+    assert available_bytes(str(tmp_path / "none"), str(tmp_path / "none")) is None

@@ -113,7 +113,7 @@ import json
 import jax, jax.numpy as jnp, numpy as np
 from jaxserve.config import ModelConfig
 from jaxserve.lora.checkpoint import LoRAShapes
-from jaxserve.lora.layers import add_pool, slot_rows
+from jaxserve.lora.layers import add_pool, pool_of, slot_bytes, slot_rows
 from jaxserve.lora.manager import LoRAModelManager
 from jaxserve.models import llama, sharding
 from pallas_kernels import get_attention_fn
@@ -124,8 +124,13 @@ out = {}
 for tp in (1, 2):
     mesh = sharding.make_mesh(tp)
     layout = sharding.Layout.of(cfg, tp)
-    params = add_pool(llama.random_params(cfg, jnp.float32, seed=3, mesh=mesh), 2, 4,
-                      jnp.float32, mesh)
+    base = llama.random_params(cfg, jnp.float32, seed=3, mesh=mesh)
+    params = add_pool(base, 2, 4, jnp.float32, mesh)
+    # slot_bytes against the pools' bytes per slot, in all and on device 0
+    pools = jax.tree.leaves(pool_of(params))
+    out[f"bytes{tp}"] = [list(slot_bytes(base, 4, jnp.float32, mesh)), [
+        sum(x.nbytes for x in pools) // 2, sum(s.data.nbytes for x in pools
+        for s in x.addressable_shards if s.device == jax.devices()[0]) // 2]]
     manager = LoRAModelManager(params, shapes, layout, 2, 4, 2, mesh)
     manager.host[7] = slot_rows(_adapter(shapes, 3, 0), shapes, layout, 4, np.float32)
     params, slots = manager.activate(params, np.array([7, 0], np.int32))
@@ -149,8 +154,11 @@ print(json.dumps(out))
 @pytest.mark.slow
 def test_logits_equal_at_tp1_and_tp2():
     """A step of an adapter's row and a base row: the same logits over 2 fake devices (the
-    pools split with their base weights) as on one."""
+    pools split with their base weights) as on one. And ``slot_bytes`` on each device is what
+    the split pools hold there."""
     out = tp_utils.run_python(TP_CODE, devices=2)
+    (whole, each), measured = out["bytes2"]
+    assert [whole, each] == measured and each < whole
     a, b = np.array(out["1"]), np.array(out["2"])
     np.testing.assert_allclose(b, a, atol=1e-4, rtol=1e-4)
 
@@ -234,7 +242,46 @@ def test_what_lora_refuses_at_start_up_names_the_flags(change, says):
                                        num_experts=change.get("num_experts", 0))
     config = SimpleNamespace(num_hosts=change.get("num_hosts", 1))
     with pytest.raises(ValueError, match=f"^--enable-lora does not support {re.escape(says)}$"):
-        manager.create(config, model_config, {}, change.get("quantization"), None, print)
+        manager.create(config, model_config, {}, change.get("quantization"), None, print,
+                       None, None)
+
+
+def test_slot_bytes_are_the_pools_bytes_per_slot():
+    """``layers.slot_bytes`` (what the start-up memory check counts) equals the bytes of the
+    pools ``add_pool`` allocates, per slot (2 devices: ``test_logits_equal_at_tp1_and_tp2``)."""
+    import jax
+
+    from jaxserve.lora.layers import add_pool, pool_of, slot_bytes
+
+    params = llama.random_params(ModelConfig.from_hf_config(CONFIG), jnp.float32)
+    whole, each = slot_bytes(params, 8, jnp.bfloat16)
+    pool = jax.tree.leaves(pool_of(add_pool(params, 3, 8, jnp.bfloat16)))
+    assert whole == each == sum(x.nbytes for x in pool) // 3
+
+
+def test_what_lora_refuses_for_memory_it_refuses_before_allocating():
+    """``manager.create`` counts the pool and the host cache (``slot_bytes``) against the room
+    it is given (``kv_sizing.lora_memory_problem``'s arithmetic: test_kv_sizing) and refuses
+    before it allocates anything; what fits is created."""
+    from types import SimpleNamespace
+
+    from jaxserve.lora import manager
+    from jaxserve.lora.layers import slot_bytes
+
+    config = SimpleNamespace(num_hosts=1, max_loras=4, max_cpu_loras=None, max_lora_rank=8)
+    model_config = ModelConfig.from_hf_config(CONFIG)
+    params = llama.random_params(model_config, jnp.float32)
+    slot = slot_bytes(params, 8, jnp.float32)[0]
+    with pytest.raises(ValueError, match="^--max-loras 4 with --max-lora-rank 8: the LoRA pool"):
+        manager.create(config, model_config, params, None, None, print, 4 * slot - 1, None)
+    with pytest.raises(ValueError, match="^--max-cpu-loras 4 with --max-lora-rank 8: the LoRA "):
+        manager.create(config, model_config, params, None, None, print, 4 * slot, 4 * slot - 1)
+    with pytest.raises(ValueError, match="^--max-loras 4 and --max-cpu-loras 4 with "):
+        manager.create(config, model_config, params, None, None, print, None, 8 * slot - 1)
+    params, lora = manager.create(config, model_config, params, None, None, print, None,
+                                  8 * slot)
+    assert lora.max_loras == lora.max_cpu_loras == 4
+    assert params["layers"][0]["o_proj"].a.shape[0] == 4
 
 
 def test_host_cache_spares_the_adapters_in_use(tmp_path):

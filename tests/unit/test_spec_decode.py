@@ -89,6 +89,26 @@ def ngram(token_ids: list[int], k: int, min_n: int = 2, max_n: int = 4) -> list[
     return drafts[0, : int(counts[0])].tolist()
 
 
+def test_ngram_lookup_past_the_rows_width():
+    # prompt_lookup_max above any suffix's length: the longest match of the row wins
+    assert ngram([1, 2, 3, 4, 5, 9, 2, 3, 7, 1, 2, 3], 3, min_n=2, max_n=1000) == [4, 5, 9]
+    assert ngram([4, 4, 4, 4], 2, min_n=1, max_n=1000) == [4]
+
+
+def test_ngram_lookup_program_does_not_grow_with_prompt_lookup_max():
+    """The lookup compares every window with every suffix length at once: its program (and so
+    its compile time) is the same at prompt_lookup_max 4 and 1000 (the runaway start-up of an
+    unrolled loop over the lengths)."""
+    history, lengths = jnp.zeros((4, 2048), jnp.int32), jnp.zeros(4, jnp.int32)
+
+    def ops(max_n):
+        text = jax.jit(propose_on_device, static_argnums=(2, 3, 4)).lower(
+            history, lengths, 3, 2, max_n).as_text()
+        return sum(" = " in line for line in text.splitlines())
+
+    assert ops(1000) == ops(4)
+
+
 def test_ngram_lookup():
     # the longest recurring suffix wins: [2, 3] recurs after 1 and after 9; [1, 2, 3] after 1
     assert ngram([1, 2, 3, 4, 5, 9, 2, 3, 7, 1, 2, 3], 3) == [4, 5, 9]
@@ -102,9 +122,9 @@ def test_ngram_lookup():
 
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.lists(st.integers(0, 3), max_size=40), min_size=1, max_size=6),
-       st.integers(1, 6), st.integers(1, 3), st.integers(0, 3))
+       st.integers(1, 6), st.integers(1, 3), st.integers(0, 3) | st.integers(40, 100))
 def test_ngram_lookup_equals_the_reference(seqs, k, min_n, extra):
-    max_n = min_n + extra
+    max_n = min_n + extra  # up to past the rows' width (48)
     history = np.full((len(seqs), 48), 7, np.int32)  # 7: junk past each row's length
     for r, seq in enumerate(seqs):
         history[r, : len(seq)] = seq

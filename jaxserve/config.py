@@ -192,7 +192,8 @@ class EngineConfig:
     speculative_config: dict | None = field(default=None, metadata={"help": (
         "speculative decoding as a JSON object, vLLM's fields (docs/spec_decode.md): "
         "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, "
-        "\"prompt_lookup_min\": 2}'; also disable_by_batch_size (default 16); None: off"),
+        "\"prompt_lookup_min\": 2}'; also disable_by_batch_size (default 16; null: never); "
+        "None: off"),
         "parse": parse_speculative_config})
     # Same range as SamplingParams.seed.
     seed: int = field(default=0, metadata={

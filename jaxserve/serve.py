@@ -37,6 +37,7 @@ from jaxserve.entrypoints.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS
 from jaxserve.lora.checkpoint import read_adapter
 from jaxserve.metrics import METRICS_PREFIXES
 from jaxserve.reasoning import REASONING_PARSERS
+from jaxserve.spec_decode.config import SpeculativeConfig
 
 PROG = "python -m jaxserve.serve"
 EXIT_ENGINE_FAILED = 3
@@ -252,7 +253,8 @@ def parse_args(argv=None):
 
 def check_app_args(args) -> None:
     """What can be checked of ``add_app_args``' flags before the model is loaded: the model's
-    path, ``--lora-modules``' folders, ``--host-id``. Raises UsageError naming the flag."""
+    path, ``--lora-modules``' folders, ``--host-id``, the ``--speculative-config`` fields that
+    must agree with other flags. Raises UsageError naming the flag."""
     if args.model is not None and args.load_format != "dummy":
         # Kept as given: it is the served model name (the loader expands ~ itself).
         if not os.path.exists(os.path.expanduser(args.model)):
@@ -272,6 +274,12 @@ def check_app_args(args) -> None:
         check_hosts(config)
     except ValueError as e:
         raise UsageError(f"argument --host-id: {e}") from None
+    if config.speculative_config is not None:
+        try:
+            SpeculativeConfig.from_dict(config.speculative_config).check_engine(
+                config.tensor_parallel_size, config.max_model_len)
+        except ValueError as e:
+            raise UsageError(f"argument --speculative-config: {e}") from None
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

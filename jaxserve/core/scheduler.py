@@ -50,7 +50,7 @@ before it (``grammar_bitmask``; with several hosts, whose bitmask host 0 publish
 step makes its n-gram drafts, constrained sequences get none: ``constrained_drafts``). A
 sequence short of its min_tokens gets no drafts (its min_tokens mask is built from the host's
 counts), and no sequence does while more than ``disable_by_batch_size`` requests are
-unfinished.
+unfinished (None: at any number).
 
 A request that wants prompt log-probabilities takes no prefix-cache hits (every prompt position
 must be computed), and its prompt chunks are capped so that one step never holds more than
@@ -128,9 +128,11 @@ class Scheduler:
 
     def speculates(self) -> bool:
         """Whether the next ``schedule`` may give drafts: speculative decoding is on and at most
-        ``disable_by_batch_size`` requests are unfinished."""
-        return (self.spec_config is not None and len(self.running) + len(self.waiting)
-                <= self.spec_config.disable_by_batch_size)
+        ``disable_by_batch_size`` requests are unfinished (None: at any number)."""
+        if self.spec_config is None:
+            return False
+        limit = self.spec_config.disable_by_batch_size
+        return limit is None or len(self.running) + len(self.waiting) <= limit
 
     def drafts_on_host(self) -> bool:
         """Whether the next ``schedule`` may give drafts that a drafter proposed after the

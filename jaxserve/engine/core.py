@@ -208,6 +208,11 @@ class EngineCore:
         self.model_name = config.model or ckpt.name
         max_position_embeddings = ModelConfig.from_hf_config(ckpt.hf_config).max_position_embeddings
         config = self.config = resolve_config(config, platform, max_position_embeddings)
+        if self.spec_config is not None:
+            try:
+                self.spec_config.check_engine(config.tensor_parallel_size, config.max_model_len)
+            except ValueError as e:
+                raise ValueError(f"--speculative-config: {e}") from None
         dtype = jnp.dtype(config.dtype)
         t1 = time.perf_counter()
         quantization = resolve_method(ckpt.hf_config, config.quantization)
@@ -240,8 +245,9 @@ class EngineCore:
             log(f"speculative decoding: {sc.method}"
                 + (f" ({sc.model})" if sc.model else
                    f" (prompt lookup {sc.prompt_lookup_min}-{sc.prompt_lookup_max} tokens)")
-                + f", {sc.num_speculative_tokens} drafts a step, off while more than "
-                f"{sc.disable_by_batch_size} requests are unfinished")
+                + f", {sc.num_speculative_tokens} drafts a step"
+                + (", at any batch size" if sc.disable_by_batch_size is None else
+                   f", off while more than {sc.disable_by_batch_size} requests are unfinished"))
         structured = pool.submit(_structured_output_manager, tokenizer, mc)
         pool.shutdown(wait=False)
         kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype)
@@ -257,7 +263,8 @@ class EngineCore:
             quantization=quantization,
             lora=self.lora_manager,
             num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
-            max_spec_seqs=min(spec.disable_by_batch_size, config.max_num_seqs) if spec else 0,
+            max_spec_seqs=min(spec.disable_by_batch_size or config.max_num_seqs,
+                              config.max_num_seqs) if spec else 0,
             draft=draft,
             ngram_lookup=((spec.prompt_lookup_min, spec.prompt_lookup_max)
                           if spec and spec.method == "ngram" else None),

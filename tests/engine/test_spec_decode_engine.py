@@ -155,3 +155,14 @@ def test_constrained_sequences_verify_drafts_against_their_grammar(spec_llm, smo
                                  [top2_margin(p) for p in a.logprobs])
         assert same, (n, a.text, o.outputs[0].text)
     assert after.num_drafts > before[0] and after.num_accepted_tokens > before[1]
+
+
+def test_start_up_checks_the_fields_that_must_agree_with_the_flags():
+    """``LLM`` has no argument parsing: the engine checks vLLM's max_model_len against the
+    resolved --max-model-len before it compiles anything."""
+    from jaxserve import LLM
+
+    with pytest.raises(ValueError, match=r"^--speculative-config: max_model_len must be "
+                                         r"--max-model-len \(256\) or null"):
+        LLM(log=lambda s: None, speculative_config={**SPEC_CONFIG, "max_model_len": 512},
+            **SPEC_ENGINE)

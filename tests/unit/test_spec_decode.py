@@ -3,6 +3,8 @@ checks, the n-gram proposer on hand-made sequences, and the rejection sampler: g
 exact, and sampled rows (temperature, top-k, top-p, penalties) emitting the target
 distribution after accepted and after rejected drafts (a chi-square test)."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -57,10 +59,140 @@ def test_config_infers_the_method_as_vllm(d, method, model):
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0},
      "prompt_lookup_min"),
     ({"method": "ngram", "num_speculative_tokens": 2, "k": 2}, "'k'"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": -3},
+     "^prompt_lookup_max must be an integer >= 1, got -3$"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": -3},
+     "^prompt_lookup_min must be an integer >= 1, got -3$"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": "4"},
+     "^prompt_lookup_max must be"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0},
+     "^disable_by_batch_size must be"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 0},
+     "^draft_tensor_parallel_size must be"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "max_model_len": 0},
+     "^max_model_len must be"),
+    ({"method": "suffix", "num_speculative_tokens": 2}, "'suffix' is not built"),
+    ({"method": "mlp_speculator", "model": "m", "num_speculative_tokens": 2},
+     "'mlp_speculator' is not built"),
 ])
 def test_config_errors_name_the_field(d, field):
     with pytest.raises(ValueError, match=field):
         SpeculativeConfig.from_dict(d)
+
+
+def test_config_takes_a_large_prompt_lookup_max():
+    # vLLM accepts any value; the lookup's program does not grow with it (see the lookup tests)
+    c = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 2,
+                                     "prompt_lookup_max": 1000, "prompt_lookup_min": 2})
+    assert (c.prompt_lookup_min, c.prompt_lookup_max) == (2, 1000)
+
+
+def test_disable_by_batch_size_null_is_never():
+    ngram = {"method": "ngram", "num_speculative_tokens": 2}
+    assert SpeculativeConfig.from_dict(ngram).disable_by_batch_size == 16  # jaxserve's default
+    c = SpeculativeConfig.from_dict({**ngram, "disable_by_batch_size": None})
+    assert c.disable_by_batch_size is None
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
+DRAFT = {"method": "draft_model", "model": "m", "num_speculative_tokens": 3}
+
+
+@pytest.mark.parametrize("base, extra", [
+    (NGRAM, {"enforce_eager": None}), (DRAFT, {"enforce_eager": False}),
+    (DRAFT, {"tensor_parallel_size": None}),
+    (DRAFT, {"quantization": None, "revision": None, "code_revision": None,
+             "draft_load_config": None}),
+    (DRAFT, {"disable_padded_drafter_batch": False, "parallel_drafting": False}),
+    (NGRAM, {"speculative_token_tree": None}),
+    (DRAFT, {"speculative_token_tree": "[(0,), (0, 0), (0, 0, 0)]"}),
+    (DRAFT, {"speculative_token_tree": "[(0, 0), (0,), (0, 0, 0)]"}),  # any order
+    (NGRAM, {"suffix_decoding_max_tree_depth": 24, "suffix_decoding_max_cached_requests": 0,
+             "suffix_decoding_max_spec_factor": 1.0, "suffix_decoding_min_token_prob": 0.1}),
+    (NGRAM, {"draft_tensor_parallel_size": None, "max_model_len": None,
+             "prompt_lookup_max": None, "prompt_lookup_min": None, "model": None}),
+])
+def test_config_accepts_vllms_fields_at_what_runs(base, extra):
+    c = SpeculativeConfig.from_dict({**base, **extra})
+    assert c == SpeculativeConfig.from_dict(base)
+
+
+@pytest.mark.parametrize("base, extra, message", [
+    (DRAFT, {"enforce_eager": True}, "^enforce_eager must be null or false .*, got true$"),
+    (DRAFT, {"tensor_parallel_size": 1}, "^tensor_parallel_size must be null .*"
+                                         "draft_tensor_parallel_size.*, got 1$"),
+    (DRAFT, {"quantization": "fp8"}, '^quantization must be null .*, got "fp8"$'),
+    (DRAFT, {"revision": "main"}, "^revision must be null"),
+    (DRAFT, {"code_revision": "main"}, "^code_revision must be null"),
+    (DRAFT, {"draft_load_config": {"load_format": "dummy"}}, "^draft_load_config must be null"),
+    (DRAFT, {"disable_padded_drafter_batch": True}, "^disable_padded_drafter_batch must be false"),
+    (DRAFT, {"disable_padded_drafter_batch": 0}, "^disable_padded_drafter_batch must be false"),
+    (DRAFT, {"parallel_drafting": True}, "^parallel_drafting must be false"),
+    (DRAFT, {"speculative_token_tree": "[(0,), (1,), (0, 0)]"},
+     r"^speculative_token_tree must be null or '\[\(0,\), \(0, 0\), \(0, 0, 0\)\]'"),
+    (DRAFT, {"speculative_token_tree": "[(0,), (0, 0)]"}, "^speculative_token_tree must be"),
+    (DRAFT, {"speculative_token_tree": "not a tree"}, "^speculative_token_tree must be"),
+    (DRAFT, {"speculative_token_tree": 3}, "^speculative_token_tree must be"),
+    (NGRAM, {"suffix_decoding_max_tree_depth": "24"}, "^suffix_decoding_max_tree_depth must be"),
+    (NGRAM, {"suffix_decoding_min_token_prob": True}, "^suffix_decoding_min_token_prob must be"),
+    (NGRAM, {"target_model_config": {}}, "unknown field 'target_model_config'"),
+])
+def test_config_refuses_vllms_fields_at_what_does_not_run(base, extra, message):
+    with pytest.raises(ValueError, match=message):
+        SpeculativeConfig.from_dict({**base, **extra})
+
+
+def test_check_engine_takes_vllms_draft_tensor_parallel_rule_and_the_max_model_len():
+    for tp in (None, 1, 4):
+        c = SpeculativeConfig.from_dict({**NGRAM, "draft_tensor_parallel_size": tp})
+        c.check_engine(4, None)
+    c = SpeculativeConfig.from_dict({**NGRAM, "draft_tensor_parallel_size": 2})
+    with pytest.raises(ValueError, match=r"^draft_tensor_parallel_size must be 1 or "
+                                         r"--tensor-parallel-size \(4\), got 2$"):
+        c.check_engine(4, None)
+    c = SpeculativeConfig.from_dict({**DRAFT, "max_model_len": 512})
+    c.check_engine(1, None)  # --max-model-len not known yet
+    c.check_engine(1, 512)
+    with pytest.raises(ValueError, match=r"^max_model_len must be --max-model-len \(1024\) or "
+                                         r"null .*, got 512$"):
+        c.check_engine(1, 1024)
+
+
+SERVE_BAD = [
+    ({**NGRAM, "prompt_lookup_max": -3}, [], "prompt_lookup_max must be an integer >= 1, got -3"),
+    ({**NGRAM, "disable_by_batch_size": "none"}, [], "disable_by_batch_size must be"),
+    ({**NGRAM, "draft_tensor_parallel_size": 2}, [], "draft_tensor_parallel_size must be 1 or "
+                                                     "--tensor-parallel-size (1), got 2"),
+    ({**NGRAM, "max_model_len": 512}, ["--max-model-len", "1024"], "max_model_len must be "
+                                                                   "--max-model-len (1024)"),
+    ({**NGRAM, "tensor_parallel_size": 1}, [], "tensor_parallel_size must be null"),
+    ({**DRAFT, "speculative_token_tree": "[(0,), (1,)]"}, [], "speculative_token_tree must be"),
+]
+
+
+@pytest.mark.parametrize("spec, flags, message", SERVE_BAD)
+def test_server_bad_speculative_config_is_one_line_exit_2(spec, flags, message, capsys):
+    from jaxserve import serve
+
+    assert serve.main(["--speculative-config", json.dumps(spec), *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert "--speculative-config" in err and message in err, err
+
+
+@pytest.mark.parametrize("spec, flags", [
+    ({**NGRAM, "prompt_lookup_max": 1000, "prompt_lookup_min": 2}, ["--max-model-len", "1024"]),
+    ({**NGRAM, "disable_by_batch_size": None}, []),
+    ({**NGRAM, "draft_tensor_parallel_size": 1, "max_model_len": 1024},
+     ["--max-model-len", "1024"]),
+    ({**NGRAM, "draft_tensor_parallel_size": 2}, ["--tensor-parallel-size", "2"]),
+])
+def test_server_parses_vllms_speculative_configs(spec, flags):
+    from jaxserve import serve
+    from jaxserve.engine.arg_utils import from_cli_args
+
+    args = serve.parse_args(["--speculative-config", json.dumps(spec), *flags])
+    assert from_cli_args(args).speculative_config == spec
 
 
 def test_parse_rejects_bad_json():
@@ -509,3 +641,12 @@ def test_scheduler_turns_speculation_off_by_batch_size():
     _step(s, {"a": 3, "b": 3}, {})
     out, _ = _step(s, {"a": 4, "b": 4}, {})
     assert not out.scheduled_spec_decode_tokens
+
+
+def test_scheduler_speculates_at_any_batch_size_with_null_disable_by_batch_size():
+    from tests.unit.kv_fakes import make_request
+
+    s = _scheduler(disable_by_batch_size=None)
+    for rid in "abcdef":  # more than max_num_seqs: some wait
+        s.add_request(make_request(rid, [1, 2, 3, 1, 2], max_tokens=10))
+    assert s.speculates()

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from jaxserve.engine import SchedulerStats
+from jaxserve.engine import ITERATION_TOKENS_BUCKETS, SchedulerStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 METRICS_PREFIXES = ("jaxserve", "vllm")
@@ -49,9 +49,23 @@ VLLM_NAMES = frozenset({
     "request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
     "request_inference_time_seconds", "request_params_n", "request_params_max_tokens",
     "request_max_num_generation_tokens", "time_per_output_token_seconds",
-    "request_time_per_output_token_seconds"})
+    "request_time_per_output_token_seconds", "iteration_tokens_total", "cache_config_info"})
 # The n parameter's histogram buckets (vLLM's).
 _N_BUCKETS = (1, 2, 5, 10, 20)
+
+
+def _add_counts(a: list[int], b: list[int]) -> list[int]:
+    """Two engines' per-bucket counts summed (an empty list: no step yet)."""
+    return [x + y for x, y in zip(a, b)] if a and b else list(a or b)
+
+
+def cache_config_labels(config, num_gpu_blocks: int) -> dict[str, str]:
+    """The ``cache_config_info`` gauge's labels: vLLM's CacheConfig field names, from the
+    engine's resolved config and its KV pool's pages (the null page included, as vLLM's)."""
+    return {"block_size": str(config.page_size), "cache_dtype": str(config.kv_cache_dtype),
+            "enable_prefix_caching": str(config.enable_prefix_caching),
+            "gpu_memory_utilization": str(config.gpu_memory_utilization),
+            "num_gpu_blocks": str(num_gpu_blocks)}
 
 
 def token_buckets(max_model_len: int) -> tuple[int, ...]:
@@ -123,6 +137,18 @@ class _EngineStatsCollector:
         for pos, n in enumerate(spec.num_accepted_tokens_per_pos):
             per_pos.add_metric(m.label_values + [str(pos)], n)
         yield per_pos
+        counts = _add_counts(base.iteration_tokens_counts, s.iteration_tokens_counts)
+        h = HistogramMetricFamily(m.name("iteration_tokens_total"), "Tokens each engine step "
+                                  "scheduled (prompt, output and draft tokens).",
+                                  labels=m.label_names)
+        cumulative, total = [], 0
+        for bound, n in zip((*ITERATION_TOKENS_BUCKETS, "+Inf"), counts or [0] * (
+                len(ITERATION_TOKENS_BUCKETS) + 1)):
+            total += n
+            cumulative.append((str(float(bound)) if bound != "+Inf" else bound, total))
+        h.add_metric(m.label_values, cumulative,
+                     base.iteration_tokens_sum + s.iteration_tokens_sum)
+        yield h
         yield gauge("engine_alive", "1 while the engine process serves, 0 after it died "
                     "(until a restarted one is ready).", 1 if m.engine_alive else 0)
         yield counter("engine_restarts", "Times the engine process was restarted after "
@@ -137,10 +163,12 @@ class Metrics:
       prefix: "jaxserve", or "vllm" for vLLM's names and labels (module docstring).
       max_model_len: the top of the per-request token-count histograms' buckets.
       max_loras: --max-loras with --enable-lora (the ``lora_requests_info`` gauge), else 0.
+      cache_config: the KV cache's configuration, label name to value (vLLM's
+        ``cache_config_info`` gauge, value 1); None: no such gauge.
     """
 
     def __init__(self, model_name: str, prefix: str = "jaxserve", max_model_len: int = 32768,
-                 max_loras: int = 0):
+                 max_loras: int = 0, cache_config: dict[str, str] | None = None):
         if prefix not in METRICS_PREFIXES:
             raise ValueError(f"metrics prefix must be one of {METRICS_PREFIXES}, got {prefix!r}")
         self.model_name = model_name
@@ -230,6 +258,10 @@ class Metrics:
         self._time_per_output_token = self.time_per_output_token.labels(*self.label_values)
         for reason in ("overloaded", "timeout"):
             self.rejected.labels(*self.label_values, reason)
+        if cache_config:
+            info = Gauge(self.name("cache_config_info"), "The KV cache's configuration "
+                         "(labels); the value is 1.", [*cache_config, *labels], registry=reg)
+            info.labels(*cache_config.values(), *self.label_values).set(1)
 
     def name(self, base: str) -> str:
         """The exposed name of metric ``base`` (module docstring)."""
@@ -246,7 +278,10 @@ class Metrics:
             prefix_cache_queries=b.prefix_cache_queries + s.prefix_cache_queries,
             prefix_cache_hits=b.prefix_cache_hits + s.prefix_cache_hits,
             prompt_tokens_computed=b.prompt_tokens_computed + s.prompt_tokens_computed,
-            spec_decoding=b.spec_decoding.plus(s.spec_decoding))
+            spec_decoding=b.spec_decoding.plus(s.spec_decoding),
+            iteration_tokens_counts=_add_counts(b.iteration_tokens_counts,
+                                                s.iteration_tokens_counts),
+            iteration_tokens_sum=b.iteration_tokens_sum + s.iteration_tokens_sum)
         self.stats = SchedulerStats()
         self.engine_alive = False
 

@@ -43,7 +43,7 @@ from jaxserve.engine.input_processor import InputProcessor, chat_text_bytes
 from jaxserve.engine.output_processor import OutputProcessor, RequestError, merge_outputs
 from jaxserve.lora.checkpoint import LoRAShapes
 from jaxserve.lora.request import LoRARequest
-from jaxserve.metrics import Metrics
+from jaxserve.metrics import Metrics, cache_config_labels
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
 from jaxserve.structured_output.validator import GrammarValidator
@@ -131,7 +131,8 @@ class AsyncLLM:
         self.allocator_fraction = ready.allocator_fraction
         self.lora_shapes = ready.lora_shapes
         self.metrics = Metrics(ready.model_name, self.metrics_prefix, ready.config.max_model_len,
-                               ready.config.max_loras if ready.config.enable_lora else 0)
+                               ready.config.max_loras if ready.config.enable_lora else 0,
+                               cache_config_labels(ready.config, ready.num_gpu_blocks))
         self.output_processor = OutputProcessor(self.tokenizer, ready.eos_token_ids, self.metrics)
         if before_ready is not None:
             await before_ready()

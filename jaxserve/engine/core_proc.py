@@ -303,6 +303,7 @@ def run_engine_core(config: EngineConfig, conn: Connection, parent_pid: int | No
             allocator_fraction=core.allocator_fraction,
             generation_config=dict(core.generation_config),
             lora_shapes=None if core.lora_manager is None else core.lora_manager.shapes,
+            num_gpu_blocks=core.num_pages,
         )))
         EngineCoreProc(core, conn).run()
     except (SystemExit, KeyboardInterrupt, BrokenPipeError, EOFError, OSError):

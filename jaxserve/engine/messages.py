@@ -61,6 +61,7 @@ class Ready(msgspec.Struct, tag="ready"):
         model's generation config (``--generation-config``); empty for none.
       lora_shapes: with --enable-lora, what an adapter must fit (the API process checks an
         adapter before it registers one); else None.
+      num_gpu_blocks: pages in the KV pool, the null page included (vLLM's name).
     """
 
     model_name: str
@@ -71,6 +72,7 @@ class Ready(msgspec.Struct, tag="ready"):
     allocator_fraction: float = 0.0
     generation_config: dict = msgspec.field(default_factory=dict)
     lora_shapes: LoRAShapes | None = None
+    num_gpu_blocks: int = 0
 
 
 class Outputs(msgspec.Struct, tag="outputs"):

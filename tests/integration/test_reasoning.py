@@ -294,3 +294,9 @@ def test_vllm_request_phase_metrics(server, client, model):
     # Each choice's decode time over its 5 tokens after the first.
     assert delta("request_time_per_output_token_seconds_count") == 2
     assert delta("request_time_per_output_token_seconds_sum") == pytest.approx(decode / 5)
+    # The steps by their tokens: the prompt's computed tokens, then each choice's 5 fed back.
+    steps = delta("iteration_tokens_total_count")
+    assert 6 <= steps <= 12
+    computed = "jaxserve:prompt_tokens_computed_total"
+    assert delta("iteration_tokens_total_sum") == after[computed] - before[computed] + 10
+    assert after["vllm:cache_config_info"] == 1

@@ -353,8 +353,9 @@ class AsyncLLM:
                            "(%d of %d)", self.engine_restarts, self.max_engine_restarts)
             self._restart_task = asyncio.get_running_loop().create_task(self._restart())
         else:
-            logger.warning("the engine process died; failed all requests; no restart left "
-                           "(--max-engine-restarts %d)", self.max_engine_restarts)
+            logger.warning("the engine process died; failed all requests%s",
+                           f"; no restart left ({self.max_engine_restarts} used)"
+                           if self.max_engine_restarts else "")
             self.failed.set()
 
     async def _restart(self) -> None:

@@ -10,7 +10,8 @@ Input, one JSON object a line (OpenAI's "request input object")::
 (a JSON object: the request body that url takes) are required; other keys are ignored, as
 vLLM does. The body is not read here: the server reads it, so a line's body is checked exactly
 as a request's. A body with ``"stream": true`` is refused (vLLM's "Request must not be sent in
-stream mode"): a batch line's answer is one body.
+stream mode"), and a /v1/responses body with ``"background": true``: a batch line's answer is
+one finished body.
 
 Output, one JSON object a line (vLLM's ``BatchRequestOutput`` / ``BatchResponseData``)::
 
@@ -21,7 +22,7 @@ Output, one JSON object a line (vLLM's ``BatchRequestOutput`` / ``BatchResponseD
 ``body`` is the server's response body. A request the server refuses has ``status_code`` its
 HTTP status, ``body`` null and ``error`` the server's error body (``{"error": {"message",
 "type", "param", "code"}}``); a line that could not be sent (``BatchLineError``: not JSON, a
-field missing or of the wrong type, another method, url or ``stream``) has ``status_code`` 400,
+field missing or of the wrong type, another method, url, ``stream`` or ``background``) has ``status_code`` 400,
 ``body`` null and ``error`` a string that names the line and the field. ``custom_id`` is null
 where the line has no string one.
 """
@@ -38,7 +39,7 @@ from pydantic import BaseModel, ConfigDict
 from jaxserve.entrypoints.protocol import field_error
 
 # The urls a batch line may name: the server's generation endpoints that answer with one body.
-BATCH_URLS = ("/v1/chat/completions", "/v1/completions")
+BATCH_URLS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 # vLLM's batch urls for pooling models (embeddings, score, rerank), which jaxserve does not
 # serve: such a line gets an error saying so.
 _POOLING_URLS = ("/v1/embeddings", "/score", "/rerank")
@@ -87,7 +88,8 @@ def parse_batch_line(raw: bytes) -> BatchRequestInput:
 
     Raises:
       BatchLineError: not UTF-8 JSON, not an object, a field missing or of the wrong type, a
-        method other than POST, a url not in BATCH_URLS, or ``"stream": true`` in the body.
+        method other than POST, a url not in BATCH_URLS, or ``"stream": true`` (or
+        ``"background": true``) in the body.
     """
     try:
         obj = json_object_line(raw)
@@ -108,6 +110,9 @@ def parse_batch_line(raw: bytes) -> BatchRequestInput:
     if line.body.get("stream") is True:
         raise BatchLineError("body.stream: Request must not be sent in stream mode (a batch "
                              "line's answer is one body; leave out stream)", custom_id)
+    if line.body.get("background") is True:
+        raise BatchLineError("body.background: a batch line's answer is the finished response "
+                             "(leave out background)", custom_id)
     return line
 
 

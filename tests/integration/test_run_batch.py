@@ -1,6 +1,6 @@
 """``python -m jaxserve.entrypoints.run_batch`` (vLLM's batch runner) end to end on the real default
-model: a file of chat and completions lines among lines that fail (not JSON, an embeddings url,
-a stream, another method, a body the server refuses) gives one result line per input line, in
+model: a file of chat, completions and responses lines among lines that fail (not JSON, an embeddings url,
+a stream, another method, a body the server refuses, a background response) gives one result line per input line, in
 input order, in vLLM's shape; each 200's body is what the server itself answers for that body
 (greedy, so the same text); stdin and stdout work as ``-``; usage errors are one line, exit 2."""
 
@@ -37,6 +37,9 @@ LINES = [
     line("get-1", "/v1/completions", COMPLETION_BODY, method="GET"),
     line("bad-body", "/v1/completions", {**COMPLETION_BODY, "max_tokens": "8"}),
     json.dumps({"custom_id": "no-body", "method": "POST", "url": "/v1/completions"}),
+    line("resp-1", "/v1/responses", {"input": "The capital of France is", "max_output_tokens": 6,
+                                     "temperature": 0}),
+    line("bg-1", "/v1/responses", {"input": "Hi", "background": True}),
 ]
 # (custom_id, status_code, what the error says) of each output line, in input order
 EXPECTED = [("chat-1", 200, None), (None, 400, "line 2: invalid JSON"), ("cmpl-1", 200, None),
@@ -44,7 +47,8 @@ EXPECTED = [("chat-1", 200, None), (None, 400, "line 2: invalid JSON"), ("cmpl-1
             ("stream-1", 400, "line 6: body.stream: Request must not be sent in stream mode"),
             ("get-1", 400, "line 7: method: only POST"),
             ("bad-body", 400, "max_tokens"),
-            ("no-body", 400, "line 9: body: field required")]
+            ("no-body", 400, "line 9: body: field required"), ("resp-1", 200, None),
+            ("bg-1", 400, "line 11: body.background")]
 
 
 def run(argv: list[str], stdin: str | None = None) -> subprocess.CompletedProcess:
@@ -98,6 +102,11 @@ def test_batch_file_results_are_the_servers_bodies_in_input_order(tmp_path):
     assert chat["object"] == "chat.completion" and completion["object"] == "text_completion"
     assert chat["choices"][0]["message"]["content"]
     assert completion["usage"]["completion_tokens"] == 6
+    response = rows[8]["response"]["body"]
+    assert response["object"] == "response" and response["status"] == "incomplete"
+    assert response["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert response["usage"]["output_tokens"] == 6
+    assert response["output"][0]["content"][0]["text"]  # a chat turn: not the completion
 
     # The same bodies sent to the server, one at a time: the same answers, ids and times aside
     # (greedy; every token of both answers leads its runner-up by 0.2 logits or more, far beyond

@@ -135,7 +135,11 @@ class AsyncLLM:
                                cache_config_labels(ready.config, ready.num_gpu_blocks))
         self.output_processor = OutputProcessor(self.tokenizer, ready.eos_token_ids, self.metrics)
         if before_ready is not None:
-            await before_ready()
+            try:
+                await before_ready()
+            except BaseException:
+                self.shutting_down = True  # the caller stops the engine: not a death to restart
+                raise
         self.ready = True
 
     # -- prompts -------------------------------------------------------------------------------

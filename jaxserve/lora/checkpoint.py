@@ -145,7 +145,11 @@ def read_adapter(path: str, shapes: LoRAShapes | None, max_rank: int,
         raise refuse("no such folder")
     for name in (CONFIG_NAME, WEIGHTS_NAME):
         if not (folder / name).is_file():
-            raise refuse(f"no {name} in the folder")
+            pickle = name == WEIGHTS_NAME and (folder / "adapter_model.bin").is_file()
+            # A pickle runs code as it loads: it is not read (PEFT saves safetensors by default).
+            raise refuse(f"no {name} in the folder" + (
+                " (its adapter_model.bin, a pickle, is not read: save the adapter with PEFT's "
+                "default safe_serialization=True)" if pickle else ""))
     try:
         text = (folder / CONFIG_NAME).read_text()
     except (OSError, ValueError) as e:  # ValueError: not UTF-8

@@ -341,3 +341,17 @@ def test_adapter_config_is_checked_field_by_field(tmp_path, edit, says):
     else:
         with pytest.raises(ValueError, match=f"^LoRA adapter {tmp_path}: {re.escape(says)}$"):
             read_adapter(str(tmp_path), shapes, 4)
+
+
+def test_a_pickled_adapter_is_refused_by_name(tmp_path):
+    """PEFT's older adapter_model.bin (a pickle, which runs code as it loads) is not read: the
+    refusal says so and how to save the adapter instead."""
+    from jaxserve.lora.checkpoint import WEIGHTS_NAME, read_adapter
+    from scripts.make_lora_adapters import write_adapter
+
+    shapes = LoRAShapes.of(ModelConfig.from_hf_config(CONFIG))
+    write_adapter(tmp_path, shapes, 2, 0.1, np.float32, seed=0)
+    (tmp_path / WEIGHTS_NAME).rename(tmp_path / "adapter_model.bin")
+    with pytest.raises(ValueError, match="no adapter_model.safetensors in the folder \\(its "
+                                         "adapter_model.bin, a pickle, is not read"):
+        read_adapter(str(tmp_path), shapes, 4)

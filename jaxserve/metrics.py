@@ -22,9 +22,9 @@ from __future__ import annotations
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from jaxserve.engine import ITERATION_TOKENS_BUCKETS, SchedulerStats
+from jaxserve.engine import SchedulerStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 METRICS_PREFIXES = ("jaxserve", "vllm")
@@ -52,11 +52,8 @@ VLLM_NAMES = frozenset({
     "request_time_per_output_token_seconds", "iteration_tokens_total", "cache_config_info"})
 # The n parameter's histogram buckets (vLLM's).
 _N_BUCKETS = (1, 2, 5, 10, 20)
-
-
-def _add_counts(a: list[int], b: list[int]) -> list[int]:
-    """Two engines' per-bucket counts summed (an empty list: no step yet)."""
-    return [x + y for x, y in zip(a, b)] if a and b else list(a or b)
+# vLLM's buckets of ``iteration_tokens_total``, tokens an engine step.
+_ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 def cache_config_labels(config, num_gpu_blocks: int) -> dict[str, str]:
@@ -137,18 +134,6 @@ class _EngineStatsCollector:
         for pos, n in enumerate(spec.num_accepted_tokens_per_pos):
             per_pos.add_metric(m.label_values + [str(pos)], n)
         yield per_pos
-        counts = _add_counts(base.iteration_tokens_counts, s.iteration_tokens_counts)
-        h = HistogramMetricFamily(m.name("iteration_tokens_total"), "Tokens each engine step "
-                                  "scheduled (prompt, output and draft tokens).",
-                                  labels=m.label_names)
-        cumulative, total = [], 0
-        for bound, n in zip((*ITERATION_TOKENS_BUCKETS, "+Inf"), counts or [0] * (
-                len(ITERATION_TOKENS_BUCKETS) + 1)):
-            total += n
-            cumulative.append((str(float(bound)) if bound != "+Inf" else bound, total))
-        h.add_metric(m.label_values, cumulative,
-                     base.iteration_tokens_sum + s.iteration_tokens_sum)
-        yield h
         yield gauge("engine_alive", "1 while the engine process serves, 0 after it died "
                     "(until a restarted one is ready).", 1 if m.engine_alive else 0)
         yield counter("engine_restarts", "Times the engine process was restarted after "
@@ -239,6 +224,12 @@ class Metrics:
             self.name("request_max_num_generation_tokens"), "The most tokens one choice of "
             "each finished request generated.", labels, buckets=token_buckets(max_model_len),
             registry=reg)
+        # vLLM's count: per engine step, the prompt of each choice that got its first token
+        # (the whole prompt, cached or not) and the tokens generated.
+        self.iteration_tokens = Histogram(
+            self.name("iteration_tokens_total"), "Tokens of each engine step: the prompts of "
+            "the choices that got their first token, and the tokens generated.", labels,
+            buckets=_ITERATION_TOKENS_BUCKETS, registry=reg)
         self.max_model_len = max_model_len
         self.rejected = Counter(
             self.name("request_rejected"), "Requests refused or cut short by a limit: "
@@ -248,7 +239,7 @@ class Metrics:
         # request finishes: a client diffing the counters sees 0 tokens, not a missing metric.
         for metric in (self.prompt_tokens, self.request_prompt_tokens,
                        self.request_generation_tokens, self.ttft, self.e2e, *self.phases,
-                       self.request_tpot,
+                       self.request_tpot, self.iteration_tokens,
                        self.request_params_n, self.request_params_max_tokens,
                        self.request_max_num_generation_tokens):
             metric.labels(*self.label_values)
@@ -278,10 +269,7 @@ class Metrics:
             prefix_cache_queries=b.prefix_cache_queries + s.prefix_cache_queries,
             prefix_cache_hits=b.prefix_cache_hits + s.prefix_cache_hits,
             prompt_tokens_computed=b.prompt_tokens_computed + s.prompt_tokens_computed,
-            spec_decoding=b.spec_decoding.plus(s.spec_decoding),
-            iteration_tokens_counts=_add_counts(b.iteration_tokens_counts,
-                                                s.iteration_tokens_counts),
-            iteration_tokens_sum=b.iteration_tokens_sum + s.iteration_tokens_sum)
+            spec_decoding=b.spec_decoding.plus(s.spec_decoding))
         self.stats = SchedulerStats()
         self.engine_alive = False
 
@@ -305,6 +293,11 @@ class Metrics:
         if gap_s is not None:
             self._inter_token.observe(gap_s)
             self._time_per_output_token.observe(gap_s)
+
+    def record_iteration(self, num_tokens: int) -> None:
+        """An engine step's outputs came: ``num_tokens`` as ``iteration_tokens_total`` counts
+        them."""
+        self.iteration_tokens.labels(*self.label_values).observe(num_tokens)
 
     def record_phases(self, queue_s: float, prefill_s: float, decode_s: float,
                       num_tokens: int) -> None:

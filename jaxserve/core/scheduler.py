@@ -64,7 +64,6 @@ requests behind it wait too, so that the running adapters drain and it gets its 
 vLLM's rule, a busy adapter's new requests could hold its slot for ever).
 """
 
-import bisect
 import time
 from collections import deque
 
@@ -73,8 +72,7 @@ import numpy as np
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.scheduler_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
-from jaxserve.engine import (
-    ITERATION_TOKENS_BUCKETS, EngineCoreOutput, LogprobsLists, SchedulerStats)
+from jaxserve.engine import EngineCoreOutput, LogprobsLists, SchedulerStats
 from jaxserve.spec_decode.config import SpeculativeConfig
 from jaxserve.spec_decode.metrics import SpecDecodingStats
 
@@ -110,8 +108,6 @@ class Scheduler:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self.prompt_tokens_computed = 0
-        self.iteration_tokens_counts = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)
-        self.iteration_tokens_sum = 0
         self.spec_config = spec_config
         self.drafts_on_device = spec_config is not None and spec_config.method == "ngram"
         self.constrained_drafts = constrained_drafts
@@ -279,10 +275,6 @@ class Scheduler:
         for req in forks:
             self._fork(out, req)
         out.total_num_scheduled_tokens = self.max_num_batched_tokens - budget
-        if out.total_num_scheduled_tokens:
-            self.iteration_tokens_counts[bisect.bisect_left(
-                ITERATION_TOKENS_BUCKETS, out.total_num_scheduled_tokens)] += 1
-            self.iteration_tokens_sum += out.total_num_scheduled_tokens
         out.structured_output_request_ids = [
             rid for rid, samples in out.samples.items()
             if samples and self.requests[rid].constrained]
@@ -536,8 +528,6 @@ class Scheduler:
             running_lora_adapters=self._lora_names(self.running),
             waiting_lora_adapters=self._lora_names(self.waiting),
             spec_decoding=self.spec_stats.plus(SpecDecodingStats()),  # a copy
-            iteration_tokens_counts=list(self.iteration_tokens_counts),
-            iteration_tokens_sum=self.iteration_tokens_sum,
         )
 
     def _lora_names(self, requests) -> list[str]:

@@ -106,10 +106,6 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
         return self.finish_reason is not None
 
 
-# vLLM's buckets of ``vllm:iteration_tokens_total``: the tokens one engine step processes.
-ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
-
-
 class SchedulerStats(msgspec.Struct):
     """Engine counters for /metrics (docs/architecture.md, "Engine stats")."""
 
@@ -126,8 +122,3 @@ class SchedulerStats(msgspec.Struct):
     running_lora_adapters: list[str] = msgspec.field(default_factory=list)
     waiting_lora_adapters: list[str] = msgspec.field(default_factory=list)
     spec_decoding: SpecDecodingStats = msgspec.field(default_factory=SpecDecodingStats)
-    # steps by the tokens each scheduled (prompt, output and draft tokens), cumulative: how many
-    # fell in each bucket of ITERATION_TOKENS_BUCKETS (the first bound at or above its tokens;
-    # the last entry: above every bound; empty: no step yet), and their tokens' sum
-    iteration_tokens_counts: list[int] = msgspec.field(default_factory=list)
-    iteration_tokens_sum: int = 0

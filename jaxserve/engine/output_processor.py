@@ -185,6 +185,7 @@ class OutputProcessor:
         now = time.monotonic()
         if engine_time is None:
             engine_time = now
+        step_tokens = 0  # as vLLM's iteration_tokens_total counts them
         for o in outputs:
             hit = self._choice_of.get(o.request_id)
             if hit is None:
@@ -192,6 +193,8 @@ class OutputProcessor:
             st, index = hit
             if st.choices[index].finished:
                 continue  # a stop string ended it; tokens already in flight are dropped
+            first = o.new_token_ids and not st.choices[index].num_output_tokens
+            step_tokens += len(o.new_token_ids) + (len(st.prompt_token_ids) if first else 0)
             if o.finish_reason == "error":
                 if st.queue is not None:  # served: the request fails (400: its constraint)
                     st.choices[index].finished = True
@@ -214,6 +217,8 @@ class OutputProcessor:
                 returned.append(out)
             else:
                 st.queue.put_nowait(out)
+        if step_tokens and self.metrics is not None:
+            self.metrics.record_iteration(step_tokens)
         return OutputProcessorOutput(returned, to_abort)
 
     def _logprobs(self, lists: LogprobsLists) -> list[PositionLogprobs]:

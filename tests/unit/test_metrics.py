@@ -54,35 +54,28 @@ def test_token_buckets():
 
 
 def test_iteration_tokens_histogram_and_cache_config_info():
-    """vLLM's ``iteration_tokens_total`` (the engine's cumulative per-bucket step counts, summed
-    over a dead engine and its successor) and ``cache_config_info`` (value 1, config labels)."""
-    from jaxserve.engine import ITERATION_TOKENS_BUCKETS, SchedulerStats
+    """vLLM's ``iteration_tokens_total``: per engine step's outputs, the whole prompt of each
+    choice that got its first token (cached or not) and the tokens generated; and
+    ``cache_config_info`` (value 1, the config as labels)."""
+    from jaxserve.model_loader import default_tokenizer
 
     m = Metrics("m", "vllm", cache_config={"block_size": "16", "num_gpu_blocks": "100"})
     labels = (("engine", "0"), ("model_name", "m"))
-    s = _samples(m)
-    assert s[("vllm:iteration_tokens_total_count", labels)] == 0
     info = {"block_size": "16", "num_gpu_blocks": "100", "engine": "0", "model_name": "m"}
-    assert s[("vllm:cache_config_info", tuple(sorted(info.items())))] == 1
-
-    def steps(*tokens):  # the scheduler's counts of steps of these token counts
-        counts = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)
-        for t in tokens:
-            counts[next((i for i, b in enumerate(ITERATION_TOKENS_BUCKETS) if t <= b),
-                        len(ITERATION_TOKENS_BUCKETS))] += 1
-        return SchedulerStats(iteration_tokens_counts=counts, iteration_tokens_sum=sum(tokens))
-
-    m.update_stats(steps(1, 8, 9, 300, 20000))
+    assert _samples(m)[("vllm:cache_config_info", tuple(sorted(info.items())))] == 1
+    proc = OutputProcessor(default_tokenizer(), eos_token_ids=[2], metrics=m)
+    proc.add_request("a", None, [1] * 7, SamplingParams(max_tokens=3))
+    proc.add_request("b", None, [1] * 300, SamplingParams(max_tokens=3))
+    steps = [[EngineCoreOutput("a", [5], num_prompt_tokens=7)],  # a's first token: 7 + 1
+             [EngineCoreOutput("a", [6]), EngineCoreOutput("b", [5], num_prompt_tokens=300)],
+             [EngineCoreOutput("a", [7], "length"), EngineCoreOutput("b", [6, 7], "length")]]
+    for outputs in steps:
+        proc.process_outputs(outputs)
     s = _samples(m)
 
     def bucket(le):
         return s[("vllm:iteration_tokens_total_bucket", labels[:1] + (("le", le),) + labels[1:])]
 
-    assert (bucket("1.0"), bucket("8.0"), bucket("16.0"), bucket("512.0"), bucket("16384.0"),
-            bucket("+Inf")) == (1, 2, 3, 4, 4, 5)
-    assert s[("vllm:iteration_tokens_total_sum", labels)] == 20318
-    m.engine_down()  # a restarted engine counts from 0; the histogram never goes back
-    m.update_stats(steps(2))
-    s = _samples(m)
-    assert s[("vllm:iteration_tokens_total_count", labels)] == 6
-    assert s[("vllm:iteration_tokens_total_sum", labels)] == 20320
+    assert (bucket("1.0"), bucket("8.0"), bucket("256.0"), bucket("512.0"), bucket("+Inf")) == \
+        (0, 2, 2, 3, 3)  # steps of 8, 3 and 302 tokens
+    assert s[("vllm:iteration_tokens_total_sum", labels)] == 8 + 3 + 302

@@ -33,6 +33,7 @@ from jaxserve.distributed import check_hosts
 from jaxserve.engine.arg_utils import HelpFormatter, add_cli_args, bounded, from_cli_args
 from jaxserve.entrypoints.cors import CorsOptions
 from jaxserve.entrypoints.limits import ServerLimits
+from jaxserve.entrypoints.serving_models import RUNTIME_LORA_ENV
 from jaxserve.entrypoints.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS
 from jaxserve.lora.checkpoint import read_adapter
 from jaxserve.metrics import METRICS_PREFIXES
@@ -61,8 +62,6 @@ _count = bounded(int, lambda v: v >= 0, "non-negative")
 _positive_int = bounded(int, lambda v: v > 0, "positive")
 _positive = bounded(float, lambda v: v > 0, "positive")
 _grace = bounded(float, lambda v: v >= 0, "non-negative")
-# vLLM's switch for POST /v1/load_lora_adapter and /v1/unload_lora_adapter.
-RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 
 
 def _json_list(text: str) -> list[str]:

@@ -37,6 +37,7 @@ from jaxserve.entrypoints.serving_chat import create_chat_completion
 from jaxserve.entrypoints.serving_completion import create_completion
 from jaxserve.entrypoints.responses_store import ResponseStore
 from jaxserve.entrypoints.serving_models import (load_lora_adapter, retrieve_model,
+                                                 runtime_lora_updating_off,
                                                  show_available_models, unload_lora_adapter)
 from jaxserve.entrypoints.serving_responses import (
     cancel_response, create_response, delete_response, retrieve_response)
@@ -157,9 +158,11 @@ def build_app(llm: AsyncLLM, *, served_model_name: str | None = None,
     app.router.add_post("/v1/responses/{response_id}/cancel", cancel_response)
     app.router.add_get("/v1/models", show_available_models)
     app.router.add_get("/v1/models/{model}", retrieve_model)
-    if allow_runtime_lora_updating:
-        app.router.add_post("/v1/load_lora_adapter", load_lora_adapter)
-        app.router.add_post("/v1/unload_lora_adapter", unload_lora_adapter)
+    on = allow_runtime_lora_updating
+    app.router.add_post("/v1/load_lora_adapter", load_lora_adapter if on
+                        else runtime_lora_updating_off)
+    app.router.add_post("/v1/unload_lora_adapter", unload_lora_adapter if on
+                        else runtime_lora_updating_off)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/health", _health)

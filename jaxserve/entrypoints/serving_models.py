@@ -98,6 +98,17 @@ async def add_lora(app: web.Application, name: str, path: str,
     return loras[name]
 
 
+# vLLM's switch for /v1/load_lora_adapter and /v1/unload_lora_adapter ("1" or "true": served).
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+
+
+async def runtime_lora_updating_off(request: web.Request) -> web.Response:
+    """POST /v1/load_lora_adapter or /v1/unload_lora_adapter while runtime updating is off:
+    vLLM's 404 (it does not serve the routes), with how to turn them on."""
+    raise APIError(404, f"{request.path} is not served: runtime LoRA updating is off (start "
+                        f"the server with {RUNTIME_LORA_ENV}=1 and --enable-lora)")
+
+
 async def load_lora_adapter(request: web.Request) -> web.Response:
     """POST /v1/load_lora_adapter {lora_name, lora_path, load_inplace}: 200 with vLLM's text,
     or a 400."""

@@ -450,6 +450,10 @@ def test_api_key_401(server):
 def test_unknown_route_404_json(server):
     status, body = get(f"{server.url}/nothing-here")
     _assert_error(status, body, 404)
+    # vLLM's LoRA routes are 404 unless runtime updating is on; the answer says how to turn it on.
+    for route in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+        status, body = _post(server, route, json.dumps({"lora_name": "a", "lora_path": "/x"}))
+        _assert_error(status, body, 404, contains="VLLM_ALLOW_RUNTIME_LORA_UPDATING=1")
 
 
 # -- shutdown (last) --------------------------------------------------------------------------

@@ -22,9 +22,9 @@ Output, one JSON object a line (vLLM's ``BatchRequestOutput`` / ``BatchResponseD
 ``body`` is the server's response body. A request the server refuses has ``status_code`` its
 HTTP status, ``body`` null and ``error`` the server's error body (``{"error": {"message",
 "type", "param", "code"}}``); a line that could not be sent (``BatchLineError``: not JSON, a
-field missing or of the wrong type, another method, url, ``stream`` or ``background``) has ``status_code`` 400,
-``body`` null and ``error`` a string that names the line and the field. ``custom_id`` is null
-where the line has no string one.
+field missing or of the wrong type, another method, url, ``stream`` or ``background``) has
+``status_code`` 400, ``body`` null and ``error`` a string that names the line and the field.
+``custom_id`` is null where the line has no string one.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
-"""``python -m jaxserve.entrypoints.run_batch`` (vLLM's batch runner) end to end on the real default
-model: a file of chat, completions and responses lines among lines that fail (not JSON, an embeddings url,
-a stream, another method, a body the server refuses, a background response) gives one result line per input line, in
-input order, in vLLM's shape; each 200's body is what the server itself answers for that body
-(greedy, so the same text); stdin and stdout work as ``-``; usage errors are one line, exit 2."""
+"""``python -m jaxserve.entrypoints.run_batch`` (vLLM's batch runner) end to end on the real
+default model: a file of chat, completions and responses lines among lines that fail (not JSON,
+an embeddings url, a stream, another method, a body the server refuses, a background response)
+gives one result line per input line, in input order, in vLLM's shape; each 200's body is what
+the server itself answers for that body (greedy, so the same text); stdin and stdout work as
+``-``; usage errors are one line, exit 2."""
 
 import json
 import subprocess

@@ -48,6 +48,7 @@ class StubEngineCore:
         self.allocator_fraction = 0.0  # the stub starts no JAX backend
         self.generation_config = {}
         self.lora_manager = None  # no --enable-lora
+        self.num_pages = 0  # Ready's num_gpu_blocks: the stub has no KV pool
         self.text_ids = self.tokenizer.encode(TEXT, add_special_tokens=False)
         self.reqs = {}
         self.failed = []  # (request id, usable) of the step that raised
